@@ -1,0 +1,336 @@
+"""The row ledger (SPEC §1): which model-output rows are sampled, which feed
+prompt logprobs, at which positions, with which parameters, and which
+draft-info rows are read and written.
+
+One vectorised walk over the batch (cumsum / repeat over columns), no Python
+loop over requests except to fetch prompt-logprob targets. The plain
+per-request loop that mirrors SPEC §1 line by line lives in
+tests/ledger_reference.py and is the oracle for this one.
+
+Cursors, in array form:
+- out_offset   : first model-output row of each request (the output cursor)
+- query_offset : first query token of each request (differs from out_offset
+                 under prefill compaction, §1.4)
+- sample_offset, prompt_offset : write cursors of sample and prompt rows
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Hashable, Sequence
+
+import numpy as np
+
+from engine.columns import Columns
+from engine.params import SeqMeta
+
+
+class LedgerInvariantError(RuntimeError):
+    """A §1.5 invariant failed after the walk: a bug in the ledger, never clipped."""
+
+
+@dataclass(frozen=True)
+class StepSchedule:
+    """What the scheduler decided for one step, one entry per request in batch order."""
+
+    request_ids: Sequence[Hashable]
+    is_prompt: np.ndarray  # [n] bool
+    seqlen_q: np.ndarray  # [n] int32
+    seqlen_k: np.ndarray  # [n] int32
+    mtp_read_slot: np.ndarray  # [n] int32, after the take-once rule
+    prompt_tokens: Sequence[np.ndarray | None]  # per request, only read for prompt-logprob targets
+
+    @classmethod
+    def from_seqs(cls, seqs: Sequence[SeqMeta]) -> StepSchedule:
+        return cls(
+            request_ids=[s.request_id for s in seqs],
+            is_prompt=np.fromiter((s.is_prompt for s in seqs), dtype=bool, count=len(seqs)),
+            seqlen_q=np.fromiter((s.seqlen_q for s in seqs), dtype=np.int32, count=len(seqs)),
+            seqlen_k=np.fromiter((s.seqlen_k for s in seqs), dtype=np.int32, count=len(seqs)),
+            mtp_read_slot=np.fromiter((s.mtp_read_slot for s in seqs), dtype=np.int32, count=len(seqs)),
+            prompt_tokens=[s.prompt_tokens for s in seqs],
+        )
+
+
+@dataclass
+class SamplerInputs:
+    """The ledger's outputs (SPEC §1 table) plus the per-request layout the
+    engine needs to cut results back into requests. Host numpy arrays."""
+
+    selected_token_indices: np.ndarray  # [sample_rows] int32: model-output row of each sample row
+    selected_prompt_indices: np.ndarray | None  # [prompt_rows] int32
+    prompt_token_targets: np.ndarray | None  # [prompt_rows] int32
+    sample_positions: np.ndarray  # [n] int64: position produced by the request's first sample row
+    row_to_req: np.ndarray  # [sample_rows] int32
+    local_step: np.ndarray  # [sample_rows] int32
+    temperatures: np.ndarray  # [n] float32
+    top_ks: np.ndarray  # [n] int32
+    top_ps: np.ndarray  # [n] float32
+    min_ps: np.ndarray  # [n] float32
+    seeds: np.ndarray  # [n] uint64
+    eos_suppression_rows: np.ndarray  # [<= sample_rows] int32
+    mtp_first_token_positions: np.ndarray | None  # [n] int32
+    mtp_seqlens_q: np.ndarray | None  # [n] int32
+    mtp_info_write_slots: np.ndarray | None  # [n] int32
+    mtp_info_read_rows: np.ndarray | None  # [sample_rows] int32
+    # layout
+    request_ids: tuple
+    num_output_rows: int  # rows the model must produce (after compaction)
+    out_offsets: np.ndarray  # [n] int32
+    out_lens: np.ndarray  # [n] int32
+    query_offsets: np.ndarray  # [n] int32
+    sample_offsets: np.ndarray  # [n] int32
+    sample_counts: np.ndarray  # [n] int32
+    prompt_row_counts: np.ndarray  # [n] int32
+    is_prompt: np.ndarray  # [n] bool
+    is_last_chunk: np.ndarray  # [n] bool
+    num_logprobs: np.ndarray  # [n] int32, -1 = off
+    num_prompt_logprobs: np.ndarray  # [n] int32, -1 = off
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def num_sample_rows(self) -> int:
+        return len(self.selected_token_indices)
+
+    @property
+    def num_prompt_rows(self) -> int:
+        return 0 if self.selected_prompt_indices is None else len(self.selected_prompt_indices)
+
+    def __eq__(self, other: object) -> bool:  # arrays compare by value, for tests
+        if not isinstance(other, SamplerInputs):
+            return NotImplemented
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if (a is None) != (b is None):
+                return False
+            if isinstance(a, np.ndarray):
+                if a.dtype != b.dtype or a.shape != b.shape or not np.array_equal(a, b):
+                    return False
+            elif a != b:
+                return False
+        return True
+
+
+def validate_batch(
+    schedule: StepSchedule,
+    cols: Columns,
+    *,
+    max_draft_tokens: int,
+    compaction_keep_tokens: int | None,
+) -> None:
+    """Checks that need the step's context; raises ValueError naming the
+    request, the field and the value. Vectorised: finds the first offender."""
+    if max_draft_tokens < 0:
+        raise ValueError(f"max_draft_tokens={max_draft_tokens}: must be >= 0")
+    if compaction_keep_tokens is not None and compaction_keep_tokens < 1:
+        raise ValueError(f"compaction_keep_tokens={compaction_keep_tokens}: must be None or >= 1")
+    ids = schedule.request_ids
+    if len(set(ids)) != len(ids):
+        seen: set = set()
+        dup = next(r for r in ids if r in seen or seen.add(r))
+        raise ValueError(f"request {dup!r}: request_id appears twice in one batch")
+    decode = ~schedule.is_prompt
+    checks = [
+        (
+            decode & (schedule.seqlen_q - 1 > max_draft_tokens),
+            "seqlen_q",
+            schedule.seqlen_q,
+            f"verifies {{d}} drafts but max_draft_tokens={max_draft_tokens}",
+        ),
+        (
+            decode & (max_draft_tokens > 0) & (cols.mtp_write_slot == 0),
+            "mtp_write_slot",
+            cols.mtp_write_slot,
+            "a running request's draft-info write slot is never 0 (slot 0 is padding)",
+        ),
+    ]
+    if compaction_keep_tokens is not None:
+        checks.append(
+            (
+                schedule.is_prompt & (cols.num_prompt_logprobs >= 0),
+                "params.prompt_logprobs",
+                cols.num_prompt_logprobs,
+                "prompt logprobs are not available under prefill compaction (its rows are not produced)",
+            )
+        )
+    for bad, name, values, why in checks:
+        hit = np.flatnonzero(bad)
+        if len(hit):
+            i = int(hit[0])
+            value = values[i]
+            raise ValueError(f"request {ids[i]!r}: {name}={value}: {why.format(d=int(schedule.seqlen_q[i]) - 1)}")
+
+
+def _exclusive_cumsum(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    ends = np.cumsum(counts, dtype=np.int32)
+    return ends - counts, ends
+
+
+def build_ledger(
+    schedule: StepSchedule,
+    cols: Columns,
+    *,
+    max_draft_tokens: int = 0,
+    compaction_keep_tokens: int | None = None,
+) -> SamplerInputs:
+    """The vectorised walk. `cols` holds the batch's per-request columns in
+    batch order. Call `validate_batch` first (prepare_sampler_inputs does)."""
+    n = len(schedule.request_ids)
+    is_prompt = schedule.is_prompt
+    seqlen_q = schedule.seqlen_q
+    seqlen_k = schedule.seqlen_k
+    prompt_len = cols.prompt_len
+    is_last_chunk = is_prompt & (seqlen_k == prompt_len)
+
+    # §1.4: under compaction a prefill chunk only gets rows for the tail of
+    # its sequence; at least one row survives so the sample row exists.
+    if compaction_keep_tokens is None:
+        out_lens = seqlen_q
+    else:
+        q_start = seqlen_k - seqlen_q
+        clip = np.clip(prompt_len - compaction_keep_tokens - q_start, 0, seqlen_q - 1)
+        out_lens = np.where(is_prompt, seqlen_q - clip, seqlen_q).astype(np.int32)
+    out_offsets, out_ends = _exclusive_cumsum(out_lens)
+    query_offsets, _ = _exclusive_cumsum(seqlen_q)
+    num_output_rows = int(out_ends[-1]) if n else 0
+
+    # Sample rows: one per prefill chunk (its last row, even for a non-last
+    # chunk whose token is discarded), every row of a decode request.
+    sample_counts = np.where(is_prompt, 1, seqlen_q).astype(np.int32)
+    sample_offsets, sample_ends = _exclusive_cumsum(sample_counts)
+    num_sample_rows = int(sample_ends[-1]) if n else 0
+    row_to_req = np.repeat(np.arange(n, dtype=np.int32), sample_counts)
+    local_step = np.arange(num_sample_rows, dtype=np.int32) - sample_offsets[row_to_req]
+    first_sample_row = np.where(is_prompt, out_ends - 1, out_offsets).astype(np.int32)
+    selected_token_indices = first_sample_row[row_to_req] + local_step
+
+    # A prefill produces the token after the chunk (position seqlen_k); decode
+    # row j produces position seqlen_k - seqlen_q + 1 + j (row r predicts r + 1).
+    sample_positions = np.where(is_prompt, seqlen_k, seqlen_k - seqlen_q + 1).astype(np.int64)
+
+    # EOS/stop suppression while the token a row produces would be the
+    # request's k-th generated one with k < min_tokens.
+    produced_index = cols.num_generated[row_to_req] + local_step
+    eos_suppression_rows = np.flatnonzero(produced_index < cols.min_tokens[row_to_req]).astype(np.int32)
+
+    selected_prompt_indices, prompt_token_targets, prompt_row_counts = _prompt_rows(
+        schedule, cols, out_offsets, is_last_chunk, n
+    )
+
+    mtp_first = mtp_seqlens = mtp_write = mtp_read = None
+    if max_draft_tokens > 0:
+        mtp_first = first_sample_row
+        mtp_seqlens = sample_counts
+        # Non-last prefill chunks never produce draft info: slot 0 means "no write".
+        mtp_write = np.where(is_prompt & ~is_last_chunk, 0, cols.mtp_write_slot).astype(np.int32)
+        # Row j < seqlen_q - 1 reads draft j of the request's read slot; the
+        # last row (and every prefill row) has no draft and reads padding row 0.
+        has_draft = local_step < sample_counts[row_to_req] - 1
+        read_slot = np.where(is_prompt, 0, schedule.mtp_read_slot)[row_to_req]
+        mtp_read = np.where(has_draft, read_slot * max_draft_tokens + local_step, 0).astype(np.int32)
+
+    inputs = SamplerInputs(
+        selected_token_indices=selected_token_indices,
+        selected_prompt_indices=selected_prompt_indices,
+        prompt_token_targets=prompt_token_targets,
+        sample_positions=sample_positions,
+        row_to_req=row_to_req,
+        local_step=local_step,
+        temperatures=cols.temperature.copy(),
+        top_ks=cols.top_k.copy(),
+        top_ps=cols.top_p.copy(),
+        min_ps=cols.min_p.copy(),
+        seeds=cols.seed.copy(),
+        eos_suppression_rows=eos_suppression_rows,
+        mtp_first_token_positions=mtp_first,
+        mtp_seqlens_q=mtp_seqlens,
+        mtp_info_write_slots=mtp_write,
+        mtp_info_read_rows=mtp_read,
+        request_ids=tuple(schedule.request_ids),
+        num_output_rows=num_output_rows,
+        out_offsets=out_offsets,
+        out_lens=np.asarray(out_lens, dtype=np.int32),
+        query_offsets=query_offsets,
+        sample_offsets=sample_offsets,
+        sample_counts=sample_counts,
+        prompt_row_counts=prompt_row_counts,
+        is_prompt=is_prompt,
+        is_last_chunk=is_last_chunk,
+        num_logprobs=cols.num_logprobs.copy(),
+        num_prompt_logprobs=cols.num_prompt_logprobs.copy(),
+    )
+    _check_invariants(inputs, planned_sample_rows=int(is_prompt.sum()) + int(seqlen_q[~is_prompt].sum()))
+    return inputs
+
+
+def _prompt_rows(
+    schedule: StepSchedule,
+    cols: Columns,
+    out_offsets: np.ndarray,
+    is_last_chunk: np.ndarray,
+    n: int,
+) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray]:
+    """Prompt-logprob rows (§1.1): a chunk of seqlen_q tokens yields seqlen_q
+    logprobs, one short on the last chunk because its last row predicts the
+    first *generated* token, not a prompt token. Over all chunks: L - 1."""
+    wants = schedule.is_prompt & (cols.num_prompt_logprobs >= 0)
+    prompt_row_counts = np.where(wants, schedule.seqlen_q - is_last_chunk, 0).astype(np.int32)
+    if not wants.any():
+        return None, None, prompt_row_counts
+    prompt_offsets, prompt_ends = _exclusive_cumsum(prompt_row_counts)
+    total = int(prompt_ends[-1])
+    prompt_row_to_req = np.repeat(np.arange(n, dtype=np.int32), prompt_row_counts)
+    j = np.arange(total, dtype=np.int32) - prompt_offsets[prompt_row_to_req]
+    selected_prompt_indices = out_offsets[prompt_row_to_req] + j
+    # Row j of the chunk predicts the prompt token right after it.
+    targets = np.empty(total, dtype=np.int32)
+    chunk_start = schedule.seqlen_k - schedule.seqlen_q
+    for i in np.flatnonzero(prompt_row_counts):
+        start = int(chunk_start[i]) + 1
+        lo, hi = int(prompt_offsets[i]), int(prompt_ends[i])
+        targets[lo:hi] = np.asarray(schedule.prompt_tokens[i])[start : start + hi - lo]
+    return selected_prompt_indices, targets, prompt_row_counts
+
+
+def _check_invariants(inputs: SamplerInputs, *, planned_sample_rows: int) -> None:
+    """§1.5: a violation is a ledger bug and raises; nothing is clipped."""
+    problems = []
+    if inputs.num_sample_rows != planned_sample_rows:
+        problems.append(f"wrote {inputs.num_sample_rows} sample rows, planned {planned_sample_rows}")
+    if len(inputs.temperatures) != inputs.num_reqs:
+        problems.append(f"wrote {len(inputs.temperatures)} parameter sets for {inputs.num_reqs} requests")
+    planned_prompt_rows = int(inputs.prompt_row_counts.sum())
+    if inputs.num_prompt_rows != planned_prompt_rows:
+        problems.append(f"wrote {inputs.num_prompt_rows} prompt rows, planned {planned_prompt_rows}")
+    for name in ("selected_token_indices", "selected_prompt_indices"):
+        rows = getattr(inputs, name)
+        if rows is not None and len(rows) and (rows.min() < 0 or rows.max() >= inputs.num_output_rows):
+            problems.append(f"{name} outside [0, {inputs.num_output_rows}): [{rows.min()}, {rows.max()}]")
+    if problems:
+        raise LedgerInvariantError("ledger invariant violated: " + "; ".join(problems))
+
+
+def prepare_sampler_inputs(
+    seqs: Sequence[SeqMeta],
+    *,
+    max_draft_tokens: int = 0,
+    compaction_keep_tokens: int | None = None,
+    seed_base: int = 0,
+) -> SamplerInputs:
+    """SPEC §1 over a list of `SeqMeta` (the convenience front).
+
+    The engine's hot path keeps per-request state in a `RequestTable` and
+    calls `build_ledger` directly; both run the same vectorised walk.
+    `seed_base` salts the seeds given to requests that brought none.
+    """
+    for seq in seqs:
+        if not isinstance(seq, SeqMeta):
+            raise TypeError(f"expected SeqMeta, got {type(seq).__name__}: {seq!r}")
+    schedule = StepSchedule.from_seqs(seqs)
+    cols = Columns.from_seqs(seqs, seed_base)
+    validate_batch(schedule, cols, max_draft_tokens=max_draft_tokens, compaction_keep_tokens=compaction_keep_tokens)
+    return build_ledger(
+        schedule, cols, max_draft_tokens=max_draft_tokens, compaction_keep_tokens=compaction_keep_tokens
+    )

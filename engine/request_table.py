@@ -1,0 +1,178 @@
+"""Persistent columnar per-request state (SPEC §5).
+
+Requests get a row of the table when they join and give it back when they
+leave; a step names its requests by table row and gathers every column in one
+fancy-index per dtype group. Nothing per step is rebuilt from Python objects.
+
+`DraftSlots` owns the draft-info pool's slot numbers and the take-once read
+rule of SPEC §1.3.
+"""
+from __future__ import annotations
+
+from typing import Hashable, Sequence
+
+import numpy as np
+
+from engine.columns import Columns
+from engine.ledger import SamplerInputs, StepSchedule, build_ledger, validate_batch
+from engine.params import SamplingParams, SeqMeta
+
+
+class DraftSlots:
+    """Slot numbers of the draft-info pool; slot 0 is padding and never handed out.
+
+    A slot is *fresh* after a decode step wrote draft info into it. Taking a
+    read slot returns the slot if fresh, else 0, and marks it consumed, so a
+    request never verifies the same drafts twice. A new request, one
+    preempted and recomputed, or one just out of prefill holds no fresh slot
+    and reads padding.
+    """
+
+    def __init__(self, num_slots: int):
+        if num_slots < 2:
+            raise ValueError(f"num_slots={num_slots}: need slot 0 (padding) and at least one real slot")
+        self.num_slots = num_slots
+        self.fresh = np.zeros(num_slots, dtype=bool)
+        self._free = list(range(num_slots - 1, 0, -1))
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise RuntimeError(f"draft-info pool exhausted: all {self.num_slots - 1} slots are in use")
+        slot = self._free.pop()
+        self.fresh[slot] = False
+        return slot
+
+    def release(self, slot: int) -> None:
+        if not 1 <= slot < self.num_slots or slot in self._free:
+            raise ValueError(f"slot={slot}: not an allocated draft-info slot")
+        self.fresh[slot] = False
+        self._free.append(slot)
+
+    def take_read_slots(self, write_slots: np.ndarray, is_decode: np.ndarray) -> np.ndarray:
+        """Per request: its write slot if it holds fresh draft info and the
+        request decodes this step, else 0. Consumes what it returns."""
+        read = np.where(is_decode & self.fresh[write_slots], write_slots, 0).astype(np.int32)
+        self.fresh[read] = False
+        self.fresh[0] = False
+        return read
+
+    def mark_written(self, slots: np.ndarray) -> None:
+        """After a decode step's draft head wrote these slots (0 = no write)."""
+        self.fresh[slots] = True
+        self.fresh[0] = False
+
+
+class RequestTable:
+    """Columns for up to `capacity` live requests plus their prompt tokens."""
+
+    def __init__(self, capacity: int, *, seed_base: int = 0):
+        if capacity < 1:
+            raise ValueError(f"capacity={capacity}: must be >= 1")
+        self.capacity = capacity
+        self.seed_base = seed_base
+        self.cols = Columns.empty(capacity)
+        self.prompt_tokens: list[np.ndarray | None] = [None] * capacity
+        self.request_ids: list[Hashable | None] = [None] * capacity
+        self.row_of: dict[Hashable, int] = {}
+        self._free = list(range(capacity - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self.row_of)
+
+    def add(
+        self,
+        request_id: Hashable,
+        params: SamplingParams,
+        prompt_tokens: Sequence[int],
+        *,
+        mtp_write_slot: int = 0,
+    ) -> int:
+        """Validate, then take a row. Nothing is written when validation fails."""
+        if request_id in self.row_of:
+            raise ValueError(f"request {request_id!r}: request_id is already in the table")
+        if not self._free:
+            raise RuntimeError(f"request {request_id!r}: request table is full ({self.capacity} rows)")
+        tokens = np.asarray(prompt_tokens, dtype=np.int64)
+        seq = SeqMeta(
+            request_id,
+            is_prompt=True,
+            seqlen_q=max(len(tokens), 1),
+            seqlen_k=max(len(tokens), 1),
+            prompt_len=len(tokens),
+            prompt_tokens=tokens,
+            params=params,
+            mtp_write_slot=mtp_write_slot,
+        )
+        row = self._free.pop()
+        self.cols.write_row(row, seq, self.seed_base)
+        self.prompt_tokens[row] = tokens.astype(np.int32)
+        self.request_ids[row] = request_id
+        self.row_of[request_id] = row
+        return row
+
+    def remove(self, request_id: Hashable) -> None:
+        row = self.row_of.pop(request_id)
+        self.cols.fill_neutral(np.array([row]))
+        self.prompt_tokens[row] = None
+        self.request_ids[row] = None
+        self._free.append(row)
+
+    def record_emitted(self, rows: np.ndarray, counts: np.ndarray) -> None:
+        """Advance num_generated after a step emitted `counts` tokens per row."""
+        self.cols.add_at("num_generated", rows, counts)
+
+    def schedule(
+        self,
+        rows: np.ndarray,
+        is_prompt: np.ndarray,
+        seqlen_q: np.ndarray,
+        seqlen_k: np.ndarray,
+        mtp_read_slot: np.ndarray | None = None,
+    ) -> tuple[StepSchedule, Columns]:
+        """The step's schedule and its requests' columns, in batch order."""
+        n = len(rows)
+        return (
+            StepSchedule(
+                request_ids=[self.request_ids[r] for r in rows],
+                is_prompt=is_prompt,
+                seqlen_q=seqlen_q,
+                seqlen_k=seqlen_k,
+                mtp_read_slot=np.zeros(n, np.int32) if mtp_read_slot is None else mtp_read_slot,
+                prompt_tokens=_LazyRows(self.prompt_tokens, rows),
+            ),
+            self.cols.take(rows),
+        )
+
+    def ledger(
+        self,
+        rows: np.ndarray,
+        is_prompt: np.ndarray,
+        seqlen_q: np.ndarray,
+        seqlen_k: np.ndarray,
+        mtp_read_slot: np.ndarray | None = None,
+        *,
+        max_draft_tokens: int = 0,
+        compaction_keep_tokens: int | None = None,
+    ) -> SamplerInputs:
+        """Validate and build the step's ledger from table rows."""
+        schedule, cols = self.schedule(rows, is_prompt, seqlen_q, seqlen_k, mtp_read_slot)
+        validate_batch(schedule, cols, max_draft_tokens=max_draft_tokens, compaction_keep_tokens=compaction_keep_tokens)
+        return build_ledger(
+            schedule, cols, max_draft_tokens=max_draft_tokens, compaction_keep_tokens=compaction_keep_tokens
+        )
+
+
+class _LazyRows:
+    """Prompt tokens of the batch's requests, looked up only when indexed
+    (only prompt-logprob rows read them)."""
+
+    __slots__ = ("_store", "_rows")
+
+    def __init__(self, store: list, rows: np.ndarray):
+        self._store, self._rows = store, rows
+
+    def __getitem__(self, i: int) -> np.ndarray | None:
+        return self._store[self._rows[i]]
+
+    def __len__(self) -> int:
+        return len(self._rows)

@@ -1,0 +1,1 @@
+"""Profiling kit: NVTX ranges, telemetry and benchmarks. Stands beside the hot path, never inside it."""

@@ -1,0 +1,30 @@
+"""Dispatch `python -m profiling.bench NAME ...` to profiling/bench/NAME.py."""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import sys
+
+import profiling.bench as _pkg
+
+
+def available() -> list[str]:
+    return sorted(m.name for m in pkgutil.iter_modules(_pkg.__path__) if not m.name.startswith("_"))
+
+
+def main(argv: list[str]) -> int:
+    names = available()
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: python -m profiling.bench {{{','.join(names + ['all'])}}} [options]")
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name == "all":
+        return max((importlib.import_module(f"profiling.bench.{n}").main(rest) for n in names), default=0)
+    if name not in names:
+        print(f"unknown benchmark {name!r}; choose one of: {', '.join(names)}", file=sys.stderr)
+        return 2
+    return importlib.import_module(f"profiling.bench.{name}").main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
