@@ -108,12 +108,15 @@ class Columns:
     def __len__(self) -> int:
         return self.groups[0].shape[0]
 
-    def __getattr__(self, name: str) -> np.ndarray:
-        try:
-            g, j = _LOCATION[name]
-        except KeyError:
-            raise AttributeError(name) from None
-        return self.groups[g][:, j]
 
+
+def _column_view(g: int, j: int) -> property:
+    return property(lambda self: self.groups[g][:, j], doc=f"column {j} of dtype group {g} (a view)")
+
+
+# One read-only property per declared column (`cols.temperature`), made here
+# so a new column needs no edit in this class.
+for _name, (_g, _j) in _LOCATION.items():
+    setattr(Columns, _name, _column_view(_g, _j))
 
 COLUMN_NAMES: tuple[str, ...] = tuple(c.name for c in REQUEST_COLUMNS)

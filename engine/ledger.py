@@ -119,19 +119,31 @@ def validate_batch(
     *,
     max_draft_tokens: int,
     compaction_keep_tokens: int | None,
+    check_duplicate_ids: bool = True,
 ) -> None:
     """Checks that need the step's context; raises ValueError naming the
-    request, the field and the value. Vectorised: finds the first offender."""
+    request, the field and the value. Vectorised: one combined mask on the
+    hot path, the per-check messages only once something is wrong.
+    `check_duplicate_ids=False` when the caller already proved the batch's
+    requests distinct (the request table checks its row numbers)."""
     if max_draft_tokens < 0:
         raise ValueError(f"max_draft_tokens={max_draft_tokens}: must be >= 0")
     if compaction_keep_tokens is not None and compaction_keep_tokens < 1:
         raise ValueError(f"compaction_keep_tokens={compaction_keep_tokens}: must be None or >= 1")
     ids = schedule.request_ids
-    if len(set(ids)) != len(ids):
+    if check_duplicate_ids and len(set(ids)) != len(ids):
         seen: set = set()
         dup = next(r for r in ids if r in seen or seen.add(r))
         raise ValueError(f"request {dup!r}: request_id appears twice in one batch")
     decode = ~schedule.is_prompt
+    too_many_drafts = schedule.seqlen_q > max_draft_tokens + 1
+    if max_draft_tokens > 0:
+        too_many_drafts |= cols.mtp_write_slot == 0
+    bad = decode & too_many_drafts
+    if compaction_keep_tokens is not None:
+        bad |= schedule.is_prompt & (cols.num_prompt_logprobs >= 0)
+    if not bad.any():
+        return
     checks = [
         (
             decode & (schedule.seqlen_q - 1 > max_draft_tokens),
@@ -145,22 +157,29 @@ def validate_batch(
             cols.mtp_write_slot,
             "a running request's draft-info write slot is never 0 (slot 0 is padding)",
         ),
+        (
+            schedule.is_prompt & (cols.num_prompt_logprobs >= 0) & (compaction_keep_tokens is not None),
+            "params.prompt_logprobs",
+            cols.num_prompt_logprobs,
+            "prompt logprobs are not available under prefill compaction (its rows are not produced)",
+        ),
     ]
-    if compaction_keep_tokens is not None:
-        checks.append(
-            (
-                schedule.is_prompt & (cols.num_prompt_logprobs >= 0),
-                "params.prompt_logprobs",
-                cols.num_prompt_logprobs,
-                "prompt logprobs are not available under prefill compaction (its rows are not produced)",
-            )
-        )
-    for bad, name, values, why in checks:
-        hit = np.flatnonzero(bad)
+    for mask, name, values, why in checks:
+        hit = np.flatnonzero(mask)
         if len(hit):
             i = int(hit[0])
-            value = values[i]
-            raise ValueError(f"request {ids[i]!r}: {name}={value}: {why.format(d=int(schedule.seqlen_q[i]) - 1)}")
+            raise ValueError(f"request {ids[i]!r}: {name}={values[i]}: {why.format(d=int(schedule.seqlen_q[i]) - 1)}")
+
+
+_ARANGE = np.arange(4096, dtype=np.int32)
+
+
+def _arange(n: int) -> np.ndarray:
+    """A read-only view of 0..n-1 (int32) without allocating one per step."""
+    global _ARANGE
+    if n > len(_ARANGE):
+        _ARANGE = np.arange(max(n, 2 * len(_ARANGE)), dtype=np.int32)
+    return _ARANGE[:n]
 
 
 def _exclusive_cumsum(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -176,60 +195,75 @@ def build_ledger(
     compaction_keep_tokens: int | None = None,
 ) -> SamplerInputs:
     """The vectorised walk. `cols` holds the batch's per-request columns in
-    batch order. Call `validate_batch` first (prepare_sampler_inputs does)."""
+    batch order. Call `validate_batch` first (prepare_sampler_inputs does).
+
+    Every numpy call costs about a microsecond whatever the batch size, so
+    the all-decode step (the steady state) skips the prefill-only work."""
     n = len(schedule.request_ids)
     is_prompt = schedule.is_prompt
     seqlen_q = schedule.seqlen_q
     seqlen_k = schedule.seqlen_k
-    prompt_len = cols.prompt_len
-    is_last_chunk = is_prompt & (seqlen_k == prompt_len)
+    any_prompt = bool(is_prompt.any())
+    is_last_chunk = is_prompt & (seqlen_k == cols.prompt_len)
 
     # §1.4: under compaction a prefill chunk only gets rows for the tail of
     # its sequence; at least one row survives so the sample row exists.
-    if compaction_keep_tokens is None:
-        out_lens = seqlen_q
-    else:
+    out_lens = seqlen_q
+    if compaction_keep_tokens is not None and any_prompt:
         q_start = seqlen_k - seqlen_q
-        clip = np.clip(prompt_len - compaction_keep_tokens - q_start, 0, seqlen_q - 1)
+        clip = np.clip(cols.prompt_len - compaction_keep_tokens - q_start, 0, seqlen_q - 1)
         out_lens = np.where(is_prompt, seqlen_q - clip, seqlen_q).astype(np.int32)
     out_offsets, out_ends = _exclusive_cumsum(out_lens)
-    query_offsets, _ = _exclusive_cumsum(seqlen_q)
+    query_offsets = out_offsets if out_lens is seqlen_q else _exclusive_cumsum(seqlen_q)[0]
     num_output_rows = int(out_ends[-1]) if n else 0
 
     # Sample rows: one per prefill chunk (its last row, even for a non-last
     # chunk whose token is discarded), every row of a decode request.
-    sample_counts = np.where(is_prompt, 1, seqlen_q).astype(np.int32)
-    sample_offsets, sample_ends = _exclusive_cumsum(sample_counts)
-    num_sample_rows = int(sample_ends[-1]) if n else 0
-    row_to_req = np.repeat(np.arange(n, dtype=np.int32), sample_counts)
-    local_step = np.arange(num_sample_rows, dtype=np.int32) - sample_offsets[row_to_req]
-    first_sample_row = np.where(is_prompt, out_ends - 1, out_offsets).astype(np.int32)
-    selected_token_indices = first_sample_row[row_to_req] + local_step
-
     # A prefill produces the token after the chunk (position seqlen_k); decode
     # row j produces position seqlen_k - seqlen_q + 1 + j (row r predicts r + 1).
-    sample_positions = np.where(is_prompt, seqlen_k, seqlen_k - seqlen_q + 1).astype(np.int64)
+    sample_positions = np.subtract(seqlen_k, seqlen_q, dtype=np.int64)
+    sample_positions += 1
+    if any_prompt:
+        sample_counts = np.where(is_prompt, 1, seqlen_q).astype(np.int32)
+        sample_offsets, sample_ends = _exclusive_cumsum(sample_counts)
+        first_sample_row = np.where(is_prompt, out_ends - 1, out_offsets)
+        sample_positions = np.where(is_prompt, seqlen_k, sample_positions)
+    else:
+        sample_counts, sample_offsets, sample_ends, first_sample_row = seqlen_q, out_offsets, out_ends, out_offsets
+    num_sample_rows = int(sample_ends[-1]) if n else 0
+    row_to_req = np.repeat(_arange(n), sample_counts)
+    local_step = _arange(num_sample_rows) - sample_offsets[row_to_req]
+    selected_token_indices = first_sample_row[row_to_req] + local_step
 
     # EOS/stop suppression while the token a row produces would be the
     # request's k-th generated one with k < min_tokens.
-    produced_index = cols.num_generated[row_to_req] + local_step
-    eos_suppression_rows = np.flatnonzero(produced_index < cols.min_tokens[row_to_req]).astype(np.int32)
+    tokens_short = cols.min_tokens - cols.num_generated
+    eos_suppression_rows = np.flatnonzero(local_step < tokens_short[row_to_req]).astype(np.int32)
 
-    selected_prompt_indices, prompt_token_targets, prompt_row_counts = _prompt_rows(
-        schedule, cols, out_offsets, is_last_chunk, n
-    )
+    if any_prompt:
+        selected_prompt_indices, prompt_token_targets, prompt_row_counts = _prompt_rows(
+            schedule, cols, out_offsets, is_last_chunk, n
+        )
+    else:
+        selected_prompt_indices = prompt_token_targets = None
+        prompt_row_counts = np.zeros(n, np.int32)
 
     mtp_first = mtp_seqlens = mtp_write = mtp_read = None
     if max_draft_tokens > 0:
         mtp_first = first_sample_row
         mtp_seqlens = sample_counts
-        # Non-last prefill chunks never produce draft info: slot 0 means "no write".
-        mtp_write = np.where(is_prompt & ~is_last_chunk, 0, cols.mtp_write_slot).astype(np.int32)
+        mtp_write = cols.mtp_write_slot
+        read_slot = schedule.mtp_read_slot
+        if any_prompt:
+            # Non-last prefill chunks never produce draft info: slot 0 means "no write".
+            mtp_write = np.where(is_prompt & ~is_last_chunk, 0, mtp_write).astype(np.int32)
+            read_slot = np.where(is_prompt, 0, read_slot)
         # Row j < seqlen_q - 1 reads draft j of the request's read slot; the
-        # last row (and every prefill row) has no draft and reads padding row 0.
-        has_draft = local_step < sample_counts[row_to_req] - 1
-        read_slot = np.where(is_prompt, 0, schedule.mtp_read_slot)[row_to_req]
-        mtp_read = np.where(has_draft, read_slot * max_draft_tokens + local_step, 0).astype(np.int32)
+        # last row of each request (a prefill's only row) has no draft and
+        # reads padding row 0.
+        mtp_read = (read_slot * max_draft_tokens)[row_to_req] + local_step
+        mtp_read[sample_ends - 1] = 0
+        mtp_read = mtp_read.astype(np.int32, copy=False)
 
     inputs = SamplerInputs(
         selected_token_indices=selected_token_indices,
@@ -238,11 +272,11 @@ def build_ledger(
         sample_positions=sample_positions,
         row_to_req=row_to_req,
         local_step=local_step,
-        temperatures=cols.temperature.copy(),
-        top_ks=cols.top_k.copy(),
-        top_ps=cols.top_p.copy(),
-        min_ps=cols.min_p.copy(),
-        seeds=cols.seed.copy(),
+        temperatures=cols.temperature,
+        top_ks=cols.top_k,
+        top_ps=cols.top_p,
+        min_ps=cols.min_p,
+        seeds=cols.seed,
         eos_suppression_rows=eos_suppression_rows,
         mtp_first_token_positions=mtp_first,
         mtp_seqlens_q=mtp_seqlens,
@@ -251,17 +285,18 @@ def build_ledger(
         request_ids=tuple(schedule.request_ids),
         num_output_rows=num_output_rows,
         out_offsets=out_offsets,
-        out_lens=np.asarray(out_lens, dtype=np.int32),
+        out_lens=out_lens,
         query_offsets=query_offsets,
         sample_offsets=sample_offsets,
         sample_counts=sample_counts,
         prompt_row_counts=prompt_row_counts,
         is_prompt=is_prompt,
         is_last_chunk=is_last_chunk,
-        num_logprobs=cols.num_logprobs.copy(),
-        num_prompt_logprobs=cols.num_prompt_logprobs.copy(),
+        num_logprobs=cols.num_logprobs,
+        num_prompt_logprobs=cols.num_prompt_logprobs,
     )
-    _check_invariants(inputs, planned_sample_rows=int(is_prompt.sum()) + int(seqlen_q[~is_prompt].sum()))
+    planned = int(seqlen_q.sum()) - (int((seqlen_q - 1)[is_prompt].sum()) if any_prompt else 0)
+    _check_invariants(inputs, planned_sample_rows=planned)
     return inputs
 
 
@@ -306,7 +341,8 @@ def _check_invariants(inputs: SamplerInputs, *, planned_sample_rows: int) -> Non
         problems.append(f"wrote {inputs.num_prompt_rows} prompt rows, planned {planned_prompt_rows}")
     for name in ("selected_token_indices", "selected_prompt_indices"):
         rows = getattr(inputs, name)
-        if rows is not None and len(rows) and (rows.min() < 0 or rows.max() >= inputs.num_output_rows):
+        # Viewed as unsigned, a negative index is huge: one max() checks both ends.
+        if rows is not None and len(rows) and rows.view(np.uint32).max() >= inputs.num_output_rows:
             problems.append(f"{name} outside [0, {inputs.num_output_rows}): [{rows.min()}, {rows.max()}]")
     if problems:
         raise LedgerInvariantError("ledger invariant violated: " + "; ".join(problems))

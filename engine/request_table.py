@@ -72,7 +72,8 @@ class RequestTable:
         self.seed_base = seed_base
         self.cols = Columns.empty(capacity)
         self.prompt_tokens: list[np.ndarray | None] = [None] * capacity
-        self.request_ids: list[Hashable | None] = [None] * capacity
+        self.request_ids = np.full(capacity, None, dtype=object)  # fancy-indexed per step
+        self._batch_position = np.zeros(capacity, dtype=np.int32)  # scratch for the duplicate check
         self.row_of: dict[Hashable, int] = {}
         self._free = list(range(capacity - 1, -1, -1))
 
@@ -133,10 +134,10 @@ class RequestTable:
         n = len(rows)
         return (
             StepSchedule(
-                request_ids=[self.request_ids[r] for r in rows],
-                is_prompt=is_prompt,
-                seqlen_q=seqlen_q,
-                seqlen_k=seqlen_k,
+                request_ids=self.request_ids[rows].tolist(),
+                is_prompt=np.asarray(is_prompt, dtype=bool),
+                seqlen_q=np.asarray(seqlen_q, dtype=np.int32),
+                seqlen_k=np.asarray(seqlen_k, dtype=np.int32),
                 mtp_read_slot=np.zeros(n, np.int32) if mtp_read_slot is None else mtp_read_slot,
                 prompt_tokens=_LazyRows(self.prompt_tokens, rows),
             ),
@@ -155,8 +156,27 @@ class RequestTable:
         compaction_keep_tokens: int | None = None,
     ) -> SamplerInputs:
         """Validate and build the step's ledger from table rows."""
+        rows = np.asarray(rows)
+        if len(rows) and (rows.min() < 0 or rows.max() >= self.capacity):
+            raise ValueError(f"rows: table rows must lie in [0, {self.capacity}), got [{rows.min()}, {rows.max()}]")
+        # Duplicate rows: write each row's batch position; a row named twice
+        # keeps only its later position, so the earlier one reads back wrong.
+        positions = np.arange(len(rows), dtype=np.int32)
+        self._batch_position[rows] = positions
+        dup = np.flatnonzero(self._batch_position[rows] != positions)
+        if len(dup):
+            raise ValueError(f"request {self.request_ids[rows[dup[0]]]!r}: scheduled twice in one batch")
         schedule, cols = self.schedule(rows, is_prompt, seqlen_q, seqlen_k, mtp_read_slot)
-        validate_batch(schedule, cols, max_draft_tokens=max_draft_tokens, compaction_keep_tokens=compaction_keep_tokens)
+        if None in schedule.request_ids:
+            free = rows[[i for i, r in enumerate(schedule.request_ids) if r is None][0]]
+            raise ValueError(f"rows: table row {free} holds no request")
+        validate_batch(
+            schedule,
+            cols,
+            max_draft_tokens=max_draft_tokens,
+            compaction_keep_tokens=compaction_keep_tokens,
+            check_duplicate_ids=False,
+        )
         return build_ledger(
             schedule, cols, max_draft_tokens=max_draft_tokens, compaction_keep_tokens=compaction_keep_tokens
         )

@@ -1,0 +1,62 @@
+"""Command line: `python -m engine explain ...` and `python -m engine demo`."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from engine import explain as explain_mod
+
+
+def _explain_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "explain",
+        help="print the row ledger of one step as tables",
+        description=explain_mod.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("requests", nargs="*", help="KIND:ID[:key=value,...], one per request")
+    p.add_argument("--json", metavar="FILE", help="read the batch from a JSON file instead")
+    p.add_argument("--max-draft-tokens", type=int, default=None)
+    p.add_argument("--keep", type=int, default=None, help="prefill compaction: keep_tokens")
+    p.add_argument("--bucket", type=int, default=None, help="show the padding of this graph bucket")
+    p.add_argument("--example", action="store_true", help="explain the built-in example batch")
+
+
+def run_explain(args: argparse.Namespace) -> int:
+    if args.json:
+        seqs, max_draft, keep = explain_mod.load_json_batch(args.json)
+    elif args.requests and not args.example:
+        seqs = [explain_mod.parse_request(spec) for spec in args.requests]
+        max_draft, keep = 0, None
+    else:
+        seqs = [explain_mod.parse_request(spec) for spec in explain_mod.EXAMPLE_BATCH]
+        max_draft, keep = explain_mod.EXAMPLE_MAX_DRAFT_TOKENS, None
+        print("Example batch: " + " ".join(explain_mod.EXAMPLE_BATCH) + "\n")
+    if args.max_draft_tokens is not None:
+        max_draft = args.max_draft_tokens
+    elif not args.json:
+        drafts = [s.seqlen_q - 1 for s in seqs if not s.is_prompt]
+        max_draft = max([max_draft, *drafts])
+    if args.keep is not None:
+        keep = args.keep
+    print(explain_mod.explain(seqs, max_draft_tokens=max_draft, compaction_keep_tokens=keep, bucket=args.bucket))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _explain_parser(sub)
+    sub.add_parser("demo", help="the main job: for now, the ledger of the built-in example batch")
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        args = parser.parse_args(["explain", "--example", "--bucket", "8"])
+    try:
+        return run_explain(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
