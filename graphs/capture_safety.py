@@ -1,0 +1,242 @@
+"""Capture-time safety check: reject what would break (or silently freeze) a CUDA graph.
+
+A captured graph records device work only. Anything the step does on the host
+(reading a tensor value, sizing an output from tensor contents, drawing from a
+generator's state, reallocating a buffer the graph points at) either makes
+capture fail on CUDA or is baked in at capture time and never redone by a
+replay. On a machine without a GPU nothing would notice, so the CPU twin of
+capture runs the step once under this check, which raises `CaptureSafetyError`
+naming the op and the reason.
+
+Two layers, because some host reads never reach the dispatcher on CPU
+(`.tolist()`, `.numpy()`, `.cpu()` of a CPU tensor is a no-op):
+- a TorchFunctionMode rejects the Python-level host reads by name;
+- a TorchDispatchMode rejects aten ops by what they do: host syncs, outputs
+  whose shape depends on tensor values, boolean-mask indexing, seeded RNG,
+  device-to-host copies, and writes that resize or rebind a static buffer.
+After the step, every static buffer must still have its data_ptr, shape and
+stride (`check_addresses`), which also catches reallocations the op-level
+check cannot see.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class CaptureSafetyError(RuntimeError):
+    """The step does something a captured CUDA graph cannot reproduce."""
+
+
+@dataclass(frozen=True)
+class BufferAddress:
+    """Where a static buffer lives; a captured graph holds exactly these pointers."""
+
+    data_ptr: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> BufferAddress:
+        return cls(tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+
+
+def record_addresses(static_tensors: Mapping[str, torch.Tensor]) -> dict[str, BufferAddress]:
+    """Snapshot the address, shape and stride of every static buffer."""
+    return {name: BufferAddress.of(tensor) for name, tensor in static_tensors.items()}
+
+
+def check_addresses(
+    static_tensors: Mapping[str, torch.Tensor], recorded: Mapping[str, BufferAddress]
+) -> None:
+    """Raise CaptureSafetyError if any static buffer moved, changed shape or stride."""
+    if set(static_tensors) != set(recorded):
+        raise CaptureSafetyError(
+            f"static buffer set changed: recorded {sorted(recorded)}, now {sorted(static_tensors)}"
+        )
+    for name, tensor in static_tensors.items():
+        now = BufferAddress.of(tensor)
+        if now != recorded[name]:
+            raise CaptureSafetyError(
+                f"static buffer {name!r} changed from {recorded[name]} to {now}: a captured "
+                "graph keeps reading and writing the old address"
+            )
+
+
+_HOST_SYNC = (
+    "copies a tensor value to the host (.item(), .tolist(), bool()/int()/float() of a tensor, "
+    "`if tensor:`): a host sync, forbidden during CUDA capture and not redone by a replay; "
+    "keep the value on the device (torch.where, masked_fill, clamp)"
+)
+_HOST_READ = (
+    "reads tensor data on the host: on CUDA a device-to-host sync, forbidden during capture "
+    "and not redone by a replay; keep the computation on the device"
+)
+_HOST_DATA = (
+    "builds a tensor from host data: on CUDA a pageable host-to-device copy (not capturable) "
+    "whose value a replay would never refresh; pass the values in through a static buffer"
+)
+
+# Python-level host reads. On CPU most of these never reach the dispatcher
+# (`.cpu()` returns self, `.numpy()` shares memory), so they are caught by name.
+_HOST_INTENT: dict[Any, tuple[str, str]] = {
+    torch.Tensor.item: ("Tensor.item()", _HOST_SYNC),
+    torch.Tensor.tolist: ("Tensor.tolist()", _HOST_SYNC),
+    torch.Tensor.__bool__: ("bool(tensor)", _HOST_SYNC),
+    torch.Tensor.__int__: ("int(tensor)", _HOST_SYNC),
+    torch.Tensor.__float__: ("float(tensor)", _HOST_SYNC),
+    torch.Tensor.__index__: ("tensor used as a Python index", _HOST_SYNC),
+    torch.Tensor.numpy: ("Tensor.numpy()", _HOST_READ),
+    torch.Tensor.__array__: ("numpy.asarray(tensor)", _HOST_READ),
+    torch.Tensor.cpu: ("Tensor.cpu()", _HOST_READ),
+    torch.Tensor.__repr__: ("repr/str/print of a tensor", _HOST_READ),
+    torch.Tensor.__format__: ("formatting a tensor", _HOST_READ),
+    torch.tensor: ("torch.tensor(host data)", _HOST_DATA),
+    torch.as_tensor: ("torch.as_tensor(host data)", _HOST_DATA),
+}
+
+
+class _HostIntentMode(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        intent = _HOST_INTENT.get(func)
+        # torch.tensor / torch.as_tensor of a tensor is a device-side copy or a no-op.
+        from_tensor = func in (torch.tensor, torch.as_tensor) and isinstance(
+            args[0] if args else kwargs.get("data"), torch.Tensor
+        )
+        if intent is not None and not from_tensor:
+            label, why = intent
+            raise CaptureSafetyError(f"{label} {why}")
+        return func(*args, **kwargs)
+
+
+@lru_cache(maxsize=None)
+def _packet_tagged(packet: torch._ops.OpOverloadPacket, tag: torch.Tag) -> bool:
+    """True if any overload of the op carries `tag` (`.out` variants often lack the tags)."""
+    return any(tag in getattr(packet, name).tags for name in packet.overloads())
+
+
+_HOST_VALUE_OPS = {"is_nonzero", "equal", "allclose"}
+_INDEX_OPS = {"index", "index_put", "index_put_", "_index_put_impl_"}
+_REALLOCATING_OPS = {"resize_", "resize_as_", "set_", "_resize_output_"}
+
+
+def _arg(func: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any], name: str) -> Any:
+    for i, schema_arg in enumerate(func._schema.arguments):
+        if schema_arg.name == name:
+            return args[i] if i < len(args) else kwargs.get(name, schema_arg.default_value)
+    return None
+
+
+def _unsafe_reason(func: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str | None:
+    """Why this aten op cannot live in a captured graph, or None if it can."""
+    packet = func.overloadpacket
+    name = packet.__name__
+    if name in _INDEX_OPS:
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
+            return (
+                "with a boolean-mask index: the masked positions are found with nonzero, a host "
+                "sync whose result sizes the output; use torch.where / masked_fill / a fixed-size "
+                "index instead"
+            )
+        return None
+    if name == "repeat_interleave":
+        if func._overloadname != "self_int" and _arg(func, args, kwargs, "output_size") is None:
+            return "with tensor repeats and no output_size: the output length is a host-side sum; pass output_size"
+        return None
+    if name in _HOST_VALUE_OPS or _packet_tagged(packet, torch.Tag.data_dependent_output):
+        return _HOST_SYNC
+    if _packet_tagged(packet, torch.Tag.dynamic_output_shape):
+        return (
+            "has an output shape that depends on tensor values: sizing it needs a host sync and a "
+            "captured graph cannot change shape between replays; use a fixed-size formulation "
+            "(nonzero_static, topk, masks with torch.where)"
+        )
+    if _packet_tagged(packet, torch.Tag.nondeterministic_seeded):
+        if _arg(func, args, kwargs, "train") is False:
+            return None  # eval-mode dropout draws nothing
+        return (
+            "draws from a random generator's state: a replay would not follow the host-side "
+            "generator, so replay and eager diverge; use the counter-based hash of (seed, position)"
+        )
+    if name == "_to_copy":
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cpu" and args[0].device.type != "cpu":
+            return _HOST_READ
+    if name == "copy_" and args[0].device.type == "cpu" and args[1].device.type != "cpu":
+        return _HOST_READ
+    return None
+
+
+def _written_tensors(
+    func: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> Iterator[torch.Tensor]:
+    """The tensors this op writes in place or as out= arguments, per its schema."""
+    for i, schema_arg in enumerate(func._schema.arguments):
+        if schema_arg.alias_info is None or not schema_arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(schema_arg.name)
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from (v for v in value if isinstance(v, torch.Tensor))
+
+
+class _CaptureDispatchMode(TorchDispatchMode):
+    def __init__(self, static_storages: Mapping[int, str]) -> None:
+        super().__init__()
+        # storage data_ptr -> buffer name; a leading-slice view shares its buffer's storage.
+        self._static_storages = static_storages
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        why = _unsafe_reason(func, args, kwargs)
+        if why is not None:
+            raise CaptureSafetyError(f"{func} {why}")
+        static_writes = []
+        for tensor in _written_tensors(func, args, kwargs):
+            name = self._static_storages.get(tensor.untyped_storage().data_ptr())
+            if name is not None:
+                static_writes.append((name, tensor, BufferAddress.of(tensor)))
+        if static_writes and func.overloadpacket.__name__ in _REALLOCATING_OPS:
+            raise CaptureSafetyError(
+                f"{func} on static buffer {static_writes[0][0]!r}: resizing or rebinding a static "
+                "buffer moves the memory a captured graph points at"
+            )
+        result = func(*args, **kwargs)
+        for name, tensor, before in static_writes:
+            after = BufferAddress.of(tensor)
+            if after != before:
+                raise CaptureSafetyError(
+                    f"{func} reallocated static buffer {name!r} ({before} -> {after}), e.g. an "
+                    "out= of the wrong shape: a captured graph keeps the old address; write into "
+                    "a correctly shaped slice"
+                )
+        return result
+
+
+@contextmanager
+def capture_safety_check(static_tensors: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """Run the body (one step) under the capture-safety check; raises CaptureSafetyError.
+
+    On exit without an error, every static buffer must still have the address,
+    shape and stride it had on entry.
+    """
+    recorded = record_addresses(static_tensors)
+    # Storage pointer 0 belongs to every empty tensor: it would flag unrelated temporaries.
+    static_storages = {
+        tensor.untyped_storage().data_ptr(): name
+        for name, tensor in static_tensors.items()
+        if tensor.untyped_storage().data_ptr() != 0
+    }
+    with _HostIntentMode(), _CaptureDispatchMode(static_storages):
+        yield
+    check_addresses(static_tensors, recorded)

@@ -1,0 +1,200 @@
+"""Capture one step function per bucket and replay it.
+
+The step function `step_fn(bucket)` reads and writes only static tensors
+(leading slices of `bucket` requests / rows); it is the whole device part of a
+step. On CUDA each bucket becomes a torch.cuda.CUDAGraph; on CPU "replay"
+calls the same function again over the same buffers, after a capture that ran
+it once per bucket under the capture-safety check. Either way the caller's
+contract is identical: fill the static inputs, `replay(bucket)`, read the
+static outputs (and copy them out before the next replay overwrites them).
+"""
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from graphs.buckets import BucketTable
+from graphs.capture_safety import capture_safety_check, check_addresses, record_addresses
+
+StepFn = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class CaptureReport:
+    """What capture() did."""
+
+    buckets: tuple[int, ...]  # in capture order, largest first
+    seconds: float
+    device: torch.device
+    # CUDA only: growth of reserved device memory over the capture, i.e. the
+    # shared graph pool plus the working set the warm-up runs left cached.
+    pool_bytes: int | None
+
+    def __str__(self) -> str:
+        pool = "" if self.pool_bytes is None else f", {self.pool_bytes / 2**20:.1f} MiB pool"
+        return f"captured {len(self.buckets)} buckets on {self.device} in {self.seconds:.2f} s{pool}"
+
+
+def _show_progress(done: int, total: int, bucket: int) -> None:
+    width = 24
+    filled = width * done // total
+    bar = "#" * filled + "." * (width - filled)
+    end = "\n" if done == total else ""
+    print(f"\rcapturing step graphs [{bar}] {done}/{total} (bucket {bucket})",
+          end=end, file=sys.stderr, flush=True)
+
+
+class GraphReplayer:
+    """One captured graph per bucket of `buckets`, all over the same static tensors.
+
+    `static_tensors` names every buffer the step reads or writes; their
+    addresses are recorded at capture and, with `check_addresses_each_replay`,
+    verified before every replay.
+    """
+
+    def __init__(
+        self,
+        step_fn: StepFn,
+        buckets: BucketTable,
+        static_tensors: Mapping[str, torch.Tensor],
+        device: torch.device | str,
+        *,
+        warmup_runs: int = 2,
+        check_addresses_each_replay: bool = False,
+    ) -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device = {self.device}: only cpu and cuda are supported")
+        if warmup_runs < 1:
+            raise ValueError(f"warmup_runs = {warmup_runs}: CUDA capture needs at least one warm-up run")
+        for name, tensor in static_tensors.items():
+            if tensor.device != self.device:
+                raise ValueError(f"static buffer {name!r} is on {tensor.device}, the replayer on {self.device}")
+        self.buckets = buckets
+        self._step_fn = step_fn
+        self._static = dict(static_tensors)
+        self._warmup_runs = warmup_runs
+        self._check_each_replay = check_addresses_each_replay
+        self._recorded = record_addresses(self._static)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._captured: set[int] = set()
+        self._replays = dict.fromkeys(buckets, 0)
+        self._eager_runs = 0
+        self._eager_fallbacks = 0
+
+    @property
+    def captured(self) -> bool:
+        return bool(self._captured)
+
+    @property
+    def replays(self) -> dict[int, int]:
+        """Replays per bucket since construction."""
+        return dict(self._replays)
+
+    @property
+    def eager_runs(self) -> int:
+        """Calls of run_eager (use_graphs=False, reference runs)."""
+        return self._eager_runs
+
+    @property
+    def eager_fallbacks(self) -> int:
+        """Steps with more requests than the largest bucket (run eagerly by the caller)."""
+        return self._eager_fallbacks
+
+    def capture(self, progress: bool = True) -> CaptureReport:
+        """Capture every bucket, largest first; on CPU run each once under the safety check."""
+        if self._captured:
+            raise RuntimeError("capture() already ran for this replayer")
+        # Largest first: its allocations size the shared pool, and every smaller
+        # graph then reuses those blocks instead of growing the pool.
+        order = tuple(sorted(self.buckets, reverse=True))
+        start = time.perf_counter()
+        pool_bytes = None
+        if self.device.type == "cuda":
+            pool_bytes = self._capture_cuda(order, progress)
+        else:
+            for done, bucket in enumerate(order, start=1):
+                with capture_safety_check(self._static):
+                    self._step_fn(bucket)
+                self._captured.add(bucket)
+                if progress:
+                    _show_progress(done, len(order), bucket)
+        check_addresses(self._static, self._recorded)
+        return CaptureReport(order, time.perf_counter() - start, self.device, pool_bytes)
+
+    def _capture_cuda(self, order: tuple[int, ...], progress: bool) -> int:
+        with torch.cuda.device(self.device):
+            torch.cuda.synchronize()
+            reserved_before = torch.cuda.memory_reserved()
+            pool = torch.cuda.graph_pool_handle()
+            warmup_stream = torch.cuda.Stream()
+            for done, bucket in enumerate(order, start=1):
+                # Warm-up off the default stream, as capture itself runs on a side
+                # stream: lazy init (cuBLAS handles, workspaces, autotuning) must
+                # happen before capture, where it is illegal. The first warm-up
+                # runs under the safety check, which names the offending op where
+                # CUDA would only report a failed capture.
+                warmup_stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(warmup_stream):
+                    with capture_safety_check(self._static):
+                        self._step_fn(bucket)
+                    for _ in range(self._warmup_runs - 1):
+                        self._step_fn(bucket)
+                torch.cuda.current_stream().wait_stream(warmup_stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._step_fn(bucket)
+                self._graphs[bucket] = graph
+                self._captured.add(bucket)
+                if progress:
+                    _show_progress(done, len(order), bucket)
+            torch.cuda.synchronize()
+            return torch.cuda.memory_reserved() - reserved_before
+
+    def replay(self, bucket: int) -> None:
+        """Run the captured step of `bucket` over the current static buffer contents.
+
+        The outputs land in the static output buffers and are overwritten by the
+        next replay of any bucket: copy them out first.
+        """
+        if not self._captured:
+            raise RuntimeError("replay() before capture()")
+        if bucket not in self._captured:
+            raise ValueError(f"bucket = {bucket}: not one of the captured buckets {self.buckets.buckets}")
+        if self._check_each_replay:
+            check_addresses(self._static, self._recorded)
+        if self.device.type == "cuda":
+            self._graphs[bucket].replay()
+        else:
+            self._step_fn(bucket)
+        self._replays[bucket] += 1
+
+    def run_eager(self, bucket: int) -> None:
+        """Run the step of `bucket` eagerly over the static buffers (no graph)."""
+        if bucket not in self.buckets:
+            raise ValueError(f"bucket = {bucket}: not one of the buckets {self.buckets.buckets}")
+        self._step_fn(bucket)
+        self._eager_runs += 1
+
+    def record_eager_fallback(self, num_reqs: int) -> None:
+        """Count a step too large for any bucket; warns on the first one."""
+        if self.buckets.bucket_for(num_reqs) is not None:
+            raise ValueError(
+                f"num_reqs = {num_reqs} fits bucket {self.buckets.bucket_for(num_reqs)}: "
+                "it is not an eager fallback"
+            )
+        if self._eager_fallbacks == 0:
+            warnings.warn(
+                f"a step with {num_reqs} requests exceeds the largest graph bucket "
+                f"({self.buckets.largest}); such steps run eagerly (counted in eager_fallbacks)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self._eager_fallbacks += 1
