@@ -1,0 +1,564 @@
+"""The fused sampler: per-row processing, the draw, logprobs (SPEC §2).
+
+Order per sample row: fp32 logits -> forced token -> EOS/stop suppression ->
+temperature -> top-k -> top-p -> min-p -> draw -> logprobs.
+
+Definitions every path here shares (the fast path `sample`, the exact path
+`sample_exact` and the sort-based `sample_reference`):
+
+- Processed logits z = (raw - M) / T, with M the largest raw logit that is not
+  suppressed and T the temperature (1 for greedy rows); suppressed stop ids
+  get z = -inf. Probabilities p = exp(z - log Z) in float64, where Z is the sum
+  of exp(z) (float32 values) taken as float32 sums over fixed blocks of
+  `BLOCK` tokens, added in float64. Fixed blocks make Z, and so every filter
+  decision, independent of how many rows share the call.
+- top-k keeps every token whose z >= the k-th largest z.
+- top-p works on the distribution renormalised after top-k (as engines do):
+  walking tokens by decreasing z, t* is the probability of the first token at
+  which the cumulative kept mass reaches top_p * (mass kept by top-k); it keeps
+  every token with p >= t* (ties included), and everything when rounding
+  keeps the sum from ever reaching that level.
+- min-p keeps p >= min_p * max p; the ratio is the same before or after
+  renormalisation, so it is taken on p directly.
+- Greedy (T = 0): the largest raw logit among unsuppressed tokens, ties to the
+  smallest id. Filters do not change it (the maximum is always kept); they
+  still define the processed distribution reported in "processed" mode.
+- Filtered rows draw by a Gumbel race, argmax over kept tokens of
+  z + G(token id), ties to the smallest id, with G from `engine.rng` keyed by
+  (seed, position, TARGET, token id). The noise of a token does not depend on
+  which other tokens are candidates, so a race over the kept candidates gives
+  the same token as a race over the whole vocabulary.
+- Rows without any filter draw by inverse CDF with one uniform per row
+  (stream TARGET, counter `INVERSE_CDF_COUNTER`): pick the block whose float64
+  cumulative block mass first exceeds u * Z, then the token inside it.
+
+The fast path takes the top C (`candidate_cap`) raw logits per row and applies
+the filters there with the full-row normaliser, so nothing over the whole
+vocabulary is sorted or hashed. When the kept set may reach past the C-th
+candidate (or a tie at the boundary makes the candidate set ambiguous), it
+sets `needs_exact` for the row; `sample_exact` recomputes those rows over the
+full vocabulary and its results equal what an unlimited C would give.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from engine.rng import TARGET, gumbel, uniform
+
+BLOCK = 1024  # tokens per block of the normaliser and the inverse-CDF draw
+INVERSE_CDF_COUNTER = 0xFFFFFFFF  # counter of the plain draw's uniform; never a token id
+LOGPROBS_MODES = ("raw", "processed")
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    candidate_cap: int = 1024  # C: candidates per row on the fast path
+    max_logprobs: int = 20  # largest top-N the engine allocates for
+    logprobs_mode: str = "raw"  # "raw": log-softmax of unprocessed logits; "processed": of the sampled distribution
+
+    def __post_init__(self) -> None:
+        for name in ("candidate_cap", "max_logprobs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name}={value!r}: must be an int")
+        if self.candidate_cap < 1:
+            raise ValueError(f"candidate_cap={self.candidate_cap!r}: must be >= 1")
+        if not 0 <= self.max_logprobs <= self.candidate_cap:
+            raise ValueError(f"max_logprobs={self.max_logprobs!r}: must lie in [0, candidate_cap={self.candidate_cap}]")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode={self.logprobs_mode!r}: must be one of {LOGPROBS_MODES}")
+
+
+@dataclass
+class RowParams:
+    """Per-request parameters and the row -> request expansion, as device tensors.
+
+    A row's position is `sample_position[row_to_req] + local_step`. `stop_ids`
+    rows are padded by repeating an id or with -1 (no id). Padding requests use
+    `RowParams.neutral` values (temperature 1, no filter, seed 0): with zero
+    logits they give finite, ignorable results.
+    """
+
+    temperature: torch.Tensor  # [reqs] f32, 0 = greedy
+    top_k: torch.Tensor  # [reqs] int32, 0 = off
+    top_p: torch.Tensor  # [reqs] f32, 1 = off
+    min_p: torch.Tensor  # [reqs] f32, 0 = off
+    seed: torch.Tensor  # [reqs] int64 holding uint64 bits
+    sample_position: torch.Tensor  # [reqs] int64
+    stop_ids: torch.Tensor  # [reqs, S] int64, -1 = no id
+    row_to_req: torch.Tensor  # [rows] int64
+    local_step: torch.Tensor  # [rows] int64
+    suppress_eos: torch.Tensor  # [rows] bool
+    forced_token: torch.Tensor  # [rows] int64, -1 = none
+
+    @property
+    def num_rows(self) -> int:
+        return self.row_to_req.shape[0]
+
+    @classmethod
+    def from_numpy(
+        cls,
+        *,
+        temperature: np.ndarray,
+        top_k: np.ndarray,
+        top_p: np.ndarray,
+        min_p: np.ndarray,
+        seed: np.ndarray,
+        sample_position: np.ndarray,
+        row_to_req: np.ndarray,
+        local_step: np.ndarray,
+        stop_ids: np.ndarray | None = None,
+        suppress_eos: np.ndarray | None = None,
+        forced_token: np.ndarray | None = None,
+        device: torch.device | str = "cpu",
+    ) -> RowParams:
+        """Host arrays (the ledger's dtypes: seeds uint64, indices int32) to device tensors."""
+        num_reqs, num_rows = len(temperature), len(row_to_req)
+        if stop_ids is None:
+            stop_ids = np.full((num_reqs, 1), -1, dtype=np.int64)
+        if suppress_eos is None:
+            suppress_eos = np.zeros(num_rows, dtype=bool)
+        if forced_token is None:
+            forced_token = np.full(num_rows, -1, dtype=np.int64)
+        seed = np.asarray(seed)
+        seed_bits = seed.astype(np.uint64).view(np.int64) if seed.dtype != np.int64 else seed
+
+        def tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.as_tensor(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
+
+        return cls(
+            temperature=tensor(temperature, torch.float32),
+            top_k=tensor(top_k, torch.int32),
+            top_p=tensor(top_p, torch.float32),
+            min_p=tensor(min_p, torch.float32),
+            seed=tensor(seed_bits, torch.int64),
+            sample_position=tensor(sample_position, torch.int64),
+            stop_ids=tensor(np.asarray(stop_ids).reshape(num_reqs, -1), torch.int64),
+            row_to_req=tensor(row_to_req, torch.int64),
+            local_step=tensor(local_step, torch.int64),
+            suppress_eos=tensor(suppress_eos, torch.bool),
+            forced_token=tensor(forced_token, torch.int64),
+        )
+
+    @classmethod
+    def neutral(cls, num_reqs: int, num_rows: int, num_stop: int = 1, device: torch.device | str = "cpu") -> RowParams:
+        """Padding values: every request samples plainly at temperature 1 with seed 0."""
+        return cls.from_numpy(
+            temperature=np.ones(num_reqs, np.float32),
+            top_k=np.zeros(num_reqs, np.int32),
+            top_p=np.ones(num_reqs, np.float32),
+            min_p=np.zeros(num_reqs, np.float32),
+            seed=np.zeros(num_reqs, np.uint64),
+            sample_position=np.zeros(num_reqs, np.int64),
+            row_to_req=np.zeros(num_rows, np.int64),
+            local_step=np.zeros(num_rows, np.int64),
+            stop_ids=np.full((num_reqs, num_stop), -1, np.int64),
+            device=device,
+        )
+
+    def rows(self, index: Sequence[int] | torch.Tensor) -> RowParams:
+        """The same requests with only the given rows (used by the exact path)."""
+        index = torch.as_tensor(index, dtype=torch.int64, device=self.row_to_req.device)
+        per_row = {"row_to_req", "local_step", "suppress_eos", "forced_token"}
+        return RowParams(**{f.name: getattr(self, f.name)[index] if f.name in per_row else getattr(self, f.name) for f in fields(self)})
+
+
+@dataclass
+class SampleOutput:
+    """Preallocated results, written in place by `sample` (static addresses)."""
+
+    tokens: torch.Tensor  # [rows] int64
+    logprob: torch.Tensor  # [rows] f32: the emitted token's logprob
+    rank: torch.Tensor  # [rows] int64: 1 + tokens with a strictly larger logit
+    top_ids: torch.Tensor  # [rows, N] int64 (-1 where the processed distribution has fewer tokens)
+    top_logprobs: torch.Tensor  # [rows, N] f32
+    needs_exact: torch.Tensor  # [rows] bool: rerun the row with `sample_exact`
+
+    @classmethod
+    def allocate(cls, rows: int, num_top: int, device: torch.device | str = "cpu") -> SampleOutput:
+        return cls(
+            tokens=torch.zeros(rows, dtype=torch.int64, device=device),
+            logprob=torch.zeros(rows, dtype=torch.float32, device=device),
+            rank=torch.zeros(rows, dtype=torch.int64, device=device),
+            top_ids=torch.zeros(rows, num_top, dtype=torch.int64, device=device),
+            top_logprobs=torch.zeros(rows, num_top, dtype=torch.float32, device=device),
+            needs_exact=torch.zeros(rows, dtype=torch.bool, device=device),
+        )
+
+
+@dataclass
+class _Rows:
+    """Per-row parameters expanded from per-request ones."""
+
+    greedy: torch.Tensor  # [rows] bool
+    temperature: torch.Tensor  # [rows] f32, 1 for greedy rows
+    top_k: torch.Tensor  # [rows] int64, V when off
+    k_on: torch.Tensor  # [rows] bool
+    top_p: torch.Tensor  # [rows] f64
+    p_on: torch.Tensor
+    min_p: torch.Tensor  # [rows] f64
+    m_on: torch.Tensor
+    plain: torch.Tensor  # [rows] bool: sampled, no filter -> inverse-CDF draw
+    seed: torch.Tensor  # [rows] int64
+    position: torch.Tensor  # [rows] int64
+    stop_ids: torch.Tensor  # [rows, S] int64, clamped to >= 0
+    stop_active: torch.Tensor  # [rows, S] bool: this id is suppressed on this row
+    forced: torch.Tensor  # [rows] int64
+
+
+def _expand(params: RowParams, vocab: int) -> _Rows:
+    req = params.row_to_req
+    temperature = params.temperature[req]
+    greedy = temperature == 0
+    top_k = params.top_k[req].to(torch.int64)
+    k_on = (top_k > 0) & (top_k < vocab)
+    top_p = params.top_p[req].to(torch.float64)
+    min_p = params.min_p[req].to(torch.float64)
+    p_on, m_on = top_p < 1, min_p > 0
+    stop = params.stop_ids[req]
+    return _Rows(
+        greedy=greedy,
+        temperature=torch.where(greedy, torch.ones_like(temperature), temperature),
+        top_k=torch.where(k_on, top_k, torch.full_like(top_k, vocab)),
+        k_on=k_on,
+        top_p=top_p,
+        p_on=p_on,
+        min_p=min_p,
+        m_on=m_on,
+        plain=~greedy & ~k_on & ~p_on & ~m_on,
+        seed=params.seed[req],
+        position=params.sample_position[req] + params.local_step,
+        stop_ids=stop.clamp(min=0),
+        stop_active=params.suppress_eos[:, None] & (stop >= 0),
+        forced=params.forced_token,
+    )
+
+
+def _block_log_normaliser(e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block masses [rows, blocks] (f32 sums of BLOCK tokens) and log of their f64 total."""
+    rows, vocab = e.shape
+    full = vocab // BLOCK
+    parts = []
+    if full:
+        # [rows, full, BLOCK] view of the leading tokens (row stride stays V).
+        parts.append(e[:, : full * BLOCK].view(rows, full, BLOCK).sum(-1))
+    if vocab % BLOCK:
+        parts.append(e[:, full * BLOCK :].sum(-1, keepdim=True))
+    block_mass = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+    return block_mass, torch.log(block_mass.to(torch.float64).sum(-1))
+
+
+def _exp_processed(raw: torch.Tensor, shift: torch.Tensor, rows: _Rows) -> torch.Tensor:
+    """exp(z) over the full row, [rows, V] f32, suppressed stop ids set to 0."""
+    e = torch.sub(raw, shift[:, None]).div_(rows.temperature[:, None]).exp_()
+    kept_value = torch.where(rows.stop_active, torch.zeros((), dtype=e.dtype, device=e.device), e.gather(1, rows.stop_ids))
+    return e.scatter_(1, rows.stop_ids, kept_value)
+
+
+def _inverse_cdf_draw(e: torch.Tensor, block_mass: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row from weights `e` [rows, V] f32 by inverse CDF at u [rows] f64."""
+    rows, vocab = e.shape
+    block_cum = block_mass.to(torch.float64).cumsum(-1)  # [rows, blocks]
+    target = (u * block_cum[:, -1])[:, None]
+    block = torch.searchsorted(block_cum, target, right=True).clamp_(max=block_cum.shape[1] - 1)  # [rows, 1]
+    before = torch.where(block > 0, block_cum.gather(1, (block - 1).clamp(min=0)), torch.zeros_like(target))
+    ids = block * BLOCK + torch.arange(BLOCK, device=e.device)  # [rows, BLOCK]
+    in_vocab = ids < vocab
+    ids = ids.clamp(max=vocab - 1)
+    weights = torch.where(in_vocab, e.gather(1, ids), torch.zeros((), dtype=e.dtype, device=e.device))
+    inner_cum = weights.to(torch.float64).cumsum(-1)
+    pick = torch.searchsorted(inner_cum, target - before, right=True)
+    # f32 block sums and f64 inner sums round differently: never step past
+    # the block's last token of nonzero weight.
+    last_nonzero = torch.where(weights > 0, torch.arange(BLOCK, device=e.device), -1).amax(-1, keepdim=True)
+    pick = torch.minimum(pick, last_nonzero.clamp(min=0))
+    return ids.gather(1, pick).squeeze(1)
+
+
+def _min_id_of_max(score: torch.Tensor, ids: torch.Tensor, fill: int) -> torch.Tensor:
+    """Per row, the smallest id among entries whose score equals the row maximum."""
+    best = score.amax(-1, keepdim=True)
+    return torch.where(score == best, ids, torch.full_like(ids, fill)).amin(-1)
+
+
+def sample(
+    logits: torch.Tensor,
+    params: RowParams,
+    cfg: SamplerConfig,
+    out: SampleOutput | None = None,
+    *,
+    compute_logprobs: bool = True,
+) -> SampleOutput:
+    """Sample one token per row of `logits` [rows, V]; capture-safe.
+
+    No host syncs, no data-dependent shapes, no generator state; results are
+    written into `out` (allocated when None, top-N = cfg.max_logprobs). Rows
+    flagged in `out.needs_exact` must be redone with `sample_exact`.
+    `compute_logprobs=False` leaves logprob, rank and top-N untouched.
+    """
+    rows_n, vocab = logits.shape
+    if out is None:
+        out = SampleOutput.allocate(rows_n, cfg.max_logprobs, logits.device)
+    num_top = out.top_ids.shape[1]
+    cap = min(cfg.candidate_cap, vocab)
+    if num_top > cap:
+        raise ValueError(f"top-N={num_top}: exceeds the candidate count min(candidate_cap, V)={cap}")
+    has_tail = cap < vocab
+    raw = logits.to(torch.float32)  # [rows, V]
+    rows = _expand(params, vocab)
+    neg_inf = torch.tensor(-math.inf, dtype=torch.float32, device=raw.device)
+
+    # Candidates: top C raw logits in (raw desc, id asc) order. The second,
+    # stable sort fixes the order of ties that topk leaves unspecified.
+    cand_raw, cand_ids = torch.topk(raw, cap)  # [rows, C]
+    by_id = torch.argsort(cand_ids, dim=1)
+    cand_raw, cand_ids = cand_raw.gather(1, by_id), cand_ids.gather(1, by_id)
+    by_value = torch.sort(cand_raw, dim=1, descending=True, stable=True).indices
+    cand_raw, cand_ids = cand_raw.gather(1, by_value), cand_ids.gather(1, by_value)
+    boundary_raw = cand_raw[:, cap - 1]  # every non-candidate raw logit is <= this
+
+    blocked = ((cand_ids[:, :, None] == rows.stop_ids[:, None, :]) & rows.stop_active[:, None, :]).any(-1)
+    valid = ~blocked  # [rows, C]
+    shift = torch.where(valid, cand_raw, neg_inf).amax(-1)  # M: largest unsuppressed raw logit
+
+    e = _exp_processed(raw, shift, rows)  # [rows, V] f32
+    block_mass, log_z = _block_log_normaliser(e)
+
+    # Processed candidates in (z desc, id asc) order: suppressed ones last.
+    cand_z = torch.where(valid, (cand_raw - shift[:, None]) / rows.temperature[:, None], neg_inf)
+    by_z = torch.sort(cand_z, dim=1, descending=True, stable=True).indices
+    zs, zs_ids = cand_z.gather(1, by_z), cand_ids.gather(1, by_z)
+    p = torch.exp(zs.to(torch.float64) - log_z[:, None])  # [rows, C] f64, full-row normaliser
+    boundary_z = (boundary_raw - shift) / rows.temperature
+    boundary_p = torch.exp(boundary_z.to(torch.float64) - log_z)  # largest p of any non-candidate
+    alive = zs > -math.inf
+
+    kept, filter_ambiguous = _filter_candidates(zs, p, alive, boundary_z, rows, cap, has_tail)
+    if has_tail:
+        reaches_tail = (kept & (p <= boundary_p[:, None])).any(-1)
+    else:
+        reaches_tail = torch.zeros_like(rows.greedy)
+    filtered = ~rows.greedy & ~rows.plain
+
+    # Draws. Gumbel race over kept candidates; greedy over unsuppressed raw.
+    noise = gumbel(rows.seed[:, None], rows.position[:, None], TARGET, zs_ids)  # [rows, C] f64
+    race = torch.where(kept, zs.to(torch.float64) + noise, -math.inf)
+    raced = _min_id_of_max(race, zs_ids, vocab)
+    greedy_token = _min_id_of_max(torch.where(valid, cand_raw, neg_inf), cand_ids, vocab)
+    greedy_tie_in_tail = has_tail & (torch.where(valid, cand_raw, neg_inf).amax(-1) <= boundary_raw)
+    u = uniform(rows.seed, rows.position, TARGET, torch.tensor(INVERSE_CDF_COUNTER, device=raw.device))
+    plain_token = _inverse_cdf_draw(e, block_mass, u)
+    token = torch.where(rows.greedy, greedy_token, torch.where(rows.plain, plain_token, raced))
+    token = torch.where(rows.forced >= 0, rows.forced, token)
+
+    needs_exact = (filtered & (reaches_tail | filter_ambiguous)) | (rows.greedy & greedy_tie_in_tail)
+    if compute_logprobs:
+        if cfg.logprobs_mode == "raw":
+            needs_exact = needs_exact | _raw_logprobs(raw, cand_raw, cand_ids, token, num_top, has_tail, out)
+        else:
+            # A plain row's processed distribution covers the whole row: its
+            # logprobs (like those of any kept set reaching the tail) come
+            # from the exact path.
+            _processed_logprobs(log_z, zs, zs_ids, p, kept, token, num_top, out)
+            needs_exact = needs_exact | (has_tail & (rows.plain | reaches_tail | filter_ambiguous))
+    out.tokens.copy_(token)
+    out.needs_exact.copy_(needs_exact)
+    return out
+
+
+def _filter_candidates(
+    zs: torch.Tensor, p: torch.Tensor, alive: torch.Tensor, boundary_z: torch.Tensor, rows: _Rows, cap: int, has_tail: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kept mask over sorted candidates [rows, C], and rows whose top-p needs the tail.
+
+    A filter whose threshold lies past the candidates keeps every candidate;
+    the caller flags rows whose kept set then touches the boundary.
+    """
+    # top-k: the k-th largest z, when it is a candidate.
+    k_index = (rows.top_k.clamp(max=cap) - 1)[:, None]
+    kth_z = zs.gather(1, k_index).squeeze(1)
+    k_known = (rows.top_k <= cap) & ((kth_z > boundary_z) if has_tail else torch.ones_like(rows.k_on))
+    k_mask = ~rows.k_on[:, None] | (zs >= kth_z[:, None])
+    # The top-k mass (renormaliser of top-p) is only known when the top-k set
+    # lies inside the candidates; an unknown one sends the row to the exact path.
+    filter_ambiguous = rows.k_on & ~k_known & rows.p_on
+
+    k_p = torch.where(rows.k_on[:, None] & k_mask & alive, p, torch.zeros((), dtype=p.dtype, device=p.device))
+    k_mass = torch.where(rows.k_on, k_p.cumsum(-1)[:, -1], torch.ones_like(rows.top_p))
+    cum = torch.where(rows.k_on[:, None], k_p, torch.where(alive, p, torch.zeros_like(p))).cumsum(-1)
+    reached = cum >= (rows.top_p * k_mass)[:, None]
+    first = reached.to(torch.int8).argmax(-1, keepdim=True)  # first index that reaches top_p
+    t_star = torch.where(reached.any(-1, keepdim=True), p.gather(1, first), torch.zeros_like(first, dtype=p.dtype))
+    p_mask = ~rows.p_on[:, None] | (p >= t_star)
+
+    m_mask = ~rows.m_on[:, None] | (p >= (rows.min_p * p[:, 0])[:, None])
+    return alive & k_mask & p_mask & m_mask, filter_ambiguous
+
+
+def _raw_logprobs(
+    raw: torch.Tensor,
+    cand_raw: torch.Tensor,
+    cand_ids: torch.Tensor,
+    token: torch.Tensor,
+    num_top: int,
+    has_tail: bool,
+    out: SampleOutput,
+) -> torch.Tensor:
+    """Log-softmax of the unprocessed logits; returns rows whose top-N ties reach the tail."""
+    raw_max = cand_raw[:, 0]
+    _, log_z = _block_log_normaliser(torch.sub(raw, raw_max[:, None]).exp_())
+    lse = raw_max.to(torch.float64) + log_z  # [rows]
+    token_raw = raw.gather(1, token[:, None])
+    out.logprob.copy_(token_raw.squeeze(1).to(torch.float64) - lse)
+    out.rank.copy_((raw > token_raw).sum(-1) + 1)
+    if num_top == 0:
+        return torch.zeros_like(token, dtype=torch.bool)
+    out.top_ids.copy_(cand_ids[:, :num_top])
+    out.top_logprobs.copy_(cand_raw[:, :num_top].to(torch.float64) - lse[:, None])
+    # A tie at the N-th value that continues to the C-th candidate may hide
+    # smaller ids outside the candidates.
+    if not has_tail:
+        return torch.zeros_like(token, dtype=torch.bool)
+    return cand_raw[:, num_top - 1] <= cand_raw[:, -1]
+
+
+def _processed_logprobs(
+    log_z: torch.Tensor,
+    zs: torch.Tensor,
+    zs_ids: torch.Tensor,
+    p: torch.Tensor,
+    kept: torch.Tensor,
+    token: torch.Tensor,
+    num_top: int,
+    out: SampleOutput,
+) -> None:
+    """Logprobs of the processed, renormalised distribution over the kept candidates."""
+    log_mass = torch.log(torch.where(kept, p, torch.zeros_like(p)).cumsum(-1)[:, -1])  # [rows] f64
+    lq = torch.where(kept, zs.to(torch.float64) - log_z[:, None] - log_mass[:, None], -math.inf)  # [rows, C]
+    at_token = (zs_ids == token[:, None]) & kept
+    # A filtered or suppressed token has logprob -inf: every kept token outranks it.
+    token_z = torch.where(at_token, zs, -math.inf).amax(-1)
+    out.logprob.copy_(torch.where(at_token, lq, -math.inf).amax(-1))
+    out.rank.copy_((kept & (zs > token_z[:, None])).sum(-1) + 1)
+    if num_top:
+        out.top_ids.copy_(torch.where(kept[:, :num_top], zs_ids[:, :num_top], -1))
+        out.top_logprobs.copy_(lq[:, :num_top])
+
+
+def _exact_row(raw: torch.Tensor, rows: _Rows, i: int, cfg: SamplerConfig, num_top: int) -> tuple[int, float, int, list[int], list[float]]:
+    """One row over the whole vocabulary, sort-based, straight from the definitions above.
+
+    Returns (token, logprob, rank, top ids, top logprobs).
+    """
+    vocab = raw.shape[0]
+    dev = raw.device
+    temperature = rows.temperature[i : i + 1]
+    suppressed = rows.stop_ids[i][rows.stop_active[i]]
+    unsuppressed = torch.ones(vocab, dtype=torch.bool, device=dev)
+    unsuppressed[suppressed] = False
+    shift = raw[unsuppressed].max()
+    z = torch.where(unsuppressed, (raw - shift) / temperature, -math.inf)  # [V] f32
+    e = torch.where(unsuppressed, torch.sub(raw, shift).div_(temperature).exp_(), 0.0)
+    block_mass = torch.stack([e[b : b + BLOCK].sum() for b in range(0, vocab, BLOCK)])
+    log_z = torch.log(block_mass.to(torch.float64).sum())
+
+    zs, ids = torch.sort(z, descending=True, stable=True)  # ties keep id order
+    p = torch.exp(zs.to(torch.float64) - log_z)
+    kept = zs > -math.inf
+    k_on, p_on, m_on = bool(rows.k_on[i]), bool(rows.p_on[i]), bool(rows.m_on[i])
+    if k_on:
+        kept &= zs >= zs[int(rows.top_k[i]) - 1]
+    if p_on:
+        k_p = torch.where(kept, p, 0.0)
+        k_mass = k_p.cumsum(0)[-1] if k_on else torch.ones((), dtype=torch.float64)
+        reached = torch.nonzero(k_p.cumsum(0) >= rows.top_p[i] * k_mass)
+        if len(reached):
+            kept &= p >= p[reached[0, 0]]
+    if m_on:
+        kept &= p >= rows.min_p[i] * p[0]
+
+    seed, position = rows.seed[i], rows.position[i]
+    if bool(rows.greedy[i]):
+        token = int(torch.argmax(torch.where(unsuppressed, raw, -math.inf)))  # first maximum = smallest id
+    elif bool(rows.plain[i]):
+        u = float(uniform(seed, position, TARGET, torch.tensor(INVERSE_CDF_COUNTER)))
+        block_cum = block_mass.to(torch.float64).cumsum(0)
+        target = u * float(block_cum[-1])
+        block = min(int((block_cum <= target).sum()), len(block_mass) - 1)
+        before = float(block_cum[block - 1]) if block else 0.0
+        weights = e[block * BLOCK : (block + 1) * BLOCK]
+        pick = int((weights.to(torch.float64).cumsum(0) <= target - before).sum())
+        pick = min(pick, int(torch.nonzero(weights > 0)[-1, 0]))
+        token = block * BLOCK + pick
+    else:
+        race = zs.to(torch.float64) + gumbel(seed, position, TARGET, ids)
+        race = torch.where(kept, race, -math.inf)
+        token = int(ids[race == race.max()].min())
+    if int(rows.forced[i]) >= 0:
+        token = int(rows.forced[i])
+
+    if cfg.logprobs_mode == "raw":
+        raw_max = raw.max()
+        exp_raw = torch.sub(raw, raw_max).exp_()
+        raw_mass = torch.stack([exp_raw[b : b + BLOCK].sum() for b in range(0, vocab, BLOCK)])
+        lse = raw_max.to(torch.float64) + torch.log(raw_mass.to(torch.float64).sum())
+        logprob = float(raw[token].to(torch.float64) - lse)
+        rank = int((raw > raw[token]).sum()) + 1
+        values, order = torch.sort(raw, descending=True, stable=True)
+        top_ids = order[:num_top].tolist()
+        top_lps = (values[:num_top].to(torch.float64) - lse).tolist()
+    else:
+        log_mass = torch.log(torch.where(kept, p, 0.0).cumsum(0)[-1])
+        lq = torch.where(kept, zs.to(torch.float64) - log_z - log_mass, -math.inf)
+        at_token = kept & (ids == token)
+        token_z = zs[at_token].max() if at_token.any() else torch.tensor(-math.inf)
+        logprob = float(lq[at_token].max()) if at_token.any() else -math.inf
+        rank = int((kept & (zs > token_z)).sum()) + 1
+        top_ids = torch.where(kept[:num_top], ids[:num_top], -1).tolist()
+        top_lps = lq[:num_top].tolist()
+    return token, logprob, rank, top_ids, top_lps
+
+
+def _write_exact_rows(logits: torch.Tensor, params: RowParams, cfg: SamplerConfig, row_index: list[int], out: SampleOutput) -> None:
+    raw = logits.to(torch.float32)
+    rows = _expand(params, raw.shape[1])
+    num_top = out.top_ids.shape[1]
+    for i in row_index:
+        token, logprob, rank, top_ids, top_lps = _exact_row(raw[i], rows, i, cfg, num_top)
+        out.tokens[i] = token
+        out.logprob[i] = logprob
+        out.rank[i] = rank
+        out.top_ids[i] = torch.tensor(top_ids, dtype=torch.int64)
+        out.top_logprobs[i] = torch.tensor(top_lps, dtype=torch.float64)
+        out.needs_exact[i] = False
+
+
+def sample_exact(
+    logits: torch.Tensor,
+    params: RowParams,
+    cfg: SamplerConfig,
+    rows: torch.Tensor,
+    out: SampleOutput,
+) -> SampleOutput:
+    """Redo the given rows (bool mask [rows] or index tensor) over the full vocabulary.
+
+    Eager and host-synchronising: it runs after the captured step, only for
+    rows the fast path flagged. Results equal an unlimited `candidate_cap`.
+    """
+    rows = rows.to(logits.device)
+    index = torch.nonzero(rows).flatten() if rows.dtype == torch.bool else rows.flatten()
+    _write_exact_rows(logits, params, cfg, index.tolist(), out)
+    return out
+
+
+def sample_reference(logits: torch.Tensor, params: RowParams, cfg: SamplerConfig, num_top: int | None = None) -> SampleOutput:
+    """Every row by the sort-based definition (tests and benchmarks)."""
+    rows_n = logits.shape[0]
+    out = SampleOutput.allocate(rows_n, cfg.max_logprobs if num_top is None else num_top, logits.device)
+    _write_exact_rows(logits, params, cfg, list(range(rows_n)), out)
+    return out
