@@ -1,0 +1,247 @@
+"""Prompt logprobs (SPEC §1.1, §3): for every prompt-logprob row, the logprob
+and rank of the prompt token it predicts, plus optional top-N alternatives.
+
+Runs eagerly, outside the captured graph (host syncs are fine here), over
+fixed chunks of rows so the peak logits tensor is [chunk_rows, vocab] however
+long the prompt. `PromptLogprobAccumulator` keeps each request's values across
+the chunks of a chunked prefill and hands them over once, with the last chunk.
+
+Definitions, per row (logits are the raw fp32 LM-head output):
+- logprob: log-softmax of the logits at the target token;
+- rank: 1 + the number of tokens with a strictly larger logit (ties share a
+  rank), always counted over the whole vocabulary;
+- top-N: the N largest logits, best first, ties to the smaller token id (so the
+  list does not depend on a kernel's tie order); N larger than the vocabulary
+  gives the whole vocabulary.
+Top-k-space mode restricts each row's distribution to its top-k (SPEC §2:
+every token whose logit is >= the k-th largest, so ties at the cut stay in) and
+renormalises over it; a target outside reads logprob -inf (its rank, over the
+whole vocabulary, is then > k). k = 0 leaves the row unrestricted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable, NamedTuple
+
+import numpy as np
+import torch
+
+from engine.ledger import SamplerInputs
+from engine.ops import gather, get_logits
+
+DEFAULT_CHUNK_ROWS = 8192
+
+
+class PromptLogprob(NamedTuple):
+    """One prompt position: the token at it and how the model scored it."""
+
+    token: int  # the prompt token this row predicts
+    logprob: float  # -inf in top-k space when the token is outside the row's top-k
+    rank: int  # 1 + number of tokens with a strictly larger logit
+    top: tuple[tuple[int, float], ...]  # top-N (token, logprob), best first
+
+
+@dataclass(frozen=True)
+class PromptRowResults:
+    """Per prompt-logprob row, in row order. Host numpy arrays."""
+
+    targets: np.ndarray  # [rows] int32
+    logprobs: np.ndarray  # [rows] float32
+    ranks: np.ndarray  # [rows] int64
+    num_top: np.ndarray  # [rows] int32: leading columns of top_* that belong to the row
+    top_ids: np.ndarray  # [rows, max_top] int64
+    top_logprobs: np.ndarray  # [rows, max_top] float32
+
+    def entries(self, start: int, stop: int) -> list[PromptLogprob]:
+        """Rows [start, stop) as per-token results."""
+        entries = []
+        for r in range(start, stop):
+            n = self.num_top[r]
+            top = tuple(zip(self.top_ids[r, :n].tolist(), self.top_logprobs[r, :n].tolist()))
+            entries.append(PromptLogprob(int(self.targets[r]), float(self.logprobs[r]), int(self.ranks[r]), top))
+        return entries
+
+
+def compute_prompt_logprobs(
+    hidden_states: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    inputs: SamplerInputs,
+    *,
+    top_k: np.ndarray | None = None,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    batch_invariant: bool = False,
+) -> PromptRowResults:
+    """Prompt logprobs for the step's prompt rows (`inputs.selected_prompt_indices`,
+    targets `inputs.prompt_token_targets`), each request's own top-N.
+
+    `hidden_states` is the step's [num_output_rows, H] model output. `top_k`
+    ([num_reqs] int, 0 = off) switches on top-k-space mode per request; use
+    `prompt_row_logprobs` for a per-row k.
+    """
+    counts = inputs.prompt_row_counts
+    rows = inputs.selected_prompt_indices
+    targets = inputs.prompt_token_targets
+    if rows is None:
+        rows = targets = np.zeros(0, dtype=np.int32)
+    vocab = lm_head_weight.shape[0]
+    if len(targets) and targets.max() >= vocab:
+        bad = int(np.flatnonzero(targets >= vocab)[0])
+        req = int(np.searchsorted(np.cumsum(counts), bad, side="right"))
+        raise ValueError(
+            f"request {inputs.request_ids[req]!r}: prompt token {int(targets[bad])} is outside the vocabulary"
+            f" (lm_head_weight has {vocab} rows)"
+        )
+    row_top_k = None
+    if top_k is not None:
+        top_k = np.asarray(top_k)
+        if top_k.shape != (inputs.num_reqs,):
+            raise ValueError(f"top_k: shape {top_k.shape}, expected one k per request ({inputs.num_reqs},)")
+        if len(top_k) and top_k.min() < 0:
+            req = int(np.argmin(top_k))
+            raise ValueError(f"request {inputs.request_ids[req]!r}: top_k={int(top_k[req])}: must be >= 0 (0 = off)")
+        row_top_k = np.repeat(top_k, counts)
+    num_top = np.repeat(np.maximum(inputs.num_prompt_logprobs, 0), counts)
+    return prompt_row_logprobs(
+        hidden_states,
+        lm_head_weight,
+        rows,
+        targets,
+        num_top,
+        row_top_k=row_top_k,
+        chunk_rows=chunk_rows,
+        batch_invariant=batch_invariant,
+    )
+
+
+def prompt_row_logprobs(
+    hidden_states: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    rows: np.ndarray,
+    targets: np.ndarray,
+    num_top: np.ndarray,
+    *,
+    row_top_k: np.ndarray | None = None,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    batch_invariant: bool = False,
+) -> PromptRowResults:
+    """The chunked computation over explicit rows: `rows` [n] model-output rows,
+    `targets` [n] token ids, `num_top` [n] top-N per row, `row_top_k` [n] per-row
+    k for top-k-space mode (0 = off)."""
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows={chunk_rows}: must be >= 1")
+    device = lm_head_weight.device
+    vocab = lm_head_weight.shape[0]
+    n = len(rows)
+    num_top = np.minimum(num_top, vocab).astype(np.int32)
+    max_top = int(num_top.max()) if n else 0
+    logprobs = np.empty(n, dtype=np.float32)
+    ranks = np.empty(n, dtype=np.int64)
+    top_ids = np.zeros((n, max_top), dtype=np.int64)
+    top_logprobs = np.zeros((n, max_top), dtype=np.float32)
+    for start in range(0, n, chunk_rows):
+        stop = min(start + chunk_rows, n)
+        hidden = gather(hidden_states, torch.as_tensor(rows[start:stop], dtype=torch.int64).to(device))
+        logits = get_logits(hidden, lm_head_weight, batch_invariant=batch_invariant)  # [chunk, vocab] fp32
+        target = torch.as_tensor(targets[start:stop], dtype=torch.int64).to(device).unsqueeze(1)  # [chunk, 1]
+        # Rank and top-N come from the raw logits; both are unchanged by the
+        # top-k restriction below (it only drops tokens ranked after the kept ones).
+        ranks[start:stop] = (1 + (logits > logits.gather(1, target)).sum(1)).cpu().numpy()
+        chunk_top = int(num_top[start:stop].max())
+        chunk_top_ids = _top_n_ids(logits, chunk_top) if chunk_top else None  # [chunk, chunk_top]
+        if row_top_k is not None:
+            cut = _kth_largest(logits, torch.as_tensor(row_top_k[start:stop], dtype=torch.int64).to(device))
+            logits.masked_fill_(logits < cut.unsqueeze(1), float("-inf"))
+        log_norm = torch.logsumexp(logits, dim=1, keepdim=True)  # [chunk, 1]
+        logprobs[start:stop] = (logits.gather(1, target) - log_norm).squeeze(1).cpu().numpy()
+        if chunk_top_ids is not None:
+            top_ids[start:stop, :chunk_top] = chunk_top_ids.cpu().numpy()
+            top_logprobs[start:stop, :chunk_top] = (logits.gather(1, chunk_top_ids) - log_norm).cpu().numpy()
+    return PromptRowResults(np.asarray(targets, dtype=np.int32), logprobs, ranks, num_top, top_ids, top_logprobs)
+
+
+def _kth_largest(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """[rows] the k-th largest logit per row; -inf where k = 0 (no restriction)."""
+    vocab = logits.shape[1]
+    k_max = min(int(k.max()), vocab)
+    if k_max == 0:
+        return torch.full((logits.shape[0],), float("-inf"), device=logits.device)
+    largest = torch.topk(logits, k_max, dim=1).values  # [rows, k_max], descending
+    kth = largest.gather(1, (k.clamp(1, k_max) - 1).unsqueeze(1)).squeeze(1)
+    return torch.where(k > 0, kth, float("-inf"))
+
+
+def _top_n_ids(logits: torch.Tensor, n: int) -> torch.Tensor:
+    """[rows, n] ids of the n largest logits per row, best first, ties to the smaller id."""
+    values, ids = torch.topk(logits, n, dim=1)  # tie order among equal values is unspecified
+    cut = values[:, -1:]  # [rows, 1] the n-th largest value
+    # Where a token equal to the cut was left out, topk chose among the tied
+    # tokens arbitrarily: re-pick those rows, taking tied tokens by id.
+    redo = torch.nonzero((logits == cut).sum(1) > (values == cut).sum(1)).squeeze(1)
+    if len(redo):
+        sub = logits[redo]  # [redo, vocab]
+        above = sub > cut[redo]
+        at_cut = sub == cut[redo]
+        need = n - above.sum(1, keepdim=True)
+        keep = above | (at_cut & (at_cut.cumsum(1) <= need))  # exactly n per row
+        ids[redo] = keep.nonzero()[:, 1].view(-1, n)  # row-major, so ids ascend within a row
+    ids = ids.sort(dim=1).values
+    order = torch.sort(logits.gather(1, ids), dim=1, descending=True, stable=True).indices
+    return ids.gather(1, order)
+
+
+class PromptLogprobAccumulator:
+    """Each request's prompt logprobs across the chunks of a chunked prefill.
+
+    `add` returns, per request in batch order: None when the request did not ask
+    (or the step is not one of its prompt chunks); an empty list for a non-last
+    chunk (asked, nothing to hand over yet); the complete list of prompt_len - 1
+    values on the last chunk (empty for a one-token prompt).
+    """
+
+    def __init__(self) -> None:
+        self._partial: dict[Hashable, list[PromptLogprob]] = {}
+
+    def add(self, inputs: SamplerInputs, results: PromptRowResults) -> list[list[PromptLogprob] | None]:
+        if len(results.targets) != inputs.num_prompt_rows:
+            raise ValueError(
+                f"results: {len(results.targets)} rows for a step with {inputs.num_prompt_rows} prompt rows"
+            )
+        prompt_offsets = np.cumsum(inputs.prompt_row_counts) - inputs.prompt_row_counts
+        updates: dict[Hashable, list[PromptLogprob]] = {}
+        handed_over: list[list[PromptLogprob] | None] = []
+        for i, request_id in enumerate(inputs.request_ids):
+            if not inputs.is_prompt[i] or inputs.num_prompt_logprobs[i] < 0:
+                handed_over.append(None)
+                continue
+            # sample_positions is seqlen_k for a prefill chunk, and with prompt
+            # logprobs on there is no compaction, so out_lens is seqlen_q.
+            chunk_start = int(inputs.sample_positions[i]) - int(inputs.out_lens[i])
+            # A chunk at position 0 starts the prompt afresh (also after a preemption).
+            partial = list(self._partial.get(request_id, [])) if chunk_start else []
+            if len(partial) != chunk_start:
+                raise ValueError(
+                    f"request {request_id!r}: prompt chunk starts at position {chunk_start} but {len(partial)}"
+                    " prompt logprobs were accumulated (a chunk was skipped or repeated)"
+                )
+            lo = int(prompt_offsets[i])
+            partial.extend(results.entries(lo, lo + int(inputs.prompt_row_counts[i])))
+            updates[request_id] = partial
+            handed_over.append(partial if inputs.is_last_chunk[i] else [])
+        # State changes only once the whole step is known to be consistent.
+        for i, request_id in enumerate(inputs.request_ids):
+            if request_id not in updates:
+                continue
+            if inputs.is_last_chunk[i]:
+                self._partial.pop(request_id, None)
+            else:
+                self._partial[request_id] = updates[request_id]
+        return handed_over
+
+    def discard(self, request_id: Hashable) -> None:
+        """Forget a request's partial values (aborted mid-prefill)."""
+        self._partial.pop(request_id, None)
+
+    @property
+    def pending(self) -> tuple[Hashable, ...]:
+        """Requests holding partial values (between prompt chunks)."""
+        return tuple(self._partial)

@@ -1,0 +1,55 @@
+"""LM-head logits: plain GEMM vs batch-invariant fixed row blocks.
+
+`python -m profiling.bench logits [--quick] [--hidden 576] [--vocab 32000]
+[--block-rows N] [--threads N]`. For each dtype and row count it prints the median time of
+both modes and their ratio (batch-invariant / plain, measured in the same run).
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from engine.ops import DEFAULT_BLOCK_ROWS, get_logits
+from profiling.bench._timing import median_us, print_table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m profiling.bench logits", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="small sizes, few repeats (smoke test)")
+    parser.add_argument("--hidden", type=int, default=576, help="hidden size H (576: SmolLM2-135M, 1024 also typical)")
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--block-rows", type=int, default=DEFAULT_BLOCK_ROWS)
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    args = parser.parse_args(argv)
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    if args.quick:
+        hidden_size, vocab, row_counts, repeats = 64, 2048, (1, 16, 64), args.repeats or 3
+    else:
+        hidden_size, vocab, row_counts, repeats = args.hidden, args.vocab, (1, 16, 64, 256), args.repeats or 15
+    print(
+        f"get_logits on {device.type}, H={hidden_size}, V={vocab}, block_rows={args.block_rows}, "
+        f"threads={torch.get_num_threads()}, median of {repeats}"
+    )
+    gen = torch.Generator().manual_seed(0)
+    table = []
+    for dtype in (torch.bfloat16, torch.float32):
+        weight = (torch.randn(vocab, hidden_size, generator=gen) / hidden_size**0.5).to(dtype).to(device)
+        for rows in row_counts:
+            hidden = torch.randn(rows, hidden_size, generator=gen).to(device)
+            out = torch.empty(rows, vocab, device=device)
+            plain = median_us(lambda: get_logits(hidden, weight, out=out), repeats=repeats, warmup=2, sync=sync)
+            invariant = median_us(
+                lambda: get_logits(hidden, weight, out=out, batch_invariant=True, block_rows=args.block_rows),
+                repeats=repeats,
+                warmup=2,
+                sync=sync,
+            )
+            table.append([str(dtype).removeprefix("torch."), rows, plain, invariant, f"{invariant / plain:.2f}x"])
+    print_table(["dtype", "rows", "plain us", "invariant us", "invariant/plain"], table)
+    return 0
