@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.ops import DEFAULT_BLOCK_ROWS, gather, get_logits
+from graphs.capture_safety import capture_safety_check
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.int8, torch.uint8, torch.bool]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -164,6 +165,21 @@ def test_get_logits_handles_zero_rows():
     weight = torch.randn(7, 4)
     for batch_invariant in (False, True):
         assert get_logits(torch.zeros(0, 4), weight, batch_invariant=batch_invariant).shape == (0, 7)
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_gather_and_logits_pass_the_cpu_capture_safety_check(batch_invariant):
+    static = {
+        "hidden": torch.randn(6, 40)[:, :16],  # row-strided view of a wider model output
+        "rows": torch.tensor([5, -1, 0, 6], dtype=torch.int32),
+        "picked": torch.empty(4, 16, dtype=torch.float32),
+        "logits": torch.empty(4, 30),
+    }
+    weight = torch.randn(30, 16).bfloat16()
+    with capture_safety_check(static):
+        gather(static["hidden"], static["rows"], out=static["picked"])
+        get_logits(static["picked"], weight, out=static["logits"], batch_invariant=batch_invariant, block_rows=3)
+    assert torch.equal(static["picked"], reference_gather(static["hidden"], [5, -1, 0, 6]))
 
 
 @cuda
