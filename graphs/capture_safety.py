@@ -123,7 +123,6 @@ def _packet_tagged(packet: torch._ops.OpOverloadPacket, tag: torch.Tag) -> bool:
     return any(tag in getattr(packet, name).tags for name in packet.overloads())
 
 
-_HOST_VALUE_OPS = {"is_nonzero", "equal", "allclose"}
 _INDEX_OPS = {"index", "index_put", "index_put_", "_index_put_impl_"}
 _REALLOCATING_OPS = {"resize_", "resize_as_", "set_", "_resize_output_"}
 
@@ -152,7 +151,7 @@ def _unsafe_reason(func: torch._ops.OpOverload, args: Sequence[Any], kwargs: Map
         if func._overloadname != "self_int" and _arg(func, args, kwargs, "output_size") is None:
             return "with tensor repeats and no output_size: the output length is a host-side sum; pass output_size"
         return None
-    if name in _HOST_VALUE_OPS or _packet_tagged(packet, torch.Tag.data_dependent_output):
+    if _packet_tagged(packet, torch.Tag.data_dependent_output):  # item, equal, allclose
         return _HOST_SYNC
     if _packet_tagged(packet, torch.Tag.dynamic_output_shape):
         return (
@@ -172,7 +171,11 @@ def _unsafe_reason(func: torch._ops.OpOverload, args: Sequence[Any], kwargs: Map
         if device is not None and torch.device(device).type == "cpu" and args[0].device.type != "cpu":
             return _HOST_READ
     if name == "copy_" and args[0].device.type == "cpu" and args[1].device.type != "cpu":
-        return _HOST_READ
+        # An asynchronous copy into pinned host memory is capturable (the graph
+        # replays it; the host waits on an event before reading). Anything else
+        # is a synchronous device-to-host copy.
+        if not (_arg(func, args, kwargs, "non_blocking") and args[0].is_pinned()):
+            return _HOST_READ
     return None
 
 

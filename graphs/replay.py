@@ -31,8 +31,9 @@ class CaptureReport:
     buckets: tuple[int, ...]  # in capture order, largest first
     seconds: float
     device: torch.device
-    # CUDA only: growth of reserved device memory over the capture, i.e. the
-    # shared graph pool plus the working set the warm-up runs left cached.
+    # CUDA only: growth of reserved device memory over the capture. Mostly the
+    # shared graph pool: torch.cuda.graph empties the allocator cache before
+    # each capture, so warm-up scratch is released again.
     pool_bytes: int | None
 
     def __str__(self) -> str:
