@@ -4,7 +4,23 @@ Data flow: host ledger (which rows, which positions, which parameters) ->
 static buffers and one captured graph per batch-size bucket -> gather,
 logits, sampling / draft verification -> tokens, logprobs, prompt logprobs.
 """
+from __future__ import annotations
+
+from typing import Any
+
 from engine.ledger import SamplerInputs, prepare_sampler_inputs
 from engine.params import SamplingParams, SeqMeta
 
-__all__ = ["SamplingParams", "SeqMeta", "prepare_sampler_inputs", "SamplerInputs"]
+_DEVICE_SIDE = {"StepEngine", "EngineConfig", "StepOutput"}
+
+__all__ = ["SamplingParams", "SeqMeta", "prepare_sampler_inputs", "SamplerInputs", *sorted(_DEVICE_SIDE)]
+
+
+def __getattr__(name: str) -> Any:
+    # The device side imports torch; the host ledger (and `python -m engine
+    # explain`) should not pay for that, so it loads on first use.
+    if name in _DEVICE_SIDE:
+        from engine import step_engine
+
+        return getattr(step_engine, name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

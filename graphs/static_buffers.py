@@ -1,0 +1,228 @@
+"""The static buffers of the captured step: one typed object, fixed addresses.
+
+Everything a captured graph reads or writes lives here, sized once for the
+largest bucket; a bucket's graph works on leading slices. Per step the host
+packs every index and parameter array into ONE staging area (pinned on CUDA)
+and ONE copy moves it into the device twin, whose typed views are the step's
+inputs. The field list is declared once (`STEP_FIELDS`): layout, staging,
+padding values and the sampler's `RowParams` views all derive from it.
+
+Why padding is safe: a padding sample row gets gather index -1, outside the
+hidden-state source, so it reads a zero row (never stray memory or a stale
+row of the previous step), and points at a request slot with neutral
+parameters, so its logits and draw stay finite and are then cut off.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+import numpy as np
+import torch
+
+from engine.sampler import RowParams, SampleOutput
+
+_ALIGN = 8  # bytes; every field starts 8-aligned so any dtype view is legal
+
+
+@dataclass(frozen=True)
+class StepField:
+    name: str
+    dtype: torch.dtype
+    per: str  # "row": one per sample-row slot; "req": one per request slot
+    neutral: int | float | bool  # padding value
+    width: int = 1  # columns (stop ids per request)
+
+
+# Names of RowParams fields where they match; `sample_rows` is the gather index.
+STEP_FIELDS: tuple[StepField, ...] = (
+    StepField("sample_rows", torch.int64, "row", -1),  # out of range: a zero row
+    StepField("row_to_req", torch.int64, "row", 0),
+    StepField("local_step", torch.int64, "row", 0),
+    StepField("suppress_eos", torch.bool, "row", False),
+    StepField("forced_token", torch.int64, "row", -1),
+    StepField("temperature", torch.float32, "req", 1.0),
+    StepField("top_k", torch.int32, "req", 0),
+    StepField("top_p", torch.float32, "req", 1.0),
+    StepField("min_p", torch.float32, "req", 0.0),
+    StepField("seed", torch.int64, "req", 0),
+    StepField("sample_position", torch.int64, "req", 0),
+    StepField("stop_ids", torch.int64, "req", -1, width=0),  # width set by allocate
+)
+
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_}
+
+
+@dataclass
+class StepBuffers:
+    """Static tensors of the step, for `max_reqs` request slots and `max_rows` sample-row slots."""
+
+    max_reqs: int
+    max_rows: int
+    rows_per_req: int  # 1 + max_draft_tokens
+    device: torch.device
+    source: torch.Tensor  # [max_source_rows, H] model dtype: the hidden-state source
+    hidden: torch.Tensor  # [max_rows, H] gathered sample rows
+    logits: torch.Tensor  # [max_rows, V] fp32
+    out: SampleOutput  # [max_rows] results
+    packed: torch.Tensor  # [nbytes] uint8 on the device: every per-step field
+    staging: torch.Tensor  # [nbytes] uint8 on the host (pinned on CUDA)
+    fields: dict[str, torch.Tensor]  # device views into `packed`, full size
+    staged: dict[str, np.ndarray]  # numpy views into `staging`, full size
+    _copy_done: torch.cuda.Event | None = None
+
+    @classmethod
+    def allocate(
+        cls,
+        *,
+        max_reqs: int,
+        max_draft_tokens: int,
+        max_source_rows: int,
+        hidden_size: int,
+        vocab_size: int,
+        max_logprobs: int,
+        max_stop_ids: int,
+        source_dtype: torch.dtype,
+        device: torch.device,
+    ) -> StepBuffers:
+        rows_per_req = 1 + max_draft_tokens
+        max_rows = max_reqs * rows_per_req
+        layout, offset = [], 0
+        for f in STEP_FIELDS:
+            width = max_stop_ids if f.name == "stop_ids" else f.width
+            count = (max_rows if f.per == "row" else max_reqs) * width
+            nbytes = count * torch.tensor([], dtype=f.dtype).element_size()
+            layout.append((f, width, offset, nbytes))
+            offset += -(-nbytes // _ALIGN) * _ALIGN
+        pinned = device.type == "cuda"
+        staging = torch.zeros(offset, dtype=torch.uint8, pin_memory=pinned)
+        packed = torch.zeros(offset, dtype=torch.uint8, device=device)
+        fields, staged = {}, {}
+        host_bytes = staging.numpy()
+        for f, width, start, nbytes in layout:
+            shape = (-1, width) if f.name == "stop_ids" else (-1,)
+            fields[f.name] = packed[start : start + nbytes].view(f.dtype).view(shape)
+            staged[f.name] = host_bytes[start : start + nbytes].view(_NUMPY[f.dtype]).reshape(shape)
+            staged[f.name][...] = f.neutral
+        packed.copy_(staging)
+        return cls(
+            max_reqs=max_reqs,
+            max_rows=max_rows,
+            rows_per_req=rows_per_req,
+            device=device,
+            source=torch.zeros(max_source_rows, hidden_size, dtype=source_dtype, device=device),
+            hidden=torch.zeros(max_rows, hidden_size, dtype=source_dtype, device=device),
+            logits=torch.zeros(max_rows, vocab_size, dtype=torch.float32, device=device),
+            out=SampleOutput.allocate(max_rows, max_logprobs, device),
+            packed=packed,
+            staging=staging,
+            fields=fields,
+            staged=staged,
+            _copy_done=torch.cuda.Event() if pinned else None,
+        )
+
+    def rows_for(self, bucket: int) -> int:
+        """Sample-row capacity of a bucket: every request may verify max drafts."""
+        return bucket * self.rows_per_req
+
+    def static_tensors(self) -> dict[str, torch.Tensor]:
+        """Every buffer the captured step touches, by name (for address checks)."""
+        named = {"source": self.source, "hidden": self.hidden, "logits": self.logits, "packed": self.packed}
+        named.update({f"out.{k}": v for k, v in vars(self.out).items()})
+        return named
+
+    def load(
+        self,
+        *,
+        bucket: int,
+        sample_rows: np.ndarray,
+        row_to_req: np.ndarray,
+        local_step: np.ndarray,
+        suppress_rows: np.ndarray,
+        temperature: np.ndarray,
+        top_k: np.ndarray,
+        top_p: np.ndarray,
+        min_p: np.ndarray,
+        seed: np.ndarray,
+        sample_position: np.ndarray,
+        stop_ids: np.ndarray,
+        forced_token: np.ndarray | None = None,
+    ) -> None:
+        """Stage one step's arrays (real entries, then padding up to the
+        bucket) and issue the single host-to-device copy."""
+        n, rows = len(temperature), len(sample_rows)
+        cap_reqs, cap_rows = bucket, self.rows_for(bucket)
+        if n > cap_reqs or rows > cap_rows:
+            raise ValueError(f"bucket={bucket}: holds {cap_reqs} requests / {cap_rows} rows, step has {n} / {rows}")
+        if self._copy_done is not None:
+            # The previous step's copy may still read the staging area.
+            self._copy_done.synchronize()
+        s = self.staged
+        # Padding rows point at a padding request slot when there is one
+        # (neutral parameters); when every slot is real they reuse slot 0,
+        # harmless since their gathered row is zero and their result is cut off.
+        pad_req = n if n < cap_reqs else 0
+        for name, real, pad in (
+            ("sample_rows", sample_rows, -1),
+            ("row_to_req", row_to_req, pad_req),
+            ("local_step", local_step, 0),
+        ):
+            s[name][:rows] = real
+            s[name][rows:cap_rows] = pad
+        s["suppress_eos"][:cap_rows] = False
+        s["suppress_eos"][suppress_rows] = True
+        s["forced_token"][:cap_rows] = -1
+        if forced_token is not None:
+            s["forced_token"][:rows] = forced_token
+        for name, real in (
+            ("temperature", temperature),
+            ("top_k", top_k),
+            ("top_p", top_p),
+            ("min_p", min_p),
+            ("seed", seed.view(np.int64)),
+            ("sample_position", sample_position),
+        ):
+            s[name][:n] = real
+        for f in STEP_FIELDS:
+            if f.per == "req":
+                s[f.name][n:cap_reqs] = f.neutral
+        s["stop_ids"][:n] = stop_ids
+        non_blocking = self._copy_done is not None
+        self.packed.copy_(self.staging, non_blocking=non_blocking)
+        if self._copy_done is not None:
+            self._copy_done.record()
+
+    def params(self, bucket: int) -> RowParams:
+        """The sampler's view of a bucket: leading slices of the static fields."""
+        reqs, rows = bucket, self.rows_for(bucket)
+        f = self.fields
+        return RowParams(
+            temperature=f["temperature"][:reqs],
+            top_k=f["top_k"][:reqs],
+            top_p=f["top_p"][:reqs],
+            min_p=f["min_p"][:reqs],
+            seed=f["seed"][:reqs],
+            sample_position=f["sample_position"][:reqs],
+            stop_ids=f["stop_ids"][:reqs],
+            row_to_req=f["row_to_req"][:rows],
+            local_step=f["local_step"][:rows],
+            suppress_eos=f["suppress_eos"][:rows],
+            forced_token=f["forced_token"][:rows],
+        )
+
+    def outputs(self, rows: int) -> SampleOutput:
+        """Leading `rows` of every output buffer (views, no copy)."""
+        return SampleOutput(**{k: v[:rows] for k, v in vars(self.out).items()})
+
+    def fill_garbage(self, generator: torch.Generator | None = None) -> None:
+        """Test hook: scribble over every staged field and output buffer, as a
+        previous step with other requests would have left them."""
+        for name, view in self.staged.items():
+            view[...] = np.random.default_rng(0).integers(-5, 2**20, view.shape).astype(view.dtype)
+        self.packed.copy_(self.staging)
+        for tensor in (self.hidden, self.logits, *vars(self.out).values()):
+            if tensor.dtype == torch.bool:
+                tensor.fill_(True)
+            elif tensor.is_floating_point():
+                tensor.normal_(generator=generator).mul_(1e3)
+            else:
+                tensor.random_(0, 2**20, generator=generator)
+

@@ -1,0 +1,224 @@
+"""StepEngine: replay equals eager bit for bit, padding never leaks, the graph
+really reads the static buffers, bad input is rejected before any buffer is
+touched (SPEC §4, §6; issue 4 item 7)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import engine.step_engine as step_engine_module
+from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine
+from graphs.capture_safety import CaptureSafetyError
+
+VOCAB, HIDDEN, MAX_REQS = 384, 32, 16
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _weight(device: str) -> torch.Tensor:
+    return torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(0)).to(device)
+
+
+def random_batch(n: int, seed: int, *, max_drafts: int = 0) -> tuple[list[SeqMeta], torch.Tensor]:
+    """n requests: prefill chunks (last and not), decodes with 0..max_drafts
+    drafts, greedy and filtered sampling, logprobs on and off."""
+    rng = np.random.default_rng(seed)
+    seqs = []
+    for i in range(n):
+        kind = rng.integers(3)
+        params = SamplingParams(
+            temperature=float(rng.choice([0.0, 0.7, 1.0, 1.3])),
+            top_k=int(rng.choice([0, 1, 5, 50])),
+            top_p=float(rng.choice([1.0, 0.9, 0.5])),
+            min_p=float(rng.choice([0.0, 0.05])),
+            seed=int(rng.integers(2**63)) if rng.random() < 0.7 else None,
+            logprobs=int(rng.choice([0, 3])) if rng.random() < 0.5 else None,
+            min_tokens=int(rng.integers(3)),
+        )
+        prompt_len = int(rng.integers(1, 12))
+        tokens = rng.integers(0, VOCAB, prompt_len)
+        if kind == 0:  # whole prompt or a chunk of it
+            k = int(rng.integers(1, prompt_len + 1))
+            q = int(rng.integers(1, k + 1))
+            seqs.append(SeqMeta(f"r{i}", True, q, k, prompt_len, prompt_tokens=tokens, params=params))
+        else:
+            drafts = int(rng.integers(max_drafts + 1))
+            gen = int(rng.integers(1, 20))
+            seqs.append(
+                SeqMeta(f"r{i}", False, 1 + drafts, prompt_len + gen + drafts, prompt_len, prompt_tokens=tokens,
+                        num_generated=gen, params=params, mtp_write_slot=i + 1)
+            )
+    rows = sum(s.seqlen_q for s in seqs)
+    hidden = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(seed))
+    return seqs, hidden
+
+
+def _same(a, b) -> None:
+    assert a.tokens == b.tokens
+    assert a.logprobs == b.logprobs
+    assert a.seeds == b.seeds
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def engines(request):
+    device = request.param
+    w = _weight(device)
+    replayed = StepEngine(w, EngineConfig(max_num_reqs=MAX_REQS, device=device, max_draft_tokens=2))
+    replayed.capture()
+    eager = StepEngine(w, EngineConfig(max_num_reqs=MAX_REQS, device=device, max_draft_tokens=2, use_graphs=False))
+    return replayed, eager, device
+
+
+def _sizes_around_buckets(buckets) -> list[int]:
+    sizes = set()
+    for b in buckets:
+        sizes.update({b - 1, b, b + 1})
+    return sorted(s for s in sizes if s >= 1)
+
+
+def test_replay_equals_eager_around_every_bucket_and_above(engines):
+    replayed, eager, device = engines
+    sizes = _sizes_around_buckets(replayed.buckets)
+    assert max(sizes) > replayed.buckets.largest  # one step above the largest bucket
+    for n in sizes:
+        seqs, hidden = random_batch(n, seed=n, max_drafts=2)
+        a = replayed.step(hidden.to(device), seqs)
+        b = eager.step(hidden.to(device), seqs)
+        _same(a, b)
+        if n <= replayed.buckets.largest:
+            assert a.replayed and a.bucket == replayed.buckets.bucket_for(n)
+        else:
+            assert a.bucket is None and not a.replayed
+    assert replayed.stats.eager_fallbacks == 1 and eager.stats.replays == 0
+
+
+def test_replaying_twice_is_identical_and_follows_the_index_contents(engines):
+    replayed, _, device = engines
+    seqs, hidden = random_batch(6, seed=101)
+    first = replayed.step(hidden.to(device), seqs)
+    again = replayed.step(hidden.to(device), seqs)
+    _same(first, again)
+    # Reverse the batch: every request's rows move, so the gather indices and
+    # the parameter slots change; each request must still get its own token.
+    order = list(reversed(range(len(seqs))))
+    starts = np.cumsum([0] + [s.seqlen_q for s in seqs])
+    rows = torch.cat([hidden[starts[i] : starts[i + 1]] for i in order])
+    moved = replayed.step(rows.to(device), [seqs[i] for i in order])
+    assert moved.tokens == [first.tokens[i] for i in order]
+    assert moved.logprobs == [first.logprobs[i] for i in order]
+    # New hidden contents at the same indices change the sampled tokens.
+    other = replayed.step((hidden * -3).to(device), seqs)
+    assert other.tokens != first.tokens
+
+
+def test_padding_rows_never_leak(engines):
+    replayed, eager, device = engines
+    for n in (1, 3, 5, 11):
+        seqs, hidden = random_batch(n, seed=200 + n, max_drafts=2)
+        clean = eager.step(hidden.to(device), seqs)
+        replayed.buffers.fill_garbage(torch.Generator(device=device).manual_seed(n))
+        dirty = replayed.step(hidden.to(device), seqs)
+        _same(clean, dirty)
+
+
+def test_a_request_samples_the_same_alone_and_in_a_crowd():
+    w = _weight("cpu")
+    engine = StepEngine(w, EngineConfig(max_num_reqs=64, device="cpu", buckets=(1, 8, 64)))
+    engine.capture()
+    crowd, hidden = random_batch(40, seed=7)
+    starts = np.cumsum([0] + [s.seqlen_q for s in crowd])
+    together = engine.step(hidden, crowd)
+    for i in (0, 13, 39):
+        alone = engine.step(hidden[starts[i] : starts[i + 1]], [crowd[i]])
+        assert alone.tokens[0] == together.tokens[i]
+        assert alone.logprobs[0] == together.logprobs[i]
+
+
+def test_zero_copy_source_matches_the_copy_path(engines):
+    replayed, _, device = engines
+    seqs, hidden = random_batch(5, seed=9)
+    copied = replayed.step(hidden.to(device), seqs)
+    copies = replayed.stats.source_copies
+    replayed.source[: hidden.shape[0]].copy_(hidden)
+    direct = replayed.step(replayed.source, seqs)
+    _same(copied, direct)
+    assert replayed.stats.source_copies == copies
+
+
+def test_chunked_prefill_reports_tokens_and_prompt_logprobs_on_the_last_chunk():
+    engine = StepEngine(_weight("cpu"), EngineConfig(max_num_reqs=4, device="cpu"))
+    prompt = np.arange(10, 19)
+    params = SamplingParams(temperature=0.0, prompt_logprobs=2)
+    out1 = engine.step(torch.randn(4, HIDDEN), [SeqMeta("p", True, 4, 4, 9, prompt_tokens=prompt, params=params)])
+    assert out1.tokens == [[]] and out1.prompt_logprobs == [[]]
+    out2 = engine.step(torch.randn(5, HIDDEN), [SeqMeta("p", True, 5, 9, 9, prompt_tokens=prompt, params=params)])
+    assert len(out2.tokens[0]) == 1
+    assert [lp.token for lp in out2.prompt_logprobs[0]] == prompt[1:].tolist()
+
+
+def _buffer_snapshot(engine: StepEngine) -> list[torch.Tensor]:
+    return [t.clone() for t in engine.buffers.static_tensors().values()] + [engine.buffers.staging.clone()]
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda seqs, h: (seqs, h[:, :-1]), "hidden_states: shape"),
+        (lambda seqs, h: (seqs, h[:-1]), r"hidden_states: \d+ rows, but the batch"),
+        (lambda seqs, h: (seqs[:1] + [SeqMeta("r1", False, 1, 9, 4, num_generated=5,
+                                               params=SamplingParams(logprobs=99))], h.repeat(4, 1)), "request 'r1': params.logprobs=99"),
+        (lambda seqs, h: (seqs[:1] + [SeqMeta("r1", False, 1, 9, 4, num_generated=5,
+                                               params=SamplingParams(stop_token_ids=(VOCAB,)))], h.repeat(4, 1)), "request 'r1': params.stop_token_ids"),
+        (lambda seqs, h: (seqs[:1] + [SeqMeta("r1", True, 3, 3, 3, prompt_tokens=[1, VOCAB + 5, 2],
+                                               params=SamplingParams(prompt_logprobs=True))], h.repeat(4, 1)), "request 'r1': prompt_tokens"),
+        (lambda seqs, h: (seqs[:1] + [seqs[0]], h.repeat(4, 1)), "request 'r0': request_id appears twice"),
+    ],
+)
+def test_bad_input_is_rejected_before_any_buffer_is_touched(mutate, match):
+    engine = StepEngine(_weight("cpu"), EngineConfig(max_num_reqs=4, device="cpu"))
+    engine.capture()
+    seqs, hidden = random_batch(2, seed=3)
+    engine.step(hidden, seqs)
+    before = _buffer_snapshot(engine)
+    bad_seqs, bad_hidden = mutate(seqs, hidden)
+    with pytest.raises(ValueError, match=match):
+        engine.step(bad_hidden, bad_seqs)
+    for a, b in zip(before, _buffer_snapshot(engine)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_num_reqs=0), "max_num_reqs=0"),
+        (dict(buckets=(4, 2)), r"buckets\[1\]"),
+        (dict(max_draft_tokens=-1), "max_draft_tokens=-1"),
+        (dict(max_num_reqs=64, max_draft_tokens=3, max_source_rows=100), "max_source_rows=100"),
+        (dict(eos_token_id=VOCAB), "eos_token_id"),
+    ],
+)
+def test_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        StepEngine(_weight("cpu"), EngineConfig(device="cpu", **kwargs))
+
+
+@pytest.mark.parametrize(
+    "plant, match",
+    [
+        (lambda out: out.tokens.sum().item(), "item|_local_scalar_dense"),
+        (lambda out: out.tokens[out.tokens > 3], "bool|mask|index"),
+        (lambda out: torch.rand(3), "rand|RNG|random"),
+    ],
+)
+def test_capture_rejects_a_planted_hazard_inside_the_step(monkeypatch, plant, match):
+    real_sample = step_engine_module.sample
+
+    def sample_with_hazard(*args, **kwargs):
+        out = real_sample(*args, **kwargs)
+        plant(out)
+        return out
+
+    monkeypatch.setattr(step_engine_module, "sample", sample_with_hazard)
+    engine = StepEngine(_weight("cpu"), EngineConfig(max_num_reqs=2, device="cpu"))
+    with pytest.raises(CaptureSafetyError, match=match):
+        engine.capture()
