@@ -101,6 +101,7 @@ class StepOutput:
     logprobs: list[list[TokenLogprob] | None]  # one per emitted token, None when not requested
     prompt_logprobs: list[list[PromptLogprob] | None]  # SPEC §1.1: None / [] / the full list
     seeds: list[int]  # the seed each request sampled with
+    num_accepted: list[int]  # drafts accepted per request (0 without drafts)
     bucket: int | None  # graph bucket used, None for an eager fallback
     replayed: bool  # True when a captured graph ran
 
@@ -231,8 +232,12 @@ class StepEngine:
         self,
         hidden_states: torch.Tensor,
         seqs: Sequence[SeqMeta],
+        draft_tokens: Sequence[Sequence[int] | None] | None = None,
     ) -> StepOutput:
-        """Sample the step of `seqs` from `hidden_states` ([rows, H], batch order)."""
+        """Sample the step of `seqs` from `hidden_states` ([rows, H], batch order).
+
+        `draft_tokens[i]`: the `seqlen_q - 1` draft tokens a decode request
+        verifies this step (its query tokens after the first), None otherwise."""
         start = time.perf_counter()
         with stage("ledger"):
             inputs = prepare_sampler_inputs(
@@ -242,7 +247,41 @@ class StepEngine:
                 seed_base=self.config.seed_base,
             )
             stop_ids = self.stop_id_matrix(seqs)
-        return self.run(hidden_states, inputs, stop_ids, host_start=start)
+            row_drafts = self.row_drafts(inputs, draft_tokens)
+        return self.run(hidden_states, inputs, stop_ids, row_drafts, host_start=start)
+
+    def row_drafts(self, inputs: SamplerInputs, draft_tokens: Sequence[Sequence[int] | None] | None) -> np.ndarray:
+        """[sample rows] int64: the draft each sample row is asked to predict
+        (row j of a decode request verifies its draft j), -1 where none."""
+        rows = np.full(inputs.num_sample_rows, -1, dtype=np.int64)
+        drafts_per_req = np.where(inputs.is_prompt, 0, inputs.sample_counts - 1)
+        if draft_tokens is None:
+            if drafts_per_req.any():
+                i = int(np.flatnonzero(drafts_per_req)[0])
+                raise ValueError(
+                    f"request {inputs.request_ids[i]!r}: seqlen_q={int(inputs.sample_counts[i])} verifies "
+                    f"{int(drafts_per_req[i])} drafts but draft_tokens is None"
+                )
+            return rows
+        if len(draft_tokens) != inputs.num_reqs:
+            raise ValueError(f"draft_tokens: {len(draft_tokens)} entries for {inputs.num_reqs} requests")
+        for i, drafts in enumerate(draft_tokens):
+            count = 0 if drafts is None else len(drafts)
+            if count != drafts_per_req[i]:
+                raise ValueError(
+                    f"request {inputs.request_ids[i]!r}: draft_tokens has {count} tokens but the request "
+                    f"verifies {int(drafts_per_req[i])} this step (seqlen_q - 1 for a decode)"
+                )
+            if count:
+                values = np.asarray(drafts, dtype=np.int64)
+                if values.min() < 0 or values.max() >= self.vocab_size:
+                    raise ValueError(
+                        f"request {inputs.request_ids[i]!r}: draft_tokens={list(drafts)}: outside the "
+                        f"vocabulary [0, {self.vocab_size})"
+                    )
+                lo = int(inputs.sample_offsets[i])
+                rows[lo : lo + count] = values
+        return rows
 
     def _validate(self, hidden: torch.Tensor, inputs: SamplerInputs) -> None:
         if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
@@ -280,6 +319,7 @@ class StepEngine:
         hidden_states: torch.Tensor,
         inputs: SamplerInputs,
         stop_ids: np.ndarray,
+        row_drafts: np.ndarray | None = None,
         *,
         host_start: float | None = None,
     ) -> StepOutput:
@@ -346,7 +386,7 @@ class StepEngine:
 
         with stage("prompt logprobs"):
             prompt_lp = self._prompt_logprobs(hidden_states, inputs)
-        return self._assemble(inputs, result, prompt_lp, bucket, replayed)
+        return self._assemble(inputs, result, row_drafts, prompt_lp, bucket, replayed)
 
     def _redo_exact_rows(self, logits: torch.Tensor, params: RowParams, out: SampleOutput, real_rows: int) -> None:
         flags = out.needs_exact[:real_rows].cpu()
@@ -399,18 +439,28 @@ class StepEngine:
         self,
         inputs: SamplerInputs,
         result: dict[str, np.ndarray],
+        row_drafts: np.ndarray | None,
         prompt_lp: list[list[PromptLogprob] | None],
         bucket: int | None,
         replayed: bool,
     ) -> StepOutput:
-        tokens, logprobs = [], []
+        tokens, logprobs, num_accepted = [], [], []
+        drawn = result["tokens"]
         for i in range(inputs.num_reqs):
             lo = int(inputs.sample_offsets[i])
             hi = lo + int(inputs.sample_counts[i])
+            # Strict verification: row j's draw is keyed by the position it
+            # produces, exactly as in plain decoding, so accepting drafts while
+            # they equal the draws emits what one-token steps would have.
+            accepted = 0
+            if row_drafts is not None:
+                while lo + accepted < hi - 1 and drawn[lo + accepted] == row_drafts[lo + accepted]:
+                    accepted += 1
+            num_accepted.append(accepted)
             if inputs.is_prompt[i] and not inputs.is_last_chunk[i]:
                 emitted = range(0)  # the token sampled for a non-last chunk is discarded
             else:
-                emitted = range(lo, hi)
+                emitted = range(lo, lo + accepted + 1)
             tokens.append([int(result["tokens"][r]) for r in emitted])
             n_top = int(inputs.num_logprobs[i])
             if n_top < 0:
@@ -435,6 +485,7 @@ class StepEngine:
             logprobs=logprobs,
             prompt_logprobs=prompt_lp,
             seeds=[int(s) for s in inputs.seeds],
+            num_accepted=num_accepted,
             bucket=bucket,
             replayed=replayed,
         )

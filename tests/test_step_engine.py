@@ -19,7 +19,7 @@ def _weight(device: str) -> torch.Tensor:
     return torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(0)).to(device)
 
 
-def random_batch(n: int, seed: int, *, max_drafts: int = 0) -> tuple[list[SeqMeta], torch.Tensor]:
+def random_batch(n: int, seed: int, *, max_drafts: int = 0) -> tuple[list[SeqMeta], torch.Tensor, list]:
     """n requests: prefill chunks (last and not), decodes with 0..max_drafts
     drafts, greedy and filtered sampling, logprobs on and off."""
     rng = np.random.default_rng(seed)
@@ -50,7 +50,8 @@ def random_batch(n: int, seed: int, *, max_drafts: int = 0) -> tuple[list[SeqMet
             )
     rows = sum(s.seqlen_q for s in seqs)
     hidden = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(seed))
-    return seqs, hidden
+    drafts = [None if s.is_prompt else rng.integers(0, VOCAB, s.seqlen_q - 1).tolist() for s in seqs]
+    return seqs, hidden, drafts
 
 
 def _same(a, b) -> None:
@@ -81,9 +82,9 @@ def test_replay_equals_eager_around_every_bucket_and_above(engines):
     sizes = _sizes_around_buckets(replayed.buckets)
     assert max(sizes) > replayed.buckets.largest  # one step above the largest bucket
     for n in sizes:
-        seqs, hidden = random_batch(n, seed=n, max_drafts=2)
-        a = replayed.step(hidden.to(device), seqs)
-        b = eager.step(hidden.to(device), seqs)
+        seqs, hidden, drafts = random_batch(n, seed=n, max_drafts=2)
+        a = replayed.step(hidden.to(device), seqs, drafts)
+        b = eager.step(hidden.to(device), seqs, drafts)
         _same(a, b)
         if n <= replayed.buckets.largest:
             assert a.replayed and a.bucket == replayed.buckets.bucket_for(n)
@@ -94,7 +95,7 @@ def test_replay_equals_eager_around_every_bucket_and_above(engines):
 
 def test_replaying_twice_is_identical_and_follows_the_index_contents(engines):
     replayed, _, device = engines
-    seqs, hidden = random_batch(6, seed=101)
+    seqs, hidden, drafts = random_batch(6, seed=101)
     first = replayed.step(hidden.to(device), seqs)
     again = replayed.step(hidden.to(device), seqs)
     _same(first, again)
@@ -114,29 +115,67 @@ def test_replaying_twice_is_identical_and_follows_the_index_contents(engines):
 def test_padding_rows_never_leak(engines):
     replayed, eager, device = engines
     for n in (1, 3, 5, 11):
-        seqs, hidden = random_batch(n, seed=200 + n, max_drafts=2)
-        clean = eager.step(hidden.to(device), seqs)
+        seqs, hidden, drafts = random_batch(n, seed=200 + n, max_drafts=2)
+        clean = eager.step(hidden.to(device), seqs, drafts)
         replayed.buffers.fill_garbage(torch.Generator(device=device).manual_seed(n))
-        dirty = replayed.step(hidden.to(device), seqs)
+        dirty = replayed.step(hidden.to(device), seqs, drafts)
         _same(clean, dirty)
+
+
+def test_strict_drafts_emit_what_one_token_steps_would(engines):
+    """Drafts right, wrong and partly right, k = 0..2 per request, 60 sequences:
+    the emitted tokens equal one-token decode steps with the same seeds."""
+    replayed, _, device = engines
+    rng = np.random.default_rng(5)
+    for trial in range(60):
+        seqs, hidden, _ = random_batch(int(rng.integers(1, 6)), seed=1000 + trial, max_drafts=2)
+        starts = np.cumsum([0] + [s.seqlen_q for s in seqs])
+        one_by_one = []  # per request: the draw of each row as its own one-token step
+        for i, s in enumerate(seqs):
+            draws = []
+            for j in range(s.seqlen_q if not s.is_prompt else 0):
+                single = SeqMeta(s.request_id, False, 1, s.seqlen_k - s.seqlen_q + 1 + j, s.prompt_len,
+                                 num_generated=s.num_generated + j, params=s.params, mtp_write_slot=1)
+                row = hidden[starts[i] + j : starts[i] + j + 1].to(device)
+                draws.append(replayed.step(row, [single]).tokens[0][0])
+            one_by_one.append(draws)
+        drafts = []
+        for s, draws in zip(seqs, one_by_one):
+            if s.is_prompt:
+                drafts.append(None)
+                continue
+            proposal = list(draws[:-1])  # all right
+            if proposal and rng.random() < 0.6:  # wrong from a random draft on
+                m = int(rng.integers(len(proposal)))
+                proposal[m] = (proposal[m] + 1 + int(rng.integers(VOCAB - 1))) % VOCAB
+            drafts.append(proposal)
+        out = replayed.step(hidden.to(device), seqs, drafts)
+        for i, s in enumerate(seqs):
+            if s.is_prompt:
+                continue
+            accepted = 0
+            while accepted < len(drafts[i]) and drafts[i][accepted] == one_by_one[i][accepted]:
+                accepted += 1
+            assert out.num_accepted[i] == accepted
+            assert out.tokens[i] == one_by_one[i][: accepted + 1]
 
 
 def test_a_request_samples_the_same_alone_and_in_a_crowd():
     w = _weight("cpu")
     engine = StepEngine(w, EngineConfig(max_num_reqs=64, device="cpu", buckets=(1, 8, 64)))
     engine.capture()
-    crowd, hidden = random_batch(40, seed=7)
+    crowd, hidden, drafts = random_batch(40, seed=7)
     starts = np.cumsum([0] + [s.seqlen_q for s in crowd])
-    together = engine.step(hidden, crowd)
+    together = engine.step(hidden, crowd, drafts)
     for i in (0, 13, 39):
-        alone = engine.step(hidden[starts[i] : starts[i + 1]], [crowd[i]])
+        alone = engine.step(hidden[starts[i] : starts[i + 1]], [crowd[i]], [drafts[i]])
         assert alone.tokens[0] == together.tokens[i]
         assert alone.logprobs[0] == together.logprobs[i]
 
 
 def test_zero_copy_source_matches_the_copy_path(engines):
     replayed, _, device = engines
-    seqs, hidden = random_batch(5, seed=9)
+    seqs, hidden, drafts = random_batch(5, seed=9)
     copied = replayed.step(hidden.to(device), seqs)
     copies = replayed.stats.source_copies
     replayed.source[: hidden.shape[0]].copy_(hidden)
@@ -177,7 +216,7 @@ def _buffer_snapshot(engine: StepEngine) -> list[torch.Tensor]:
 def test_bad_input_is_rejected_before_any_buffer_is_touched(mutate, match):
     engine = StepEngine(_weight("cpu"), EngineConfig(max_num_reqs=4, device="cpu"))
     engine.capture()
-    seqs, hidden = random_batch(2, seed=3)
+    seqs, hidden, drafts = random_batch(2, seed=3)
     engine.step(hidden, seqs)
     before = _buffer_snapshot(engine)
     bad_seqs, bad_hidden = mutate(seqs, hidden)
