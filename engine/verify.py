@@ -1,0 +1,297 @@
+"""Draft verification on the device (SPEC §1.2, §2.1): which drafts a step accepts.
+
+Layout. Sample rows are flat; request i owns rows [first_i, first_i + 1 + k_i)
+and row j of it produces position `sample_position_i + j`. `row_to_req` and
+`local_step` [rows] name each row's request and j. `row_drafts[r]` is the draft
+token row r is asked to predict (the draft at query position j + 1), -1 on a
+request's last row, which has none. Every function here is capture-safe: no
+host syncs, no value-dependent shapes, no generator state; randomness comes
+from `engine.rng` keyed by (request seed, the row's absolute position, stream).
+
+Padding rows must point at a padding request (its results are cut off) or
+carry a `local_step` larger than any real row's (e.g. 1 + max_draft_tokens):
+then they never change a real request's `num_accepted`. They stay finite.
+
+Strict mode (`accept_strict`): a draft is accepted while it equals its row's
+own draw (`engine.sampler.sample`); the emitted tokens are the draws of rows
+0..num_accepted, so the output equals decoding one token per step.
+
+Rejection mode (`verify_rejection`, Leviathan et al. 2023): row j accepts its
+draft d when u < p(d) / q(d), u from stream ACCEPT keyed by (seed, position,
+counter 0), written `u * q(d) < p(d)` so q(d) = 0 needs no division (such a
+draft was not drawn from q: accepted iff p(d) > 0). On the first rejection the
+row emits an inverse-CDF draw from normalize(max(p - q, 0)) with one uniform
+from stream RESIDUAL. The residual is all zero only when p <= q everywhere,
+i.e. p == q: then a rejection can only come from a draft with p(d) = q(d) = 0,
+and the row emits an inverse-CDF draw from p with the same uniform instead
+(still exact: the target's distribution is what the row must produce). A row without a draft
+(all earlier drafts accepted) emits the bonus token, a draw from p; see
+`verify_rejection` for when it equals the normal sampler's token.
+
+Top-k-space mode (per request k, 0 = off; `restrict_to_top_k`,
+`draft_in_top_k`): target and draft distributions are cut to their top-k,
+value-defined with ties at the cut kept (as SPEC §2 defines top-k), and
+renormalised. Working on the full vocabulary with the other tokens at
+probability 0 is the remap into the target's top-k done in place: a draft maps
+to its own id, and one outside the target's top-k has p(d) = 0, so it is always
+rejected; draft mass outside the target's top-k drops out of the residual
+because max(0 - q, 0) = 0. In strict mode the same mode rejects a draft outside
+the target's top-k even when the draw equals it (the emitted draw is unchanged,
+so the output still equals plain decoding).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.rng import ACCEPT, RESIDUAL, TARGET, gumbel, uniform
+from engine.sampler import RowParams, _block_log_normaliser, _expand
+
+_NONE = torch.iinfo(torch.int64).max  # scatter-min identity: "no rejection seen"
+
+
+def _first_rejection(
+    accepted: torch.Tensor, row_to_req: torch.Tensor, local_step: torch.Tensor, num_reqs: int, out: torch.Tensor | None
+) -> torch.Tensor:
+    """Per request, the local step of its first non-accepted row: the number of
+    leading accepted drafts. A request's last row never accepts, so every real
+    request has one; a request slot without rows gets 0."""
+    key = torch.where(accepted, torch.full_like(local_step, _NONE), local_step)  # [rows]
+    first = torch.full((num_reqs,), _NONE, dtype=torch.int64, device=local_step.device)
+    first.scatter_reduce_(0, row_to_req, key, "amin", include_self=True)
+    first = torch.where(first == _NONE, torch.zeros_like(first), first)
+    if out is None:
+        return first
+    return out.copy_(first)
+
+
+def accept_strict(
+    row_tokens: torch.Tensor,
+    row_drafts: torch.Tensor,
+    row_to_req: torch.Tensor,
+    local_step: torch.Tensor,
+    num_reqs: int,
+    *,
+    draft_allowed: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Strict verification: `num_accepted` [num_reqs] int64.
+
+    row_tokens [rows] int64: each row's own draw (the sampler's tokens);
+    row_drafts [rows] int64, -1 = no draft. A request accepts its leading rows
+    whose draw equals the draft. `draft_allowed` [rows] bool (top-k-space mode,
+    from `draft_in_top_k`) additionally rejects where False. The emitted
+    tokens of request i are its rows' draws for local steps 0..num_accepted[i]
+    (`emitted_mask`). Written into `out` when given.
+    """
+    accepted = (row_drafts >= 0) & (row_tokens == row_drafts)
+    if draft_allowed is not None:
+        accepted = accepted & draft_allowed
+    return _first_rejection(accepted, row_to_req, local_step, num_reqs, out)
+
+
+def emitted_mask(num_accepted: torch.Tensor, row_to_req: torch.Tensor, local_step: torch.Tensor) -> torch.Tensor:
+    """[rows] bool: row j of request i emits a token iff j <= num_accepted[i]."""
+    return local_step <= num_accepted[row_to_req]
+
+
+def target_probs(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
+    """The processed distribution each row's draw follows, [rows, V] float64.
+
+    Same definitions as `engine.sampler` (its module docstring): EOS/stop
+    suppression, temperature, top-k, top-p renormalised after top-k, min-p,
+    all value-defined with ties kept, p = exp(z - log Z) with the block
+    normaliser; kept tokens renormalised. Greedy rows are one-hot at the greedy
+    token (largest unsuppressed raw logit, smallest id), forced rows one-hot at
+    the forced token. One full-row sort per row.
+
+    float64 because rejection verification compares p(d) with u * q(d) and
+    takes max(p - q, 0): in float32 the residual of two close distributions
+    is mostly rounding noise, and the sampler's own p is float64 already.
+    """
+    raw = logits.to(torch.float32)  # [rows, V]
+    num_rows, vocab = raw.shape
+    rows = _expand(params, vocab)
+    neg_inf = torch.full((), -math.inf, dtype=torch.float32, device=raw.device)
+
+    # A padded stop id (-1, clamped to 0) may share a slot index with an active
+    # id 0: count activations instead of scattering booleans, so duplicates
+    # cannot overwrite each other.
+    hits = torch.zeros(num_rows, vocab, dtype=torch.int32, device=raw.device)
+    suppressed = hits.scatter_add_(1, rows.stop_ids, rows.stop_active.to(torch.int32)) > 0  # [rows, V]
+    unsuppressed_raw = torch.where(suppressed, neg_inf, raw)
+    shift = unsuppressed_raw.amax(-1)
+    # Every token suppressed cannot happen for real requests (RowParams says
+    # stop ids never cover the vocabulary); keep such a row finite anyway.
+    shift = torch.where(shift > -math.inf, shift, raw.amax(-1))
+
+    temperature = rows.temperature[:, None]
+    z = torch.where(suppressed, neg_inf, (raw - shift[:, None]) / temperature)  # [rows, V] f32
+    e = torch.sub(raw, shift[:, None]).div_(temperature).exp_()
+    e = torch.where(suppressed, torch.zeros((), dtype=e.dtype, device=e.device), e)
+    _, log_z = _block_log_normaliser(e)
+
+    zs, ids = torch.sort(z, dim=1, descending=True, stable=True)  # ties keep id order
+    p = torch.exp(zs.to(torch.float64) - log_z[:, None])  # [rows, V] f64, sorted
+    zero = torch.zeros((), dtype=p.dtype, device=p.device)
+    alive = zs > -math.inf
+    kth_z = zs.gather(1, (rows.top_k.clamp(min=1, max=vocab) - 1)[:, None])
+    k_mask = ~rows.k_on[:, None] | (zs >= kth_z)
+    k_p = torch.where(rows.k_on[:, None] & k_mask & alive, p, zero)
+    # cumsum's last entry, not sum(): the sampler's mass, rounded the same way.
+    k_mass = torch.where(rows.k_on, k_p.cumsum(-1)[:, -1], torch.ones_like(rows.top_p))
+    cum = torch.where(rows.k_on[:, None], k_p, torch.where(alive, p, zero)).cumsum(-1)
+    reached = cum >= (rows.top_p * k_mass)[:, None]
+    first = reached.to(torch.int8).argmax(-1, keepdim=True)
+    t_star = torch.where(reached.any(-1, keepdim=True), p.gather(1, first), zero)
+    p_mask = ~rows.p_on[:, None] | (p >= t_star)
+    m_mask = ~rows.m_on[:, None] | (p >= (rows.min_p * p[:, 0])[:, None])
+    kept_p = torch.where(alive & k_mask & p_mask & m_mask, p, zero)
+    kept_p = kept_p / kept_p.sum(-1, keepdim=True)
+    probs = torch.empty_like(kept_p).scatter_(1, ids, kept_p)  # back to token order
+
+    ids_v = torch.arange(vocab, device=raw.device)
+    best = unsuppressed_raw.amax(-1, keepdim=True)
+    greedy_token = torch.where(unsuppressed_raw == best, ids_v, vocab).amin(-1)
+    one_hot_token = torch.where(rows.forced >= 0, rows.forced, greedy_token)
+    one_hot = (ids_v == one_hot_token[:, None]).to(torch.float64)
+    return torch.where((rows.greedy | (rows.forced >= 0))[:, None], one_hot, probs)
+
+
+def top_k_mask(dist: torch.Tensor, k_rows: torch.Tensor, max_k: int | None = None) -> torch.Tensor:
+    """[rows, V] bool: the top-k of each row of `dist`, every value >= the k-th
+    largest (ties at the cut kept); k <= 0 keeps the row whole. k is clamped to
+    `max_k` (a static bound on every row's k; None: the vocabulary)."""
+    vocab = dist.shape[1]
+    width = vocab if max_k is None else min(max_k, vocab)
+    top = torch.topk(dist, width, dim=1).values  # [rows, width], descending
+    kth = top.gather(1, (k_rows.clamp(min=1, max=width) - 1)[:, None])
+    return (k_rows <= 0)[:, None] | (dist >= kth)
+
+
+def restrict_to_top_k(dist: torch.Tensor, k_rows: torch.Tensor, max_k: int | None = None) -> torch.Tensor:
+    """`dist` [rows, V] cut to each row's top-k (see `top_k_mask`) and renormalised.
+
+    A row with no mass (a padding row's missing draft distribution) stays zero.
+    """
+    kept = torch.where(top_k_mask(dist, k_rows, max_k), dist, torch.zeros((), dtype=dist.dtype, device=dist.device))
+    mass = kept.sum(-1, keepdim=True)
+    return torch.where(mass > 0, kept / torch.where(mass > 0, mass, torch.ones_like(mass)), kept)
+
+
+def draft_in_top_k(scores: torch.Tensor, row_drafts: torch.Tensor, k_rows: torch.Tensor, max_k: int | None = None) -> torch.Tensor:
+    """[rows] bool: the row's draft lies in the top-k of `scores` [rows, V]
+    (the target's logits or probabilities); rows with k <= 0 allow any draft,
+    rows without a draft allow nothing. The strict-mode `draft_allowed`."""
+    in_top = top_k_mask(scores, k_rows, max_k).gather(1, row_drafts.clamp(min=0)[:, None]).squeeze(1)
+    return (row_drafts >= 0) & in_top
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row from nonnegative `weights` [rows, V] f64 at u [rows] in (0, 1).
+
+    A token of weight 0 is never picked: searchsorted(right) stops at the first
+    cumulative sum strictly above u * total, and rounding past the end falls
+    back to the last token of positive weight. An all-zero row gives token 0.
+    """
+    cum = weights.cumsum(-1)
+    pick = torch.searchsorted(cum, (u * cum[:, -1])[:, None], right=True)
+    ids = torch.arange(weights.shape[1], device=weights.device)
+    last_positive = torch.where(weights > 0, ids, -1).amax(-1, keepdim=True).clamp(min=0)
+    return torch.minimum(pick, last_positive).squeeze(1)
+
+
+def _gumbel_race(dist: torch.Tensor, seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """A draw from `dist` [rows, V] by argmax of log p + G(token id), stream TARGET."""
+    vocab = dist.shape[1]
+    ids = torch.arange(vocab, device=dist.device)
+    race = torch.log(dist) + gumbel(seed[:, None], position[:, None], TARGET, ids)  # log 0 = -inf: never wins
+    best = race.amax(-1, keepdim=True)
+    return torch.where(race == best, ids, vocab).amin(-1).clamp(max=vocab - 1)
+
+
+def verify_rejection(
+    p: torch.Tensor,
+    row_drafts: torch.Tensor,
+    q: torch.Tensor | None,
+    seed: torch.Tensor,
+    position: torch.Tensor,
+    row_to_req: torch.Tensor,
+    local_step: torch.Tensor,
+    num_reqs: int,
+    out_tokens: torch.Tensor,
+    *,
+    row_tokens: torch.Tensor | None = None,
+    top_k_space: torch.Tensor | None = None,
+    max_top_k: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rejection-mode verification; returns `num_accepted` [num_reqs] int64.
+
+    p [rows, V] f64: each row's target distribution (`target_probs`);
+    row_drafts [rows] int64, -1 = no draft; q [rows, V] or None: the draft
+    distribution each row's draft was drawn from, None = drafts without
+    probabilities (one-hot q at the draft); seed [num_reqs] int64 (uint64 bits);
+    position [rows] int64: the absolute position each row produces.
+
+    Writes `out_tokens` [rows] int64: on emitted rows (`emitted_mask`) the
+    accepted draft, the residual draw at the first rejection, or the bonus
+    token on a request's last row when all its drafts were accepted; -1 on
+    rows that emit nothing.
+
+    Bonus token: with `row_tokens` (the sampler's draws for these rows) it is
+    the row's own draw, so a request whose drafts are all accepted (or that has
+    none) emits exactly what the normal sampler would. In top-k-space mode the
+    row's draw is kept when it lies in the restricted target's support, else a
+    Gumbel race over the restricted p (stream TARGET) decides; both are exact
+    draws from the restricted p (the race keeps the same noise per token id,
+    so its winner is the unrestricted winner whenever that one survives).
+    Without `row_tokens` the bonus is that race over p.
+
+    top_k_space [num_reqs] int64 (0 = off) switches on top-k-space mode per
+    request; `max_top_k` bounds every k (None: the vocabulary, a full sort).
+    In that mode the drafts must have been drawn from q cut to its top-k (what
+    a draft head working in top-k space does); q is cut here the same way.
+    """
+    seed_rows = seed[row_to_req]  # [rows]
+    if top_k_space is not None:
+        k_rows = top_k_space[row_to_req]
+        p = restrict_to_top_k(p, k_rows, max_top_k)
+        if q is not None:
+            q = restrict_to_top_k(q.to(p.dtype), k_rows, max_top_k)
+    has_draft = row_drafts >= 0
+    drafts = row_drafts.clamp(min=0)[:, None]  # [rows, 1]
+    zero = torch.zeros((), dtype=p.dtype, device=p.device)
+    counter0 = torch.zeros((), dtype=torch.int64, device=p.device)
+
+    p_draft = p.gather(1, drafts).squeeze(1)
+    if q is None:
+        q_draft = torch.ones_like(p_draft)
+        # max(p - onehot(d), 0): p with the draft's mass removed.
+        residual = p.scatter(1, drafts, zero.expand_as(drafts))
+    else:
+        q = q.to(p.dtype)
+        q_draft = q.gather(1, drafts).squeeze(1)
+        residual = (p - q).clamp_(min=0)
+    u_accept = uniform(seed_rows, position, ACCEPT, counter0)
+    accepted = has_draft & (u_accept * q_draft < p_draft)
+
+    # p == q leaves no residual mass (see the module docstring): draw from p.
+    degenerate = ~(residual.sum(-1, keepdim=True) > 0)
+    residual = torch.where(degenerate, p, residual)
+    residual_token = _inverse_cdf(residual, uniform(seed_rows, position, RESIDUAL, counter0))
+
+    if row_tokens is None:
+        bonus = _gumbel_race(p, seed_rows, position)
+    elif top_k_space is None:
+        bonus = row_tokens
+    else:
+        own_in_support = p.gather(1, row_tokens.clamp(min=0)[:, None]).squeeze(1) > 0
+        bonus = torch.where(own_in_support, row_tokens, _gumbel_race(p, seed_rows, position))
+
+    num_accepted = _first_rejection(accepted, row_to_req, local_step, num_reqs, out)
+    token = torch.where(accepted, row_drafts, torch.where(has_draft, residual_token, bonus))
+    emitted = emitted_mask(num_accepted, row_to_req, local_step)
+    out_tokens.copy_(torch.where(emitted, token, torch.full_like(token, -1)))
+    return num_accepted
