@@ -1,0 +1,376 @@
+"""A Llama-style decoder (RMSNorm, RoPE, GQA, SwiGLU, tied embeddings) with a per-request KV cache.
+
+Two execution modes share every weight and the cache:
+
+- fast (default): one GEMM per projection over all scheduled tokens, and
+  `scaled_dot_product_attention` per request against its cache slot.
+- batch-invariant (`batch_invariant=True`): a token's hidden state is bit-identical
+  whatever else shares the step and however its prompt was chunked. GEMM
+  kernels pick their blocking (and so their summation order) from the matrix
+  shape, so every linear layer runs on fixed `[row_block, K]` row blocks (the
+  token rows are zero-padded up to a multiple of `row_block`) as one batched GEMM
+  of identical per-block shapes. Attention works on fixed `[row_block, key_block]`
+  score tiles aligned to absolute cache positions: the softmax maximum is exact in
+  any order, per-tile sums have a fixed length, and tiles are folded in cache
+  order, so key tiles past a query's position add exact zeros. RMSNorm uses
+  sqrt + divide (correctly rounded in vector and scalar code alike) instead of rsqrt.
+
+Weights use the Hugging Face layout (RoPE on rotate-half pairs `(i, i + head_dim/2)`);
+q/k/v and gate/up are stored fused so a layer runs four GEMMs.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engine.models.protocol import ForwardBatch, check_forward_args
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_position: int = 2048
+    eos_token_id: int = 0
+    stop_token_ids: tuple[int, ...] = field(default=())  # EOS is always added
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "int" and value < 1 and f.name != "eos_token_id":
+                raise ValueError(f"LlamaConfig.{f.name} must be >= 1, got {value}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"LlamaConfig.num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"LlamaConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        stops = tuple(dict.fromkeys((self.eos_token_id, *self.stop_token_ids)))
+        for token in stops:
+            if not 0 <= token < self.vocab_size:
+                raise ValueError(f"LlamaConfig stop/eos token id {token} is outside the vocabulary [0, {self.vocab_size})")
+        object.__setattr__(self, "stop_token_ids", stops)
+
+    @classmethod
+    def tiny(cls, **overrides: object) -> LlamaConfig:
+        """A few-hundred-kilobyte config for tests; widths are multiples of 32 (see `LlamaModel`)."""
+        base = dict(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+            num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5, max_position=512,
+            eos_token_id=1,
+        )
+        base.update(overrides)
+        return cls(**base)  # type: ignore[arg-type]
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [(heads + 2 kv_heads) * head_dim, H]
+    o_proj: torch.Tensor  # [H, heads * head_dim]
+    mlp_norm: torch.Tensor  # [H]
+    gate_up: torch.Tensor  # [2 I, H]: gate rows first
+    down: torch.Tensor  # [H, I]
+
+
+@dataclass
+class LlamaWeights:
+    embed: torch.Tensor  # [V, H], also the LM head (tied)
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor  # [H]
+
+    def to(self, device: torch.device | str, dtype: torch.dtype) -> LlamaWeights:
+        move = lambda t: t.to(device=device, dtype=dtype).contiguous()  # noqa: E731
+        return LlamaWeights(
+            embed=move(self.embed),
+            layers=[LayerWeights(**{f.name: move(getattr(layer, f.name)) for f in fields(LayerWeights)}) for layer in self.layers],
+            final_norm=move(self.final_norm),
+        )
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        tensors = {"embed": self.embed, "final_norm": self.final_norm}
+        for n, layer in enumerate(self.layers):
+            for f in fields(LayerWeights):
+                tensors[f"layers.{n}.{f.name}"] = getattr(layer, f.name)
+        return tensors
+
+    @classmethod
+    def from_state_dict(cls, tensors: dict[str, torch.Tensor], num_layers: int) -> LlamaWeights:
+        layers = [LayerWeights(**{f.name: tensors[f"layers.{n}.{f.name}"] for f in fields(LayerWeights)}) for n in range(num_layers)]
+        return cls(embed=tensors["embed"], layers=layers, final_norm=tensors["final_norm"])
+
+
+def fuse_layer(
+    attn_norm: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+    mlp_norm: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+) -> LayerWeights:
+    """One layer from separate Hugging Face-layout projections (`[out, in]` each)."""
+    return LayerWeights(
+        attn_norm=attn_norm, qkv=torch.cat([q, k, v]), o_proj=o, mlp_norm=mlp_norm,
+        gate_up=torch.cat([gate, up]), down=down,
+    )
+
+
+def random_weights(config: LlamaConfig, seed: int) -> LlamaWeights:
+    """Seeded weights scaled so activations stay O(1) and logits are peaked (greedy ties are rare)."""
+    gen = torch.Generator().manual_seed(seed)
+    H, I, d = config.hidden_size, config.intermediate_size, config.head_dim
+    q_out, kv_out = config.num_heads * d, config.num_kv_heads * d
+
+    def linear(out_features: int, in_features: int) -> torch.Tensor:
+        return torch.randn(out_features, in_features, generator=gen) / math.sqrt(in_features)
+
+    def norm() -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn(H, generator=gen)
+
+    layers = [
+        fuse_layer(norm(), linear(q_out, H), linear(kv_out, H), linear(kv_out, H), linear(H, q_out),
+                   norm(), linear(I, H), linear(I, H), linear(H, I))
+        for _ in range(config.num_layers)
+    ]
+    return LlamaWeights(embed=torch.randn(config.vocab_size, H, generator=gen), layers=layers, final_norm=norm())
+
+
+def _ceil_to(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class LlamaModel:
+    """The decoder plus its KV cache: `[num_slots, cache_len, kv_heads, head_dim]` per layer for K and V.
+
+    Implements `engine.models.protocol.CausalLM`. `max_context` bounds `seqlen_k`
+    (defaults to the config's `max_position`).
+    """
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        weights: LlamaWeights,
+        *,
+        num_slots: int = 8,
+        max_context: int | None = None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        batch_invariant: bool = False,
+        row_block: int = 16,
+        key_block: int = 64,
+    ) -> None:
+        max_context = config.max_position if max_context is None else max_context
+        if not 1 <= max_context <= config.max_position:
+            raise ValueError(f"max_context must be in [1, {config.max_position}], got {max_context}")
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        if row_block < 1 or key_block < 1:
+            raise ValueError(f"row_block and key_block must be >= 1, got {row_block} and {key_block}")
+        self.config = config
+        self.weights = weights.to(device, dtype)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.batch_invariant = batch_invariant
+        self.row_block = row_block
+        self.key_block = key_block
+        self.hidden_size = config.hidden_size
+        self.vocab_size = config.vocab_size
+        self.max_context = max_context
+        self.eos_token_id = config.eos_token_id
+        self.stop_token_ids = config.stop_token_ids
+        self.num_slots = num_slots
+
+        # Batch-invariant attention reads whole key tiles, so the cache is rounded up to a tile.
+        self.cache_len = _ceil_to(max_context, key_block) if batch_invariant else max_context
+        kv_shape = (num_slots, self.cache_len, config.num_kv_heads, config.head_dim)
+        # Uninitialised on purpose: a slot is zeroed when first handed out, so untouched slots
+        # never commit memory.
+        self.k_cache = [torch.empty(kv_shape, device=self.device, dtype=dtype) for _ in range(config.num_layers)]
+        self.v_cache = [torch.empty(kv_shape, device=self.device, dtype=dtype) for _ in range(config.num_layers)]
+        self._free_slots = list(range(num_slots - 1, -1, -1))
+        self._slot_in_use = np.zeros(num_slots, dtype=bool)
+        self._slot_zeroed = np.zeros(num_slots, dtype=bool)
+
+        half = config.head_dim // 2
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(half, dtype=torch.float64) * 2 / config.head_dim))
+        angles = torch.arange(self.cache_len, dtype=torch.float64)[:, None] * inv_freq[None, :]  # [cache_len, d/2]
+        self._rope_cos = angles.cos().to(device=self.device, dtype=dtype)
+        self._rope_sin = angles.sin().to(device=self.device, dtype=dtype)
+
+    @classmethod
+    def random(cls, config: LlamaConfig, seed: int, **kwargs: object) -> LlamaModel:
+        return cls(config, random_weights(config, seed), **kwargs)  # type: ignore[arg-type]
+
+    def with_options(self, **kwargs: object) -> LlamaModel:
+        """A new model (fresh, empty cache) on the same weights with other constructor options."""
+        options = dict(
+            num_slots=self.num_slots, max_context=self.max_context, device=self.device, dtype=self.dtype,
+            batch_invariant=self.batch_invariant, row_block=self.row_block, key_block=self.key_block,
+        )
+        options.update(kwargs)
+        return LlamaModel(self.config, self.weights, **options)  # type: ignore[arg-type]
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:  # [V, H]
+        return self.weights.embed
+
+    # ---- KV-cache slots -------------------------------------------------------------------
+
+    def allocate_slot(self) -> int:
+        if not self._free_slots:
+            raise RuntimeError(f"all {self.num_slots} KV-cache slots are in use")
+        slot = self._free_slots.pop()
+        if not self._slot_zeroed[slot]:
+            # Batch-invariant attention multiplies zero probabilities with the cache tail past
+            # seqlen_k; uninitialised memory there could hold NaN, and 0 * NaN is NaN.
+            for cache in (*self.k_cache, *self.v_cache):
+                cache[slot].zero_()
+            self._slot_zeroed[slot] = True
+        self._slot_in_use[slot] = True
+        return slot
+
+    def free_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots or not self._slot_in_use[slot]:
+            raise ValueError(f"KV-cache slot {slot} is not allocated")
+        self._slot_in_use[slot] = False
+        self._free_slots.append(slot)
+
+    # ---- forward ------------------------------------------------------------------------------
+
+    # no_grad, not inference_mode: callers may update the returned rows in place afterwards.
+    @torch.no_grad()
+    def forward(
+        self,
+        token_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        batch: ForwardBatch,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # [T, H]
+        check_forward_args(self, token_ids, positions, batch, out)
+        for i, slot in enumerate(batch.slots.tolist()):
+            if not 0 <= slot < self.num_slots or not self._slot_in_use[slot]:
+                raise ValueError(f"request {i}: KV-cache slot {slot} is not allocated")
+        cfg = self.config
+        total = batch.num_tokens
+        rows = _ceil_to(total, self.row_block) if self.batch_invariant else total
+        token_ids = token_ids.to(self.device)
+        positions = positions.to(self.device)
+        if rows > total:
+            # Padding rows run through every layer (their results are dropped) so each GEMM sees
+            # whole row blocks; token 0 at position 0 keeps them finite.
+            pad = torch.zeros(rows - total, dtype=torch.int64, device=self.device)
+            token_ids, positions = torch.cat([token_ids, pad]), torch.cat([positions, pad])
+
+        offsets = batch.token_offsets
+        # Flat index into the [num_slots * cache_len] view of a layer's cache for every new token.
+        cache_rows = np.repeat(batch.slots * self.cache_len + batch.context_starts - offsets[:-1], batch.seqlens_q)
+        cache_rows = torch.from_numpy(cache_rows + np.arange(total, dtype=np.int64)).to(self.device)
+        layout = list(zip(offsets[:-1].tolist(), offsets[1:].tolist(), batch.slots.tolist(), batch.seqlens_k.tolist()))
+
+        cos = self._rope_cos[positions][:, None, :]  # [rows, 1, d/2]
+        sin = self._rope_sin[positions][:, None, :]
+        heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        x = self.weights.embed[token_ids]  # [rows, H]
+        attn = torch.zeros(rows, heads * d, device=self.device, dtype=self.dtype)
+        for layer, k_cache, v_cache in zip(self.weights.layers, self.k_cache, self.v_cache):
+            qkv = self._linear(self._rms_norm(x, layer.attn_norm), layer.qkv)  # [rows, (heads + 2 kv) d]
+            q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+            q = _rope(q.view(rows, heads, d), cos, sin)
+            k = _rope(k.view(rows, kv_heads, d), cos, sin)
+            k_cache.view(-1, kv_heads, d).index_copy_(0, cache_rows, k[:total])
+            v_cache.view(-1, kv_heads, d).index_copy_(0, cache_rows, v.view(rows, kv_heads, d)[:total])
+            for start, end, slot, seqlen_k in layout:
+                if self.batch_invariant:
+                    attn[start:end] = self._tiled_attention(q[start:end], k_cache[slot], v_cache[slot], seqlen_k)
+                else:
+                    attn[start:end] = self._sdpa_attention(q[start:end], k_cache[slot, :seqlen_k], v_cache[slot, :seqlen_k])
+            x = x + self._linear(attn, layer.o_proj)
+            gate, up = self._linear(self._rms_norm(x, layer.mlp_norm), layer.gate_up).chunk(2, dim=-1)
+            x = x + self._linear(F.silu(gate) * up, layer.down)
+        hidden = self._rms_norm(x, self.weights.final_norm)[:total]
+        if out is None:
+            return hidden
+        out[:total].copy_(hidden)
+        return out[:total]
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        variance = x.pow(2).mean(dim=-1, keepdim=True)
+        return x / torch.sqrt(variance + self.config.rms_norm_eps) * weight
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if not self.batch_invariant:
+            return F.linear(x, weight)
+        rows, in_features = x.shape
+        blocks = rows // self.row_block
+        # bmm over an expanded (stride-0) weight runs the same [row_block, K] x [K, N] GEMM per
+        # block, whatever the block count; a plain [rows, K] GEMM changes kernels with `rows`.
+        out = torch.bmm(x.reshape(blocks, self.row_block, in_features), weight.t().expand(blocks, -1, -1))
+        return out.view(rows, weight.shape[0])
+
+    def _sdpa_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """One request: q `[Lq, heads, d]` against its cached `[Lk, kv_heads, d]`; returns `[Lq, heads * d]`."""
+        q_len, heads, d = q.shape
+        k_len, kv_heads = keys.shape[0], keys.shape[1]
+        group = heads // kv_heads
+        # Query heads sharing a KV head are stacked along the query axis, so GQA needs no K/V copies.
+        q = q.reshape(q_len, kv_heads, group, d).permute(1, 2, 0, 3).reshape(kv_heads, group * q_len, d)
+        keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [kv_heads, Lk, d]
+        if q_len == 1:
+            o = F.scaled_dot_product_attention(q, keys, values)
+        elif q_len == k_len:
+            o = F.scaled_dot_product_attention(q.view(kv_heads * group, q_len, d), keys.repeat_interleave(group, 0),
+                                               values.repeat_interleave(group, 0), is_causal=True)
+        else:
+            # A later prefill chunk: query i sits at cache position k_len - q_len + i.
+            query_pos = torch.arange(k_len - q_len, k_len, device=q.device)
+            visible = torch.arange(k_len, device=q.device)[None, :] <= query_pos[:, None]  # [Lq, Lk]
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible.repeat(group, 1))
+        return o.reshape(kv_heads, group, q_len, d).permute(2, 0, 1, 3).reshape(q_len, heads * d)
+
+    def _tiled_attention(self, q: torch.Tensor, k_slot: torch.Tensor, v_slot: torch.Tensor, k_len: int) -> torch.Tensor:
+        """Batch-invariant attention of one request: q `[Lq, heads, d]` against its whole cache slot.
+
+        Scores are computed on `[row_block, key_block]` tiles whose shape never changes;
+        tiles are folded in cache order with a sequential cumulative sum, so a query sees
+        the same operations in the same order whether it arrived alone, in a crowd, or in
+        a prefill chunk of any size.
+        """
+        q_len, heads, d = q.shape
+        kv_heads = k_slot.shape[1]
+        group = heads // kv_heads
+        qb, kb = self.row_block, self.key_block
+        q_tiles, k_tiles = -(-q_len // qb), -(-k_len // kb)
+        padded = q.new_zeros(q_tiles * qb, heads, d)
+        padded[:q_len] = q
+        q5 = padded.view(q_tiles, qb, kv_heads, group, d).permute(2, 3, 0, 1, 4)  # [kv, g, qt, qb, d]
+        keys = k_slot[: k_tiles * kb].view(k_tiles, kb, kv_heads, d).permute(2, 0, 3, 1)  # [kv, kt, d, kb]
+        values = v_slot[: k_tiles * kb].view(k_tiles, kb, kv_heads, d).permute(2, 0, 1, 3)  # [kv, kt, kb, d]
+        tiles = (kv_heads, group, q_tiles, k_tiles)
+        # Every (query tile, key tile) pair becomes one item of a bmm batch of equal shapes.
+        q_pairs = q5[:, :, :, None].expand(*tiles, qb, d).reshape(-1, qb, d)
+        k_pairs = keys[:, None, None].expand(*tiles, d, kb).reshape(-1, d, kb)
+        scores = torch.bmm(q_pairs, k_pairs).view(*tiles, qb, kb) * (1.0 / math.sqrt(d))
+        # Padding query rows borrow the last real position, so every row sees at least one key.
+        query_pos = (torch.arange(q_tiles * qb, device=q.device) + (k_len - q_len)).clamp_max(k_len - 1)
+        key_pos = torch.arange(k_tiles * kb, device=q.device)
+        visible = key_pos.view(1, k_tiles, 1, kb) <= query_pos.view(q_tiles, 1, qb, 1)  # [qt, kt, qb, kb]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.exp(scores - scores.amax(dim=(3, 5), keepdim=True))  # masked entries are exactly 0
+        v_pairs = values[:, None, None].expand(*tiles, kb, d).reshape(-1, kb, d)
+        partial = torch.bmm(probs.view(-1, qb, kb), v_pairs).view(*tiles, qb, d)
+        # cumsum runs sequentially along the key-tile axis; its last entry is the in-order fold.
+        numer = partial.cumsum(dim=3)[:, :, :, -1]  # [kv, g, qt, qb, d]
+        denom = probs.sum(dim=-1).cumsum(dim=3)[:, :, :, -1]  # [kv, g, qt, qb]
+        o = numer / denom[..., None]
+        return o.permute(2, 3, 0, 1, 4).reshape(q_tiles * qb, heads * d)[:q_len]
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE: x `[rows, heads, d]`, cos/sin `[rows, 1, d/2]`."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
