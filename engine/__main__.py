@@ -1,4 +1,4 @@
-"""Command line: `python -m engine explain ...` and `python -m engine demo`."""
+"""Command line: `python -m engine demo [...]` (the main job) and `python -m engine explain ...`."""
 from __future__ import annotations
 
 import argparse
@@ -44,13 +44,16 @@ def run_explain(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["demo"]:
+        from engine import demo  # imports torch and the model: only for the demo
+
+        return demo.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m engine")
     sub = parser.add_subparsers(dest="command", required=True)
     _explain_parser(sub)
-    sub.add_parser("demo", help="the main job: for now, the ledger of the built-in example batch")
+    sub.add_parser("demo", help="the main job: the decode loop on SmolLM2 (see `demo --help`)")
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        args = parser.parse_args(["explain", "--example", "--bucket", "8"])
     try:
         return run_explain(args)
     except ValueError as err:

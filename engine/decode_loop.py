@@ -1,0 +1,370 @@
+"""A small continuous-batching decode loop around StepEngine.
+
+Per step: admit arrived requests (a KV-cache slot and a table row each),
+schedule decodes first (1 + drafts tokens each), then prefill chunks with the
+rest of the token budget; run the model's forward straight into the engine's
+static hidden-state source (zero-copy); `engine.step` samples / verifies; emit,
+finish (EOS, stop ids, max_tokens) and free the slots.
+
+Drafts come from an n-gram prompt-lookup drafter: the longest recent n-gram
+of the request's history that occurred before proposes the tokens that
+followed it. Verification is strict, so drafts change speed, never tokens.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from engine.models.protocol import CausalLM, ForwardBatch
+from engine.params import SamplingParams, SeqMeta
+from engine.request_table import DraftSlots
+from engine.prompt_logprobs import PromptLogprob
+from engine.step_engine import EngineConfig, StepEngine, TokenLogprob
+from profiling.ranges import stage
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    max_num_reqs: int = 16  # running requests (also the engine's largest bucket)
+    token_budget: int = 256  # query tokens per step, decodes first, then prefill chunks
+    max_draft_tokens: int = 0  # 0 = no speculation
+    ngram_max: int = 3  # longest n-gram the drafter matches
+    default_max_tokens: int = 64  # when a request's params.max_tokens is None
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("max_num_reqs", 1), ("token_budget", 1), ("max_draft_tokens", 0),
+                              ("ngram_max", 1), ("default_max_tokens", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"LoopConfig.{name}={value!r}: must be an int >= {minimum}")
+        if self.token_budget < self.max_num_reqs * (1 + self.max_draft_tokens):
+            raise ValueError(
+                f"LoopConfig.token_budget={self.token_budget}: must cover one decode step of every running "
+                f"request, max_num_reqs * (1 + max_draft_tokens) = {self.max_num_reqs * (1 + self.max_draft_tokens)}"
+            )
+
+
+def propose_ngram_drafts(history: np.ndarray, k: int, ngram_max: int) -> list[int]:
+    """Prompt lookup: find the latest earlier occurrence of the history's last
+    n tokens (n = ngram_max down to 1) and propose the k tokens after it."""
+    length = len(history)
+    for n in range(min(ngram_max, length - 1), 0, -1):
+        tail = history[length - n :]
+        # Windows starting before the tail itself; the latest match wins.
+        windows = np.lib.stride_tricks.sliding_window_view(history[: length - 1], n)
+        hits = np.flatnonzero((windows == tail).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return history[start : start + k].tolist()
+    return []
+
+
+@dataclass
+class Completion:
+    request_id: Hashable
+    prompt_tokens: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[PromptLogprob] | None = None
+    seed: int | None = None
+    finish_reason: str | None = None  # "stop" (EOS / stop id) or "length"
+    text: str | None = None  # filled by callers that hold a tokenizer
+
+
+@dataclass
+class _Running:
+    request_id: Hashable
+    prompt: np.ndarray  # [prompt_len] int64
+    params: SamplingParams
+    max_tokens: int
+    kv_slot: int
+    completion: Completion
+    draft_slot: int = 0  # draft-info write slot (0 = none: speculation off)
+    prefilled: int = 0  # prompt tokens already in the KV cache
+    drafts: list[int] = field(default_factory=list)  # being verified this step
+
+    @property
+    def generated(self) -> list[int]:
+        return self.completion.tokens
+
+
+@dataclass
+class LoopStats:
+    steps: int = 0
+    tokens_generated: int = 0
+    prefill_tokens: int = 0
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+    forward_seconds: float = 0.0
+    engine_seconds: float = 0.0
+    schedule_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """Streaming output: what one request emitted in one step."""
+
+    request_id: Hashable
+    new_tokens: list[int]
+    finished: bool
+
+
+class DecodeLoop:
+    """Waiting queue, running set, token budget, chunked prefill mixed with decode."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        config: LoopConfig | None = None,
+        *,
+        engine_config: EngineConfig | None = None,
+        capture: bool = True,
+    ):
+        self.model = model
+        self.config = config or LoopConfig()
+        cfg = self.config
+        engine_config = engine_config or EngineConfig()
+        # The engine serves this loop: its largest bucket, draft count and
+        # source size follow the loop; everything else (device, graphs,
+        # sampler) comes from the caller's config.
+        engine_config = EngineConfig(
+            **{
+                **{f: getattr(engine_config, f) for f in engine_config.__dataclass_fields__},
+                "max_num_reqs": cfg.max_num_reqs,
+                "max_draft_tokens": cfg.max_draft_tokens,
+                "max_source_rows": max(cfg.token_budget, cfg.max_num_reqs * (1 + cfg.max_draft_tokens)),
+                "eos_token_id": model.eos_token_id,
+                "buckets": None,
+            }
+        )
+        self.engine = StepEngine(model.lm_head_weight, engine_config)
+        if capture:
+            self.engine.capture()
+        self.draft_slots = DraftSlots(cfg.max_num_reqs + 1) if cfg.max_draft_tokens else None
+        self.waiting: deque[tuple[int, _Running]] = deque()  # (arrival step, request)
+        self.running: list[_Running] = []
+        self.finished: dict[Hashable, Completion] = {}
+        self._known: set[Hashable] = set()
+        self.stats = LoopStats()
+
+    # -- submission -----------------------------------------------------------------
+
+    def submit(
+        self,
+        request_id: Hashable,
+        prompt_tokens: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        arrival_step: int = 0,
+    ) -> None:
+        """Queue a request; every check runs here, so a bad request never
+        reaches (or disturbs) the running batch."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}")
+        if request_id in self._known:
+            raise ValueError(f"request {request_id!r}: request_id was already submitted")
+        prompt = np.asarray(list(prompt_tokens), dtype=np.int64)
+        if prompt.size == 0:
+            raise ValueError(f"request {request_id!r}: prompt is empty (at least one token is needed)")
+        vocab = self.model.vocab_size
+        if prompt.min() < 0 or prompt.max() >= vocab:
+            bad = int(np.flatnonzero((prompt < 0) | (prompt >= vocab))[0])
+            raise ValueError(f"request {request_id!r}: prompt_tokens[{bad}]={int(prompt[bad])}: outside [0, {vocab})")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.config.default_max_tokens
+        # The last generated token is never fed back, so the cache needs one
+        # slot less than prompt + max_tokens; drafts may run max_draft past it.
+        needed = len(prompt) + max_tokens - 1 + self.config.max_draft_tokens
+        if needed > self.model.max_context:
+            raise ValueError(
+                f"request {request_id!r}: prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) needs a "
+                f"context of {needed} but the model's max_context is {self.model.max_context}"
+            )
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"request {request_id!r}: params.stop_token_ids={params.stop_token_ids}: outside [0, {vocab})")
+        top_n = params.num_logprobs
+        if top_n > self.engine.config.sampler.max_logprobs:
+            raise ValueError(
+                f"request {request_id!r}: params.logprobs={top_n}: more than max_logprobs="
+                f"{self.engine.config.sampler.max_logprobs}"
+            )
+        completion = Completion(
+            request_id,
+            prompt.tolist(),
+            logprobs=[] if params.logprobs is not None else None,
+        )
+        self._known.add(request_id)
+        self.waiting.append((arrival_step, _Running(request_id, prompt, params, max_tokens, -1, completion)))
+
+    # -- one step -------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.config.max_num_reqs and self.waiting[0][0] <= self.stats.steps:
+            _, req = self.waiting.popleft()
+            req.kv_slot = self.model.allocate_slot()
+            if self.draft_slots is not None:
+                req.draft_slot = self.draft_slots.allocate()
+            self.running.append(req)
+
+    def _schedule(self) -> list[tuple[_Running, SeqMeta, np.ndarray]]:
+        """(request, its SeqMeta, its query tokens) in batch order: decodes first."""
+        cfg = self.config
+        budget = cfg.token_budget
+        batch = []
+        for req in self.running:
+            if req.prefilled < len(req.prompt):
+                continue
+            drafts: list[int] = []
+            if cfg.max_draft_tokens:
+                room = req.max_tokens - len(req.generated) - 1  # drafts past max_tokens are wasted
+                k = min(cfg.max_draft_tokens, max(room, 0))
+                if k:
+                    history = np.concatenate([req.prompt, np.asarray(req.generated, dtype=np.int64)])
+                    drafts = propose_ngram_drafts(history, k, cfg.ngram_max)
+            req.drafts = drafts
+            q = 1 + len(drafts)
+            seqlen_k = len(req.prompt) + len(req.generated) + len(drafts)
+            seq = SeqMeta(
+                req.request_id,
+                is_prompt=False,
+                seqlen_q=q,
+                seqlen_k=seqlen_k,
+                prompt_len=len(req.prompt),
+                num_generated=len(req.generated),
+                params=req.params,
+                mtp_write_slot=req.draft_slot,
+            )
+            batch.append((req, seq, np.asarray([req.generated[-1], *drafts], dtype=np.int64)))
+            budget -= q
+        for req in self.running:
+            if req.prefilled >= len(req.prompt) or budget <= 0:
+                continue
+            chunk = min(len(req.prompt) - req.prefilled, budget)
+            seqlen_k = req.prefilled + chunk
+            seq = SeqMeta(
+                req.request_id,
+                is_prompt=True,
+                seqlen_q=chunk,
+                seqlen_k=seqlen_k,
+                prompt_len=len(req.prompt),
+                prompt_tokens=req.prompt,
+                params=req.params,
+                mtp_write_slot=req.draft_slot,
+            )
+            req.drafts = []
+            batch.append((req, seq, req.prompt[req.prefilled : seqlen_k]))
+            budget -= chunk
+        return batch
+
+    def step(self) -> list[StepEvent]:
+        """Admit, schedule, forward, sample; returns what each request emitted."""
+        t0 = time.perf_counter()
+        with stage("schedule"):
+            self._admit()
+            batch = self._schedule()
+        if not batch:
+            self.stats.steps += 1
+            return []
+        seqs = [seq for _, seq, _ in batch]
+        token_ids = torch.from_numpy(np.concatenate([tokens for _, _, tokens in batch]))
+        forward_batch = ForwardBatch.of(
+            [req.kv_slot for req, _, _ in batch], [s.seqlen_q for s in seqs], [s.seqlen_k for s in seqs]
+        )
+        t1 = time.perf_counter()
+        with stage("model forward"):
+            # Straight into the engine's static source: no copy between the
+            # model's last layer and the captured gather.
+            self.model.forward(token_ids, forward_batch.positions(), forward_batch, out=self.engine.source)
+        t2 = time.perf_counter()
+        drafts = [None if seq.is_prompt else req.drafts for req, seq, _ in batch]
+        out = self.engine.step(self.engine.source, seqs, drafts if self.config.max_draft_tokens else None)
+        t3 = time.perf_counter()
+        events = self._apply(batch, out)
+        self.stats.schedule_seconds += (t1 - t0) + (time.perf_counter() - t3)
+        self.stats.forward_seconds += t2 - t1
+        self.stats.engine_seconds += t3 - t2
+        self.stats.steps += 1
+        return events
+
+    def _apply(self, batch, out) -> list[StepEvent]:
+        events = []
+        for i, (req, seq, _) in enumerate(batch):
+            completion = req.completion
+            completion.seed = out.seeds[i]
+            if seq.is_prompt:
+                req.prefilled = seq.seqlen_k
+                self.stats.prefill_tokens += seq.seqlen_q
+                if out.prompt_logprobs[i] is not None and req.prefilled == len(req.prompt):
+                    completion.prompt_logprobs = out.prompt_logprobs[i]
+            else:
+                self.stats.drafts_proposed += len(req.drafts)
+                self.stats.drafts_accepted += out.num_accepted[i]
+            new = []
+            for j, token in enumerate(out.tokens[i]):
+                new.append(token)
+                completion.tokens.append(token)
+                if completion.logprobs is not None:
+                    completion.logprobs.append(out.logprobs[i][j])
+                if self._stops(req, token):
+                    completion.finish_reason = "stop"
+                    break
+                if len(completion.tokens) >= req.max_tokens:
+                    completion.finish_reason = "length"
+                    break
+            self.stats.tokens_generated += len(new)
+            finished = completion.finish_reason is not None
+            events.append(StepEvent(req.request_id, new, finished))
+        for req in [r for r in self.running if r.completion.finish_reason is not None]:
+            self.running.remove(req)
+            self.model.free_slot(req.kv_slot)
+            if self.draft_slots is not None:
+                self.draft_slots.release(req.draft_slot)
+            self.finished[req.request_id] = req.completion
+        return events
+
+    def _stops(self, req: _Running, token: int) -> bool:
+        """Does `token`, just appended, end the request? Not while it is among
+        the first min_tokens (the engine suppresses EOS and stop ids there;
+        other model stop ids are simply not honoured yet)."""
+        if len(req.generated) <= req.params.min_tokens:
+            return False
+        if token in req.params.stop_token_ids:
+            return True
+        return not req.params.ignore_eos and token in self.model.stop_token_ids
+
+    def run(self, on_step: Callable[[list[StepEvent]], None] | None = None) -> dict[Hashable, Completion]:
+        """Step until every submitted request finished."""
+        while self.has_work():
+            events = self.step()
+            if on_step:
+                on_step(events)
+        return self.finished
+
+
+def generate(
+    model: CausalLM,
+    prompts: Iterable[Sequence[int]],
+    params: SamplingParams | Sequence[SamplingParams] | None = None,
+    *,
+    config: LoopConfig | None = None,
+    engine_config: EngineConfig | None = None,
+) -> list[Completion]:
+    """Run every prompt to completion; completions in prompt order."""
+    prompts = list(prompts)
+    if params is None or isinstance(params, SamplingParams):
+        params = [params or SamplingParams()] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"params: {len(params)} entries for {len(prompts)} prompts")
+    loop = DecodeLoop(model, config, engine_config=engine_config)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        loop.submit(i, prompt, p)
+    done = loop.run()
+    return [done[i] for i in range(len(prompts))]
