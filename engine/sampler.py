@@ -90,7 +90,7 @@ class RowParams:
     min_p: torch.Tensor  # [reqs] f32, 0 = off
     seed: torch.Tensor  # [reqs] int64 holding uint64 bits
     sample_position: torch.Tensor  # [reqs] int64
-    stop_ids: torch.Tensor  # [reqs, S] int64, -1 = no id
+    stop_ids: torch.Tensor  # [reqs, S] int64, -1 = no id; never every token of the vocabulary
     row_to_req: torch.Tensor  # [rows] int64
     local_step: torch.Tensor  # [rows] int64
     suppress_eos: torch.Tensor  # [rows] bool
@@ -267,7 +267,8 @@ def _inverse_cdf_draw(e: torch.Tensor, block_mass: torch.Tensor, u: torch.Tensor
     target = (u * block_cum[:, -1])[:, None]
     block = torch.searchsorted(block_cum, target, right=True).clamp_(max=block_cum.shape[1] - 1)  # [rows, 1]
     before = torch.where(block > 0, block_cum.gather(1, (block - 1).clamp(min=0)), torch.zeros_like(target))
-    ids = block * BLOCK + torch.arange(BLOCK, device=e.device)  # [rows, BLOCK]
+    width = min(BLOCK, vocab)
+    ids = block * BLOCK + torch.arange(width, device=e.device)  # [rows, width]
     in_vocab = ids < vocab
     ids = ids.clamp(max=vocab - 1)
     weights = torch.where(in_vocab, e.gather(1, ids), torch.zeros((), dtype=e.dtype, device=e.device))
@@ -275,7 +276,7 @@ def _inverse_cdf_draw(e: torch.Tensor, block_mass: torch.Tensor, u: torch.Tensor
     pick = torch.searchsorted(inner_cum, target - before, right=True)
     # f32 block sums and f64 inner sums round differently: never step past
     # the block's last token of nonzero weight.
-    last_nonzero = torch.where(weights > 0, torch.arange(BLOCK, device=e.device), -1).amax(-1, keepdim=True)
+    last_nonzero = torch.where(weights > 0, torch.arange(width, device=e.device), -1).amax(-1, keepdim=True)
     pick = torch.minimum(pick, last_nonzero.clamp(min=0))
     return ids.gather(1, pick).squeeze(1)
 
@@ -311,7 +312,7 @@ def sample(
     has_tail = cap < vocab
     raw = logits.to(torch.float32)  # [rows, V]
     rows = _expand(params, vocab)
-    neg_inf = torch.tensor(-math.inf, dtype=torch.float32, device=raw.device)
+    neg_inf = torch.full((), -math.inf, dtype=torch.float32, device=raw.device)
 
     # Candidates: top C raw logits in (raw desc, id asc) order. The second,
     # stable sort fixes the order of ties that topk leaves unspecified.
@@ -324,7 +325,11 @@ def sample(
 
     blocked = ((cand_ids[:, :, None] == rows.stop_ids[:, None, :]) & rows.stop_active[:, None, :]).any(-1)
     valid = ~blocked  # [rows, C]
-    shift = torch.where(valid, cand_raw, neg_inf).amax(-1)  # M: largest unsuppressed raw logit
+    # M, the largest unsuppressed raw logit, is a candidate unless every
+    # candidate is a suppressed stop id (C <= number of stop ids). Such a row
+    # goes to the exact path; the boundary value keeps its numbers finite.
+    any_valid = valid.any(-1)
+    shift = torch.where(any_valid, torch.where(valid, cand_raw, neg_inf).amax(-1), boundary_raw)
 
     e = _exp_processed(raw, shift, rows)  # [rows, V] f32
     block_mass, log_z = _block_log_normaliser(e)
@@ -351,12 +356,12 @@ def sample(
     raced = _min_id_of_max(race, zs_ids, vocab)
     greedy_token = _min_id_of_max(torch.where(valid, cand_raw, neg_inf), cand_ids, vocab)
     greedy_tie_in_tail = has_tail & (torch.where(valid, cand_raw, neg_inf).amax(-1) <= boundary_raw)
-    u = uniform(rows.seed, rows.position, TARGET, torch.tensor(INVERSE_CDF_COUNTER, device=raw.device))
+    u = uniform(rows.seed, rows.position, TARGET, torch.full((), INVERSE_CDF_COUNTER, device=raw.device))
     plain_token = _inverse_cdf_draw(e, block_mass, u)
     token = torch.where(rows.greedy, greedy_token, torch.where(rows.plain, plain_token, raced))
     token = torch.where(rows.forced >= 0, rows.forced, token)
 
-    needs_exact = (filtered & (reaches_tail | filter_ambiguous)) | (rows.greedy & greedy_tie_in_tail)
+    needs_exact = (filtered & (reaches_tail | filter_ambiguous)) | (rows.greedy & greedy_tie_in_tail) | ~any_valid
     if compute_logprobs:
         if cfg.logprobs_mode == "raw":
             needs_exact = needs_exact | _raw_logprobs(raw, cand_raw, cand_ids, token, num_top, has_tail, out)

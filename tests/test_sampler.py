@@ -1,0 +1,303 @@
+"""Fused sampler against the sort-based reference, statistics, invariance, edge rows."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.sampler import RowParams, SampleOutput, SamplerConfig, sample, sample_exact, sample_reference
+from graphs.capture_safety import capture_safety_check
+
+FIELDS = ("tokens", "logprob", "rank", "top_ids", "top_logprobs")
+
+
+def _params(num_rows: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, position=None, **kw) -> RowParams:
+    """One request per row, parameters broadcast from scalars or arrays."""
+    def arr(v, dtype):
+        return np.broadcast_to(np.asarray(v, dtype=dtype), (num_rows,)).copy()
+
+    return RowParams.from_numpy(
+        temperature=arr(temperature, np.float32),
+        top_k=arr(top_k, np.int32),
+        top_p=arr(top_p, np.float32),
+        min_p=arr(min_p, np.float32),
+        seed=arr(np.arange(num_rows) if seed is None else seed, np.uint64),
+        sample_position=arr(np.arange(num_rows) * 3 + 11 if position is None else position, np.int64),
+        row_to_req=np.arange(num_rows),
+        local_step=np.zeros(num_rows, np.int64),
+        **kw,
+    )
+
+
+def _fast_then_exact(logits, params, cfg, num_top=None) -> tuple[SampleOutput, torch.Tensor]:
+    out = SampleOutput.allocate(logits.shape[0], cfg.max_logprobs if num_top is None else num_top)
+    sample(logits, params, cfg, out)
+    flagged = out.needs_exact.clone()
+    sample_exact(logits, params, cfg, flagged, out)
+    return out, flagged
+
+
+def _assert_same(a: SampleOutput, b: SampleOutput, rows=slice(None)) -> None:
+    for name in FIELDS:
+        x, y = getattr(a, name)[rows], getattr(b, name)[rows]
+        assert torch.equal(x, y), f"{name}: {x} != {y}"
+
+
+# --- every filter against the sort-based reference --------------------------
+
+@st.composite
+def _batches(draw):
+    rows = draw(st.integers(1, 6))
+    vocab = draw(st.integers(3, 300))  # two stop ids never cover the whole vocabulary
+    # Logits from a small value set so ties are common, plus a random scale.
+    levels = draw(st.integers(2, 12))
+    values = np.random.default_rng(draw(st.integers(0, 2**32 - 1))).integers(0, levels, (rows, vocab))
+    scale = draw(st.sampled_from([0.25, 1.0, 3.0]))
+    logits = torch.from_numpy(values).to(torch.float32) * scale
+    per_row = st.tuples(
+        st.sampled_from([0.0, 0.5, 1.0, 1.7]),
+        st.sampled_from([0, 1, 2, 5, 17, 400]),
+        st.sampled_from([1.0, 0.95, 0.7, 0.3, 0.01]),
+        st.sampled_from([0.0, 0.05, 0.5]),
+        st.integers(0, 2**64 - 1),
+        st.integers(0, 2**40),
+        st.booleans(),
+        st.sampled_from([-1, -1, -1, 0, vocab - 1]),
+    )
+    rp = draw(st.lists(per_row, min_size=rows, max_size=rows))
+    cap = draw(st.sampled_from([1, 3, 8, 64, 1024]))
+    mode = draw(st.sampled_from(["raw", "processed"]))
+    num_top = draw(st.integers(0, min(cap, vocab, 4)))
+    stop = draw(st.lists(st.integers(0, vocab - 1), min_size=2, max_size=2))
+    return logits, rp, cap, mode, num_top, stop
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_batches())
+def test_matches_sort_based_reference(batch):
+    logits, rp, cap, mode, num_top, stop = batch
+    rows = logits.shape[0]
+    t, k, p, m, seed, pos, suppress, forced = (np.array(c) for c in zip(*rp))
+    params = _params(
+        rows, temperature=t, top_k=k, top_p=p, min_p=m, seed=seed.astype(np.uint64), position=pos,
+        stop_ids=np.array([stop] * rows), suppress_eos=suppress.astype(bool), forced_token=forced,
+    )
+    cfg = SamplerConfig(candidate_cap=cap, max_logprobs=num_top, logprobs_mode=mode)
+    fast = sample(logits, params, cfg)
+    reference = sample_reference(logits, params, cfg, num_top)
+    # Rows the fast path did not flag are final and must already be right.
+    settled = ~fast.needs_exact
+    _assert_same(fast, reference, settled)
+    combined, _ = _fast_then_exact(logits, params, cfg, num_top)
+    _assert_same(combined, reference)
+    assert not bool(combined.needs_exact.any())
+
+
+def test_exact_path_when_kept_set_exceeds_cap():
+    # Flat logits: top-p 0.9 keeps ~90% of 500 tokens, far beyond C = 16.
+    torch.manual_seed(1)
+    logits = torch.randn(32, 500) * 0.1
+    params = _params(32, top_p=0.9, top_k=np.where(np.arange(32) % 2, 0, 300), min_p=np.where(np.arange(32) % 3, 0.0, 0.5))
+    cfg = SamplerConfig(candidate_cap=16, max_logprobs=3)
+    fast = sample(logits, params, cfg)
+    assert bool(fast.needs_exact.all())
+    combined, _ = _fast_then_exact(logits, params, cfg)
+    _assert_same(combined, sample_reference(logits, params, cfg))
+    # The same rows with an unlimited cap never need the exact path and agree.
+    wide = sample(logits, params, SamplerConfig(candidate_cap=1024, max_logprobs=3))
+    assert not bool(wide.needs_exact.any())
+    _assert_same(wide, combined)
+
+
+# --- statistics ------------------------------------------------------------
+
+def _expected_distribution(x: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """Filtered, renormalised distribution from the definitions, in float64 numpy."""
+    z = (x - x.max()) / temperature
+    p = np.exp(z) / np.exp(z).sum()
+    keep = np.ones_like(p, dtype=bool)
+    if top_k:
+        keep &= z >= np.sort(z)[::-1][top_k - 1]
+    if top_p < 1:
+        q = np.where(keep, p, 0) / np.where(keep, p, 0).sum()
+        order = np.argsort(-q, kind="stable")
+        reach = np.flatnonzero(np.cumsum(q[order]) >= top_p)
+        keep &= q >= q[order[reach[0]]]
+    if min_p > 0:
+        keep &= p >= min_p * p.max()
+    return np.where(keep, p, 0) / np.where(keep, p, 0).sum()
+
+
+STAT_CASES = [
+    dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),  # plain: inverse-CDF draw
+    dict(temperature=1.0, top_k=10, top_p=1.0, min_p=0.0),
+    dict(temperature=1.0, top_k=0, top_p=0.8, min_p=0.0),
+    dict(temperature=1.3, top_k=0, top_p=1.0, min_p=0.05),
+    dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02),
+    dict(temperature=1.5, top_k=40, top_p=0.7, min_p=0.0),
+]
+
+
+@pytest.mark.parametrize("case", STAT_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_draws_follow_filtered_distribution(case):
+    # 200_000 rows of the same vocab-64 logits (with tied values), one seed per
+    # row. Chi-square over kept tokens with expected count >= 5 (rarer ones
+    # pooled): the statistic must stay below df + 6 * sqrt(2 df), a
+    # tail probability under ~1e-5 for these df. No draw outside the kept set.
+    n, vocab = 200_000, 64
+    rng = np.random.default_rng(7)
+    x = rng.normal(0, 1.5, vocab).astype(np.float32)
+    x[[3, 9, 30]] = x[5]  # deliberate ties
+    expected = _expected_distribution(x.astype(np.float64), **case)
+    logits = torch.from_numpy(x).expand(n, vocab)
+    params = _params(n, seed=np.arange(n, dtype=np.uint64) * np.uint64(2654435761), position=np.arange(n) % 977, **case)
+    # Plain rows ignore the candidates; filtered rows need more than their kept set.
+    plain = case["top_k"] == 0 and case["top_p"] == 1 and case["min_p"] == 0
+    needed = max(int((expected > 0).sum()) + 2, case["top_k"] + 1)
+    cap = 8 if plain else min(vocab, 2 ** math.ceil(math.log2(needed)))
+    out = sample(logits, params, SamplerConfig(candidate_cap=cap, max_logprobs=0), compute_logprobs=False)
+    assert not bool(out.needs_exact.any())
+    counts = np.bincount(out.tokens.numpy(), minlength=vocab)
+    assert counts[expected == 0].sum() == 0, "draw outside the kept set"
+    exp_counts = expected * n
+    big = exp_counts >= 5
+    observed = np.append(counts[big], counts[~big].sum())
+    wanted = np.append(exp_counts[big], exp_counts[~big].sum())
+    observed, wanted = observed[wanted > 0], wanted[wanted > 0]
+    chi2 = float(((observed - wanted) ** 2 / wanted).sum())
+    df = len(wanted) - 1
+    assert chi2 < df + 6 * math.sqrt(2 * max(df, 1)), (chi2, df)
+
+
+# --- invariance ----------------------------------------------------------------
+
+def test_token_independent_of_batch_layout():
+    # 1000 seeds. For each: the row alone, then inside a batch of 64 at index
+    # seed % 64 among random rows with other parameters. The token must match.
+    torch.manual_seed(3)
+    vocab = 700
+    cfg = SamplerConfig(candidate_cap=64, max_logprobs=2)
+    target = torch.randn(vocab) * 2
+    combos = [
+        dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
+        dict(temperature=0.7, top_k=50, top_p=0.9, min_p=0.0),
+        dict(temperature=1.0, top_k=0, top_p=0.5, min_p=0.1),
+        dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0),
+    ]
+    gen = np.random.default_rng(0)
+    for seed in range(1000):
+        combo = combos[seed % len(combos)]
+        position = 1000 + seed * 13
+        alone_params = _params(1, seed=np.uint64(seed * 0x9E3779B97F4A7C15 % 2**64), position=position, **combo)
+        alone, _ = _fast_then_exact(target[None], alone_params, cfg)
+        index = seed % 64
+        logits = torch.randn(64, vocab) * 3
+        logits[index] = target
+        batch_kw = {name: gen.choice([c[name] for c in combos], 64) for name in combos[0]}
+        seeds = gen.integers(0, 2**63, 64).astype(np.uint64)
+        positions = gen.integers(0, 10**6, 64)
+        for name, value in combo.items():
+            batch_kw[name][index] = value
+        seeds[index] = np.uint64(seed * 0x9E3779B97F4A7C15 % 2**64)
+        positions[index] = position
+        batch, _ = _fast_then_exact(logits, _params(64, seed=seeds, position=positions, **batch_kw), cfg)
+        assert int(batch.tokens[index]) == int(alone.tokens[0]), seed
+        assert torch.equal(batch.top_ids[index], alone.top_ids[0])
+
+
+# --- edge rows -----------------------------------------------------------------
+
+def test_greedy_ties_go_to_smallest_id():
+    logits = torch.zeros(3, 50)
+    logits[0, [7, 3, 40]] = 2.0
+    logits[1, [49, 12]] = 1.0
+    logits[2, :] = -1.0
+    for cap in (2, 8, 1024):
+        out, _ = _fast_then_exact(logits, _params(3, temperature=0.0), SamplerConfig(candidate_cap=cap, max_logprobs=2))
+        assert out.tokens.tolist() == [3, 12, 0]
+        assert out.rank.tolist() == [1, 1, 1]
+        assert out.top_ids.tolist() == [[3, 7], [12, 49], [0, 1]]
+
+
+def test_forced_tokens_override_the_draw():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 100)
+    forced = np.array([5, -1, 99, 0])
+    params = _params(4, temperature=[0.0, 1.0, 0.5, 1.0], top_k=[0, 0, 3, 0], forced_token=forced)
+    out, _ = _fast_then_exact(logits, params, SamplerConfig(candidate_cap=16, max_logprobs=1))
+    assert out.tokens[[0, 2, 3]].tolist() == [5, 99, 0]
+    lsm = torch.log_softmax(logits.double(), -1)
+    assert torch.allclose(out.logprob.double(), lsm.gather(1, out.tokens[:, None]).squeeze(1), atol=1e-5)
+
+
+def test_eos_suppression():
+    # Stop ids 0 and 1 dominate; suppressed rows never produce them, others do.
+    logits = torch.zeros(6, 40)
+    logits[:, 0] = 30.0
+    logits[:, 1] = 29.0
+    logits[:, 2] = 1.0
+    suppress = np.array([True, False, True, False, True, True])
+    params = _params(
+        6, temperature=[0.0, 0.0, 1.0, 1.0, 0.7, 1.0], top_k=[0, 0, 0, 0, 1, 0],
+        stop_ids=np.array([[0, 1]] * 6), suppress_eos=suppress,
+    )
+    out, _ = _fast_then_exact(logits, params, SamplerConfig(candidate_cap=8, max_logprobs=0))
+    tokens = out.tokens.tolist()
+    assert tokens[0] == 2 and tokens[1] == 0 and tokens[4] == 2
+    assert tokens[2] not in (0, 1) and tokens[5] not in (0, 1) and tokens[3] in (0, 1)
+    # Many seeds: a suppressed plain row never emits a stop id, even when they
+    # hold all but e^-28 of the mass.
+    n = 5000
+    many = _params(n, stop_ids=np.array([[0, 1]] * n), suppress_eos=np.ones(n, bool))
+    drawn = sample(logits[:1].expand(n, 40), many, SamplerConfig(candidate_cap=8, max_logprobs=0)).tokens
+    assert not bool(((drawn == 0) | (drawn == 1)).any())
+
+
+def test_padding_rows_are_finite():
+    for mode in ("raw", "processed"):
+        cfg = SamplerConfig(candidate_cap=16, max_logprobs=4, logprobs_mode=mode)
+        out, _ = _fast_then_exact(torch.zeros(5, 100), RowParams.neutral(5, 5), cfg)
+        assert bool(((out.tokens >= 0) & (out.tokens < 100)).all())
+        assert bool(torch.isfinite(out.logprob).all()) and bool(torch.isfinite(out.top_logprobs).all())
+
+
+def test_sample_is_capture_safe():
+    torch.manual_seed(0)
+    logits = torch.randn(8, 3000)
+    params = _params(8, temperature=[0, 1, 0.5, 1, 1, 0.9, 1, 2], top_k=[0, 0, 40, 0, 5, 0, 0, 0], top_p=[1, 1, 0.9, 0.8, 1, 1, 1, 1])
+    for mode in ("raw", "processed"):
+        out = SampleOutput.allocate(8, 5)
+        with capture_safety_check({name: getattr(out, name) for name in (*FIELDS, "needs_exact")}):
+            sample(logits, params, SamplerConfig(candidate_cap=256, max_logprobs=5, logprobs_mode=mode), out)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(candidate_cap=0), "candidate_cap"),
+        (dict(max_logprobs=-1), "max_logprobs"),
+        (dict(candidate_cap=8, max_logprobs=9), "max_logprobs"),
+        (dict(logprobs_mode="logits"), "logprobs_mode"),
+    ],
+)
+def test_config_names_the_bad_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplerConfig(**kwargs)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_same_results_on_cuda():
+    torch.manual_seed(0)
+    logits = torch.randn(64, 5000) * 2
+    params = _params(64, temperature=np.tile([0, 1, 0.7, 1.2], 16), top_k=np.tile([0, 0, 50, 0], 16), top_p=np.tile([1, 1, 0.9, 0.6], 16))
+    cfg = SamplerConfig(candidate_cap=256, max_logprobs=5)
+    cpu = sample(logits, params, cfg)
+    cuda_params = RowParams(**{name: value.cuda() for name, value in vars(params).items()})
+    gpu = sample(logits.cuda(), cuda_params, cfg)
+    assert torch.equal(cpu.tokens, gpu.tokens.cpu())
+    assert torch.equal(cpu.needs_exact, gpu.needs_exact.cpu())
