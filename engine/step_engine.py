@@ -326,44 +326,15 @@ class StepEngine:
         """The step from a prepared ledger (the decode loop's path: it builds
         `inputs` from its request table). Validates before touching anything."""
         host_start = time.perf_counter() if host_start is None else host_start
-        self._validate(hidden_states, inputs)
+        bucket = self.stage_step(hidden_states, inputs, stop_ids)
         n = inputs.num_reqs
-        bucket = self.buckets.bucket_for(n) if n else None
-        sample_rows = inputs.selected_token_indices
-        suppress = np.zeros(inputs.num_sample_rows, dtype=bool)
-        suppress[inputs.eos_suppression_rows] = True
-
         if bucket is None:
             if n:
                 self.replayer.record_eager_fallback(n)
-            result = self._eager_fallback(hidden_states, inputs, stop_ids, suppress)
+            result = self._eager_fallback(hidden_states, inputs, stop_ids)
             self.stats.eager_fallbacks += 1
             replayed = False
-            bucket = None
         else:
-            with stage("staging copy"):
-                if not self._is_source(hidden_states):
-                    # Not zero-copy: bring only the sample rows into the static
-                    # source and point the gather at them.
-                    self.buffers.source[: len(sample_rows)].copy_(
-                        hidden_states[torch.as_tensor(sample_rows, device=hidden_states.device, dtype=torch.int64)]
-                    )
-                    sample_rows = np.arange(len(sample_rows), dtype=np.int64)
-                    self.stats.source_copies += 1
-                self.buffers.load(
-                    bucket=bucket,
-                    sample_rows=sample_rows,
-                    row_to_req=inputs.row_to_req,
-                    local_step=inputs.local_step,
-                    suppress_rows=inputs.eos_suppression_rows,
-                    temperature=inputs.temperatures,
-                    top_k=inputs.top_ks,
-                    top_p=inputs.top_ps,
-                    min_p=inputs.min_ps,
-                    seed=inputs.seeds,
-                    sample_position=inputs.sample_positions,
-                    stop_ids=stop_ids,
-                )
             self.stats.host_seconds += time.perf_counter() - host_start
             replayed = self.config.use_graphs and self.replayer.captured
             with stage("replay" if replayed else "eager step"):
@@ -388,6 +359,39 @@ class StepEngine:
             prompt_lp = self._prompt_logprobs(hidden_states, inputs)
         return self._assemble(inputs, result, row_drafts, prompt_lp, bucket, replayed)
 
+    def stage_step(self, hidden_states: torch.Tensor, inputs: SamplerInputs, stop_ids: np.ndarray) -> int | None:
+        """The host part of a step: validate everything, pick the bucket, stage
+        the per-step arrays and issue the one host-to-device copy. Returns the
+        bucket, or None when the step is above the largest bucket (eager)."""
+        self._validate(hidden_states, inputs)
+        bucket = self.buckets.bucket_for(inputs.num_reqs) if inputs.num_reqs else None
+        if bucket is None:
+            return None
+        sample_rows = inputs.selected_token_indices
+        with stage("staging copy"):
+            if not self._is_source(hidden_states):
+                # Not zero-copy: bring only the sample rows into the static
+                # source and point the gather at them.
+                index = torch.as_tensor(sample_rows, device=hidden_states.device, dtype=torch.int64)
+                self.buffers.source[: len(sample_rows)].copy_(hidden_states[index])
+                sample_rows = np.arange(len(sample_rows), dtype=np.int64)
+                self.stats.source_copies += 1
+            self.buffers.load(
+                bucket=bucket,
+                sample_rows=sample_rows,
+                row_to_req=inputs.row_to_req,
+                local_step=inputs.local_step,
+                suppress_rows=inputs.eos_suppression_rows,
+                temperature=inputs.temperatures,
+                top_k=inputs.top_ks,
+                top_p=inputs.top_ps,
+                min_p=inputs.min_ps,
+                seed=inputs.seeds,
+                sample_position=inputs.sample_positions,
+                stop_ids=stop_ids,
+            )
+        return bucket
+
     def _redo_exact_rows(self, logits: torch.Tensor, params: RowParams, out: SampleOutput, real_rows: int) -> None:
         flags = out.needs_exact[:real_rows].cpu()
         if bool(flags.any()):
@@ -395,10 +399,10 @@ class StepEngine:
             sample_exact(logits, params, self.config.sampler, index, out)
             self.stats.exact_rows += len(index)
 
-    def _eager_fallback(
-        self, hidden: torch.Tensor, inputs: SamplerInputs, stop_ids: np.ndarray, suppress: np.ndarray
-    ) -> dict[str, np.ndarray]:
+    def _eager_fallback(self, hidden: torch.Tensor, inputs: SamplerInputs, stop_ids: np.ndarray) -> dict[str, np.ndarray]:
         """A step larger than every bucket: the same ops on tensors of its own size."""
+        suppress = np.zeros(inputs.num_sample_rows, dtype=bool)
+        suppress[inputs.eos_suppression_rows] = True
         with stage("eager step"):
             index = torch.as_tensor(inputs.selected_token_indices, dtype=torch.int64, device=self.device)
             rows = gather(hidden, index).to(self.buffers.source.dtype)
