@@ -148,7 +148,8 @@ def target_probs(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
     p_mask = ~rows.p_on[:, None] | (p >= t_star)
     m_mask = ~rows.m_on[:, None] | (p >= (rows.min_p * p[:, 0])[:, None])
     kept_p = torch.where(alive & k_mask & p_mask & m_mask, p, zero)
-    kept_p = kept_p / kept_p.sum(-1, keepdim=True)
+    mass = kept_p.sum(-1, keepdim=True)  # > 0 unless every token is a suppressed stop id
+    kept_p = kept_p / torch.where(mass > 0, mass, torch.ones_like(mass))
     probs = torch.empty_like(kept_p).scatter_(1, ids, kept_p)  # back to token order
 
     ids_v = torch.arange(vocab, device=raw.device)
@@ -255,11 +256,13 @@ def verify_rejection(
     a draft head working in top-k space does); q is cut here the same way.
     """
     seed_rows = seed[row_to_req]  # [rows]
+    if q is not None:
+        q = q.to(p.dtype)
     if top_k_space is not None:
         k_rows = top_k_space[row_to_req]
         p = restrict_to_top_k(p, k_rows, max_top_k)
         if q is not None:
-            q = restrict_to_top_k(q.to(p.dtype), k_rows, max_top_k)
+            q = restrict_to_top_k(q, k_rows, max_top_k)
     has_draft = row_drafts >= 0
     drafts = row_drafts.clamp(min=0)[:, None]  # [rows, 1]
     zero = torch.zeros((), dtype=p.dtype, device=p.device)
@@ -271,7 +274,6 @@ def verify_rejection(
         # max(p - onehot(d), 0): p with the draft's mass removed.
         residual = p.scatter(1, drafts, zero.expand_as(drafts))
     else:
-        q = q.to(p.dtype)
         q_draft = q.gather(1, drafts).squeeze(1)
         residual = (p - q).clamp_(min=0)
     u_accept = uniform(seed_rows, position, ACCEPT, counter0)
