@@ -160,10 +160,13 @@ class StepBuffers:
         # (neutral parameters); when every slot is real they reuse slot 0,
         # harmless since their gathered row is zero and their result is cut off.
         pad_req = n if n < cap_reqs else 0
+        # A padding row's local_step lies past every real row of its request
+        # (>= rows_per_req), so per-request reductions over rows (accepted
+        # drafts) never count it even when it shares request slot 0.
         for name, real, pad in (
             ("sample_rows", sample_rows, -1),
             ("row_to_req", row_to_req, pad_req),
-            ("local_step", local_step, 0),
+            ("local_step", local_step, self.rows_per_req),
         ):
             s[name][:rows] = real
             s[name][rows:cap_rows] = pad
