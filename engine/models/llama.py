@@ -7,9 +7,8 @@ Two execution modes share every weight and the cache:
 - batch-invariant (`batch_invariant=True`): a token's hidden state is bit-identical
   whatever else shares the step and however its prompt was chunked. GEMM
   kernels pick their blocking (and so their summation order) from the matrix
-  shape, so every linear layer runs on fixed `[row_block, K]` row blocks (the
-  token rows are zero-padded up to a multiple of `row_block`) as one batched GEMM
-  of identical per-block shapes. Attention works on fixed `[row_block, key_block]`
+  shape, so every linear layer runs one GEMM per fixed `[row_block, K]` row block
+  (the token rows are zero-padded up to a multiple of `row_block`). Attention works on fixed `[row_block, key_block]`
   score tiles aligned to absolute cache positions: the softmax maximum is exact in
   any order, per-tile sums have a fixed length, and tiles are folded in cache
   order, so key tiles past a query's position add exact zeros. RMSNorm uses
@@ -305,12 +304,10 @@ class LlamaModel:
     def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if not self.batch_invariant:
             return F.linear(x, weight)
-        rows, in_features = x.shape
-        blocks = rows // self.row_block
-        # bmm over an expanded (stride-0) weight runs the same [row_block, K] x [K, N] GEMM per
-        # block, whatever the block count; a plain [rows, K] GEMM changes kernels with `rows`.
-        out = torch.bmm(x.reshape(blocks, self.row_block, in_features), weight.t().expand(blocks, -1, -1))
-        return out.view(rows, weight.shape[0])
+        # One GEMM call per [row_block, K] block: identical shapes pick the identical kernel, so a
+        # row's result cannot depend on how many rows share the step. (A single [rows, K] GEMM, and
+        # even a bmm over the blocks, lets MKL change its blocking or threading with the row count.)
+        return torch.cat([F.linear(block, weight) for block in x.split(self.row_block)])
 
     def _sdpa_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """One request: q `[Lq, heads, d]` against its cached `[Lk, kv_heads, d]`; returns `[Lq, heads * d]`."""
