@@ -32,8 +32,12 @@ from engine.prompt_logprobs import DEFAULT_CHUNK_ROWS, PromptLogprob, PromptLogp
 from engine.sampler import RowParams, SampleOutput, SamplerConfig, sample, sample_exact
 from graphs.buckets import BucketTable
 from graphs.replay import CaptureReport, GraphReplayer
-from graphs.static_buffers import StepBuffers
+from engine.verify import accept_strict, draft_in_top_k, target_probs, verify_rejection
+from graphs.static_buffers import READ_FROM_POOL, StepBuffers
 from profiling.ranges import stage
+
+
+VERIFY_MODES = ("strict", "rejection")
 
 
 class TokenLogprob(NamedTuple):
@@ -49,6 +53,9 @@ class TokenLogprob(NamedTuple):
 class EngineConfig:
     max_num_reqs: int = 64
     max_draft_tokens: int = 0
+    verify_mode: str = "strict"  # "strict": accept drafts equal to the draws; "rejection": Leviathan et al.
+    draft_pool_slots: int | None = None  # draft-info pool slots incl. padding slot 0; None: max_num_reqs + 1
+    top_k_space_verify: bool = False  # verify in each request's top-k space (requests need top_k > 0)
     buckets: tuple[int, ...] | None = None  # None: the default rule of graphs/buckets.py
     device: str = "auto"  # "auto": cuda when available, else cpu
     use_graphs: bool = True
@@ -73,6 +80,10 @@ class EngineConfig:
         for name in ("max_num_reqs", "max_source_rows", "logits_block_rows", "max_stop_ids", "prompt_logprobs_chunk_rows"):
             positive(name)
         positive("max_draft_tokens", 0)
+        if self.verify_mode not in VERIFY_MODES:
+            raise ValueError(f"EngineConfig.verify_mode={self.verify_mode!r}: must be one of {VERIFY_MODES}")
+        if self.draft_pool_slots is not None:
+            positive("draft_pool_slots", 2)
         if self.device != "auto":
             try:
                 torch.device(self.device)
@@ -86,10 +97,73 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.sampler={self.sampler!r}: must be a SamplerConfig")
         BucketTable(self.max_num_reqs, self.buckets)  # raises naming the bad bucket
 
+    @property
+    def pool_slots(self) -> int:
+        if self.max_draft_tokens == 0:
+            return 1
+        return self.draft_pool_slots if self.draft_pool_slots is not None else self.max_num_reqs + 1
+
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+
+@dataclass
+class StepArrays:
+    """Host arrays one step stages, in batch order (sample rows / requests)."""
+
+    sample_rows: np.ndarray  # [rows] model-output row of each sample row
+    row_to_req: np.ndarray  # [rows]
+    local_step: np.ndarray  # [rows]
+    suppress_rows: np.ndarray  # sample rows with EOS / stop ids masked (min_tokens)
+    temperature: np.ndarray  # [n]
+    top_k: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+    seed: np.ndarray  # [n] uint64
+    sample_position: np.ndarray  # [n] int64
+    stop_ids: np.ndarray  # [n, max_stop_ids] int64, -1 padded
+    row_drafts: np.ndarray | None = None  # [rows] int64: draft, -1 none, READ_FROM_POOL
+    pool_read_rows: np.ndarray | None = None  # [rows]
+    has_draft_probs: np.ndarray | None = None  # [rows] bool
+    draft_probs: dict[int, torch.Tensor] | None = None  # first sample row -> [k, V] q of its drafts
+    write_slot: np.ndarray | None = None  # [n]
+    next_draft_tokens: np.ndarray | None = None  # [n, max_draft]
+    next_draft_logprobs: np.ndarray | None = None  # [n, max_draft]
+
+    @classmethod
+    def from_inputs(cls, inputs: SamplerInputs, stop_ids: np.ndarray) -> StepArrays:
+        return cls(
+            sample_rows=inputs.selected_token_indices,
+            row_to_req=inputs.row_to_req,
+            local_step=inputs.local_step,
+            suppress_rows=inputs.eos_suppression_rows,
+            temperature=inputs.temperatures,
+            top_k=inputs.top_ks,
+            top_p=inputs.top_ps,
+            min_p=inputs.min_ps,
+            seed=inputs.seeds,
+            sample_position=inputs.sample_positions,
+            stop_ids=stop_ids,
+        )
+
+    def requests(self, a: int, b: int, sample_offsets: np.ndarray, sample_counts: np.ndarray) -> StepArrays:
+        """The arrays of requests [a, b), renumbered from 0."""
+        r0 = int(sample_offsets[a])
+        r1 = int(sample_offsets[b - 1] + sample_counts[b - 1])
+        per_row = ("sample_rows", "row_to_req", "local_step", "row_drafts", "pool_read_rows", "has_draft_probs")
+        per_req = ("temperature", "top_k", "top_p", "min_p", "seed", "sample_position", "stop_ids", "write_slot",
+                   "next_draft_tokens", "next_draft_logprobs")
+        part = {name: None if getattr(self, name) is None else getattr(self, name)[r0:r1] for name in per_row}
+        part.update({name: None if getattr(self, name) is None else getattr(self, name)[a:b] for name in per_req})
+        part["row_to_req"] = part["row_to_req"] - a
+        part["suppress_rows"] = self.suppress_rows[(self.suppress_rows >= r0) & (self.suppress_rows < r1)] - r0
+        part["draft_probs"] = (
+            None if self.draft_probs is None
+            else {row - r0: q for row, q in self.draft_probs.items() if r0 <= row < r1}
+        )
+        return StepArrays(**part)
 
 
 @dataclass
@@ -153,6 +227,8 @@ class StepEngine:
             max_stop_ids=config.max_stop_ids,
             source_dtype=config.source_dtype or lm_head_weight.dtype,
             device=self.device,
+            pool_slots=config.pool_slots,
+            draft_probs=config.verify_mode == "rejection" and config.max_draft_tokens > 0,
         )
         self.replayer = GraphReplayer(
             self._device_step,
@@ -200,7 +276,54 @@ class StepEngine:
             batch_invariant=self.config.batch_invariant,
             block_rows=self.config.logits_block_rows,
         )
-        sample(b.logits[:rows], b.params(bucket), self.config.sampler, out=b.outputs(rows))
+        params = b.params(bucket)
+        sample(b.logits[:rows], params, self.config.sampler, out=b.outputs(rows))
+        if self.config.max_draft_tokens:
+            self._verify_and_store_drafts(bucket)
+
+    def _verify_and_store_drafts(self, bucket: int) -> None:
+        """Inside the graph: resolve each row's draft, verify, then write the
+        draft head's proposals for the next step into each request's write slot."""
+        b, f = self.buffers, self.buffers.fields
+        rows, k = b.rows_for(bucket), self.config.max_draft_tokens
+        staged = f["row_drafts"][:rows]
+        # Read before this step's writes: a request that reads and writes the
+        # same slot verifies last step's proposals. Resolved into a static
+        # buffer so a later eager re-verification reads the same drafts.
+        from_pool = b.pool_tokens[f["pool_read_rows"][:rows]]
+        torch.where(staged == READ_FROM_POOL, from_pool, staged, out=b.resolved_drafts[:rows])
+        self._verify(bucket)
+        # Slot 0 is padding and never written: writes aimed at it land in the extra slot.
+        slots = f["write_slot"][:bucket]
+        slots = torch.where(slots > 0, slots, torch.full_like(slots, self.config.pool_slots))
+        pool_rows = (slots[:, None] * k + torch.arange(k, device=slots.device)).flatten()  # [bucket * k]
+        b.pool_tokens.index_copy_(0, pool_rows, f["next_draft_tokens"][:bucket, :k].flatten())
+        b.pool_logprobs.index_copy_(0, pool_rows, f["next_draft_logprobs"][:bucket, :k].flatten())
+
+    def _verify(self, bucket: int) -> None:
+        """num_accepted (and, in rejection mode, the emitted token per row) from
+        the rows' draws and their resolved drafts."""
+        b, cfg = self.buffers, self.config
+        rows = b.rows_for(bucket)
+        params = b.params(bucket)
+        drafts = b.resolved_drafts[:rows]  # [rows] int64, -1 = none
+        k_req = params.top_k.to(torch.int64) if cfg.top_k_space_verify else None
+        if cfg.verify_mode == "strict":
+            allowed = None
+            if k_req is not None:
+                allowed = draft_in_top_k(b.logits[:rows], drafts, k_req[params.row_to_req], cfg.sampler.candidate_cap)
+            accept_strict(b.out.tokens[:rows], drafts, params.row_to_req, params.local_step, bucket,
+                          draft_allowed=allowed, out=b.num_accepted[:bucket])
+            return
+        p = target_probs(b.logits[:rows], params)  # [rows, V] f64
+        # Rows without staged probabilities count their draft as one-hot q.
+        one_hot = torch.zeros_like(b.draft_probs[:rows]).scatter_(1, drafts.clamp(min=0)[:, None], 1.0)
+        q = torch.where(b.fields["has_draft_probs"][:rows, None], b.draft_probs[:rows], one_hot)
+        position = params.sample_position[params.row_to_req] + params.local_step
+        verify_rejection(p, drafts, q, params.seed, position, params.row_to_req, params.local_step, bucket,
+                         b.emitted[:rows], row_tokens=b.out.tokens[:rows], top_k_space=k_req,
+                         max_top_k=cfg.sampler.candidate_cap if k_req is not None else None,
+                         out=b.num_accepted[:bucket])
 
     # -- one step -----------------------------------------------------------------
 
@@ -233,11 +356,22 @@ class StepEngine:
         hidden_states: torch.Tensor,
         seqs: Sequence[SeqMeta],
         draft_tokens: Sequence[Sequence[int] | None] | None = None,
+        draft_logprobs: Sequence[np.ndarray | torch.Tensor | None] | None = None,
+        *,
+        next_drafts: Sequence[Sequence[int] | None] | None = None,
+        next_draft_logprobs: Sequence[Sequence[float] | None] | None = None,
     ) -> StepOutput:
         """Sample the step of `seqs` from `hidden_states` ([rows, H], batch order).
 
-        `draft_tokens[i]`: the `seqlen_q - 1` draft tokens a decode request
-        verifies this step (its query tokens after the first), None otherwise."""
+        Drafts (decode requests with seqlen_q = 1 + k): `draft_tokens[i]` gives
+        the k drafts request i verifies; when it (or the whole argument) is
+        None, they are read from the draft-info pool at the request's
+        `mtp_read_slot` (slot 0: padding, nothing to accept).
+        `draft_logprobs[i]` ([k, V] log-probabilities, rejection mode): the
+        draft distribution each draft was drawn from; None = one-hot.
+        `next_drafts[i]` / `next_draft_logprobs[i]`: up to max_draft_tokens
+        proposals of a draft head for request i's next step, written into its
+        `mtp_write_slot` inside the graph."""
         start = time.perf_counter()
         with stage("ledger"):
             inputs = prepare_sampler_inputs(
@@ -246,57 +380,119 @@ class StepEngine:
                 compaction_keep_tokens=self.config.compaction_keep_tokens,
                 seed_base=self.config.seed_base,
             )
-            stop_ids = self.stop_id_matrix(seqs)
-            row_drafts = self.row_drafts(inputs, draft_tokens)
-        return self.run(hidden_states, inputs, stop_ids, row_drafts, host_start=start)
+            arrays = self.step_arrays(
+                inputs,
+                self.stop_id_matrix(seqs),
+                draft_tokens=draft_tokens,
+                draft_logprobs=draft_logprobs,
+                next_drafts=next_drafts,
+                next_draft_logprobs=next_draft_logprobs,
+            )
+        return self.run(hidden_states, inputs, arrays, host_start=start)
 
-    def row_drafts(self, inputs: SamplerInputs, draft_tokens: Sequence[Sequence[int] | None] | None) -> np.ndarray:
-        """[sample rows] int64: the draft each sample row is asked to predict
-        (row j of a decode request verifies its draft j), -1 where none."""
-        rows = np.full(inputs.num_sample_rows, -1, dtype=np.int64)
+    def step_arrays(
+        self,
+        inputs: SamplerInputs,
+        stop_ids: np.ndarray,
+        *,
+        draft_tokens: Sequence[Sequence[int] | None] | np.ndarray | None = None,
+        draft_logprobs: Sequence[np.ndarray | torch.Tensor | None] | None = None,
+        next_drafts: Sequence[Sequence[int] | None] | None = None,
+        next_draft_logprobs: Sequence[Sequence[float] | None] | None = None,
+    ) -> StepArrays:
+        """Everything the step stages, validated (names the request and field).
+        `draft_tokens` may also be an [n, max_draft_tokens] array (vectorised)."""
+        n, rows, k = inputs.num_reqs, inputs.num_sample_rows, self.config.max_draft_tokens
+        for name, value in (("draft_tokens", draft_tokens), ("draft_logprobs", draft_logprobs),
+                            ("next_drafts", next_drafts), ("next_draft_logprobs", next_draft_logprobs)):
+            if value is not None and len(value) != n:
+                raise ValueError(f"{name}: {len(value)} entries for {n} requests")
+        arrays = StepArrays.from_inputs(inputs, stop_ids)
+        if k == 0:
+            for name, value in (("draft_tokens", draft_tokens), ("next_drafts", next_drafts)):
+                if value is not None and any(v for v in value):
+                    raise ValueError(f"{name}: drafts given but EngineConfig.max_draft_tokens=0")
+            return arrays
         drafts_per_req = np.where(inputs.is_prompt, 0, inputs.sample_counts - 1)
-        if draft_tokens is None:
-            if drafts_per_req.any():
-                i = int(np.flatnonzero(drafts_per_req)[0])
-                raise ValueError(
-                    f"request {inputs.request_ids[i]!r}: seqlen_q={int(inputs.sample_counts[i])} verifies "
-                    f"{int(drafts_per_req[i])} drafts but draft_tokens is None"
-                )
-            return rows
-        if len(draft_tokens) != inputs.num_reqs:
-            raise ValueError(f"draft_tokens: {len(draft_tokens)} entries for {inputs.num_reqs} requests")
-        for i, drafts in enumerate(draft_tokens):
-            count = 0 if drafts is None else len(drafts)
-            if count != drafts_per_req[i]:
-                raise ValueError(
-                    f"request {inputs.request_ids[i]!r}: draft_tokens has {count} tokens but the request "
-                    f"verifies {int(drafts_per_req[i])} this step (seqlen_q - 1 for a decode)"
-                )
-            if count:
-                values = np.asarray(drafts, dtype=np.int64)
-                if values.min() < 0 or values.max() >= self.vocab_size:
-                    raise ValueError(
-                        f"request {inputs.request_ids[i]!r}: draft_tokens={list(drafts)}: outside the "
-                        f"vocabulary [0, {self.vocab_size})"
-                    )
+        has_draft_row = inputs.local_step < drafts_per_req[inputs.row_to_req]
+        arrays.row_drafts = np.where(has_draft_row, READ_FROM_POOL, -1).astype(np.int64)
+        arrays.pool_read_rows = inputs.mtp_info_read_rows.astype(np.int64)
+        arrays.write_slot = inputs.mtp_info_write_slots.astype(np.int64)
+        limit = self.config.pool_slots
+        for name, slots in (("mtp_read_slot", arrays.pool_read_rows // k), ("mtp_write_slot", arrays.write_slot)):
+            if len(slots) and slots.max() >= limit:
+                j = int(np.argmax(slots))
+                req = int(inputs.row_to_req[j]) if name == "mtp_read_slot" else j
+                raise ValueError(f"request {inputs.request_ids[req]!r}: {name}={int(slots[j])}: the draft-info "
+                                 f"pool has slots 0..{limit - 1} (EngineConfig.draft_pool_slots)")
+        if isinstance(draft_tokens, np.ndarray):
+            # The hot path: [n, >= k] array, row i's first drafts_per_req[i] entries used.
+            rows_with = np.flatnonzero(has_draft_row)
+            values = draft_tokens[inputs.row_to_req[rows_with], inputs.local_step[rows_with]].astype(np.int64)
+            bad = np.flatnonzero((values < 0) | (values >= self.vocab_size))
+            if len(bad):
+                i = int(inputs.row_to_req[rows_with[bad[0]]])
+                raise ValueError(f"request {inputs.request_ids[i]!r}: draft_tokens={draft_tokens[i].tolist()}: "
+                                 f"outside [0, {self.vocab_size})")
+            arrays.row_drafts[rows_with] = values
+            draft_tokens = None
+        for i in range(n if draft_tokens is not None else 0):
+            drafts = draft_tokens[i]
+            if drafts is None:
+                continue
+            lo = int(inputs.sample_offsets[i])
+            arrays.row_drafts[lo : lo + int(drafts_per_req[i])] = self._checked_tokens(
+                inputs.request_ids[i], "draft_tokens", drafts, int(drafts_per_req[i]))
+        if draft_logprobs is not None and any(q is not None for q in draft_logprobs):
+            if self.config.verify_mode != "rejection":
+                raise ValueError("draft_logprobs: only used by EngineConfig(verify_mode='rejection')")
+            arrays.has_draft_probs = np.zeros(rows, dtype=bool)
+            arrays.draft_probs = {}
+            for i, q in enumerate(draft_logprobs):
+                if q is None:
+                    continue
+                q = torch.as_tensor(q, dtype=torch.float32)
+                if tuple(q.shape) != (int(drafts_per_req[i]), self.vocab_size):
+                    raise ValueError(f"request {inputs.request_ids[i]!r}: draft_logprobs: shape {tuple(q.shape)}, "
+                                     f"expected [{int(drafts_per_req[i])}, {self.vocab_size}] (one log-distribution per draft)")
                 lo = int(inputs.sample_offsets[i])
-                rows[lo : lo + count] = values
-        return rows
+                arrays.has_draft_probs[lo : lo + len(q)] = True
+                arrays.draft_probs[lo] = q.exp()
+        if next_drafts is not None:
+            arrays.next_draft_tokens = np.full((n, k), -1, dtype=np.int64)
+            arrays.next_draft_logprobs = np.zeros((n, k), dtype=np.float32)
+            for i, proposal in enumerate(next_drafts):
+                if not proposal:
+                    continue
+                if len(proposal) > k:
+                    raise ValueError(f"request {inputs.request_ids[i]!r}: next_drafts has {len(proposal)} tokens, "
+                                     f"max_draft_tokens={k}")
+                arrays.next_draft_tokens[i, : len(proposal)] = self._checked_tokens(
+                    inputs.request_ids[i], "next_drafts", proposal, len(proposal))
+                if next_draft_logprobs is not None and next_draft_logprobs[i] is not None:
+                    arrays.next_draft_logprobs[i, : len(proposal)] = np.asarray(next_draft_logprobs[i], np.float32)
+        return arrays
+
+    def _checked_tokens(self, request_id: Hashable, name: str, tokens: Sequence[int], count: int) -> np.ndarray:
+        values = np.asarray(list(tokens), dtype=np.int64)
+        if len(values) != count:
+            raise ValueError(f"request {request_id!r}: {name} has {len(values)} tokens but the request "
+                             f"verifies {count} this step (seqlen_q - 1 for a decode)")
+        if count and (values.min() < 0 or values.max() >= self.vocab_size):
+            raise ValueError(f"request {request_id!r}: {name}={values.tolist()}: outside [0, {self.vocab_size})")
+        return values
 
     def _validate(self, hidden: torch.Tensor, inputs: SamplerInputs) -> None:
         if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
             raise ValueError(f"hidden_states: shape {tuple(hidden.shape)}, expected [rows, {self.hidden_size}]")
         if hidden.device.type != self.device.type:
             raise ValueError(f"hidden_states: on {hidden.device}, the engine runs on {self.device}")
-        if not self._is_source(hidden) and hidden.shape[0] < inputs.num_output_rows:
+        if hidden.shape[0] < inputs.num_output_rows:
+            fix = " (the engine's static source: raise EngineConfig.max_source_rows)" if self._is_source(hidden) else ""
             raise ValueError(
-                f"hidden_states: {hidden.shape[0]} rows, but the batch's ledger needs {inputs.num_output_rows} "
-                f"(requests {list(inputs.request_ids)[:4]}{'...' if inputs.num_reqs > 4 else ''})"
-            )
-        if self._is_source(hidden) and inputs.num_output_rows > hidden.shape[0]:
-            raise ValueError(
-                f"the batch needs {inputs.num_output_rows} output rows but the static source holds "
-                f"{hidden.shape[0]}: raise EngineConfig.max_source_rows"
+                f"hidden_states: {hidden.shape[0]} rows{fix}, but the batch's ledger needs "
+                f"{inputs.num_output_rows} (requests {list(inputs.request_ids)[:4]}"
+                f"{'...' if inputs.num_reqs > 4 else ''})"
             )
         targets = inputs.prompt_token_targets
         if targets is not None and len(targets) and targets.max() >= self.vocab_size:
@@ -318,114 +514,123 @@ class StepEngine:
         self,
         hidden_states: torch.Tensor,
         inputs: SamplerInputs,
-        stop_ids: np.ndarray,
-        row_drafts: np.ndarray | None = None,
+        arrays: StepArrays,
         *,
         host_start: float | None = None,
     ) -> StepOutput:
-        """The step from a prepared ledger (the decode loop's path: it builds
-        `inputs` from its request table). Validates before touching anything."""
+        """The step from a prepared ledger and its staged arrays (the decode
+        loop's path: it builds `inputs` from its request table). Validates
+        before touching anything."""
         host_start = time.perf_counter() if host_start is None else host_start
-        bucket = self.stage_step(hidden_states, inputs, stop_ids)
+        self._validate(hidden_states, inputs)
         n = inputs.num_reqs
-        if bucket is None:
+        bucket = self.buckets.bucket_for(n) if n else None
+        if bucket is not None:
+            parts = [(0, n, bucket)]
+        else:
+            # Above the largest bucket: run eagerly over the same static
+            # buffers, the largest bucket's worth of requests at a time. Rows
+            # are independent (batch-invariant logits, per-row sampling), so
+            # this equals one big step.
             if n:
                 self.replayer.record_eager_fallback(n)
-            result = self._eager_fallback(hidden_states, inputs, stop_ids)
-            self.stats.eager_fallbacks += 1
-            replayed = False
-        else:
+                self.stats.eager_fallbacks += 1
+            largest = self.buckets.largest
+            parts = [(a, min(a + largest, n), self.buckets.bucket_for(min(a + largest, n) - a)) for a in range(0, n, largest)]
+        replayed = bucket is not None and self.config.use_graphs and self.replayer.captured
+        results = []
+        for a, b, part_bucket in parts:
+            part = arrays if len(parts) == 1 else arrays.requests(a, b, inputs.sample_offsets, inputs.sample_counts)
+            self.stage_step(hidden_states, part, part_bucket)
             self.stats.host_seconds += time.perf_counter() - host_start
-            replayed = self.config.use_graphs and self.replayer.captured
             with stage("replay" if replayed else "eager step"):
                 if replayed:
-                    self.replayer.replay(bucket)
+                    self.replayer.replay(part_bucket)
                     self.stats.replays += 1
                 else:
-                    self.replayer.run_eager(bucket)
-                    self.stats.eager_steps += 1
-            rows, capacity = inputs.num_sample_rows, self.buffers.rows_for(bucket)
-            with stage("exact rows"):
-                self._redo_exact_rows(
-                    self.buffers.logits[:capacity], self.buffers.params(bucket), self.buffers.outputs(capacity), rows
-                )
-            with stage("output copy"):
-                # The next replay overwrites the static outputs: copy them out now.
-                result = _host_results(self.buffers.outputs(rows), want_top=bool((inputs.num_logprobs > 0).any()))
+                    self.replayer.run_eager(part_bucket)
+                    self.stats.eager_steps += bucket is not None
+            results.append(self._collect(part_bucket, part, want_top=bool((inputs.num_logprobs > 0).any())))
+            host_start = time.perf_counter()
+        if bucket is not None:
             self.stats.bucket_histogram[bucket] = self.stats.bucket_histogram.get(bucket, 0) + 1
         self.stats.steps += 1
-
+        result = {key: np.concatenate([r[key] for r in results]) for key in results[0]} if results else {}
         with stage("prompt logprobs"):
             prompt_lp = self._prompt_logprobs(hidden_states, inputs)
-        return self._assemble(inputs, result, row_drafts, prompt_lp, bucket, replayed)
+        return self._assemble(inputs, result, prompt_lp, bucket, replayed)
 
-    def stage_step(self, hidden_states: torch.Tensor, inputs: SamplerInputs, stop_ids: np.ndarray) -> int | None:
-        """The host part of a step: validate everything, pick the bucket, stage
-        the per-step arrays and issue the one host-to-device copy. Returns the
-        bucket, or None when the step is above the largest bucket (eager)."""
-        self._validate(hidden_states, inputs)
-        bucket = self.buckets.bucket_for(inputs.num_reqs) if inputs.num_reqs else None
-        if bucket is None:
-            return None
-        sample_rows = inputs.selected_token_indices
+    def stage_step(self, hidden_states: torch.Tensor, arrays: StepArrays, bucket: int) -> None:
+        """The host part of a step: stage the per-step arrays and issue the one
+        host-to-device copy (plus the caller's rows when not zero-copy)."""
+        b = self.buffers
+        sample_rows = arrays.sample_rows
         with stage("staging copy"):
             if not self._is_source(hidden_states):
                 # Not zero-copy: bring only the sample rows into the static
                 # source and point the gather at them.
                 index = torch.as_tensor(sample_rows, device=hidden_states.device, dtype=torch.int64)
-                self.buffers.source[: len(sample_rows)].copy_(hidden_states[index])
+                b.source[: len(sample_rows)].copy_(hidden_states[index])
                 sample_rows = np.arange(len(sample_rows), dtype=np.int64)
                 self.stats.source_copies += 1
-            self.buffers.load(
+            if arrays.draft_probs:
+                for row, q in arrays.draft_probs.items():
+                    b.draft_probs[row : row + len(q)].copy_(q)
+            b.load(
                 bucket=bucket,
                 sample_rows=sample_rows,
-                row_to_req=inputs.row_to_req,
-                local_step=inputs.local_step,
-                suppress_rows=inputs.eos_suppression_rows,
-                temperature=inputs.temperatures,
-                top_k=inputs.top_ks,
-                top_p=inputs.top_ps,
-                min_p=inputs.min_ps,
-                seed=inputs.seeds,
-                sample_position=inputs.sample_positions,
-                stop_ids=stop_ids,
+                row_to_req=arrays.row_to_req,
+                local_step=arrays.local_step,
+                suppress_rows=arrays.suppress_rows,
+                temperature=arrays.temperature,
+                top_k=arrays.top_k,
+                top_p=arrays.top_p,
+                min_p=arrays.min_p,
+                seed=arrays.seed,
+                sample_position=arrays.sample_position,
+                stop_ids=arrays.stop_ids,
+                row_drafts=arrays.row_drafts,
+                pool_read_rows=arrays.pool_read_rows,
+                has_draft_probs=arrays.has_draft_probs,
+                write_slot=arrays.write_slot,
+                next_draft_tokens=arrays.next_draft_tokens,
+                next_draft_logprobs=arrays.next_draft_logprobs,
             )
-        return bucket
 
-    def _redo_exact_rows(self, logits: torch.Tensor, params: RowParams, out: SampleOutput, real_rows: int) -> None:
-        flags = out.needs_exact[:real_rows].cpu()
-        if bool(flags.any()):
-            index = torch.nonzero(flags).flatten()
-            sample_exact(logits, params, self.config.sampler, index, out)
-            self.stats.exact_rows += len(index)
+    def _collect(self, bucket: int, arrays: StepArrays, *, want_top: bool) -> dict[str, np.ndarray]:
+        """After the replay: redo flagged rows exactly, re-verify if needed,
+        and copy the real rows out before the next replay overwrites them."""
+        b = self.buffers
+        rows, capacity, n = len(arrays.row_to_req), b.rows_for(bucket), len(arrays.temperature)
+        params, out = b.params(bucket), b.outputs(capacity)
+        with stage("exact rows"):
+            flags = out.needs_exact[:rows].cpu()
+            if bool(flags.any()):
+                index = torch.nonzero(flags).flatten()
+                sample_exact(b.logits[:capacity], params, self.config.sampler, index, out)
+                self.stats.exact_rows += len(index)
+                if self.config.max_draft_tokens:
+                    self._verify(bucket)  # the drafts were checked against the fast path's draws
+        with stage("output copy"):
+            result = _host_results(b.outputs(rows), want_top=want_top)
+            k = self.config.max_draft_tokens
+            result["num_accepted"] = b.num_accepted[:n].to("cpu", copy=True).numpy() if k else np.zeros(n, np.int64)
+            if k and self.config.verify_mode == "rejection":
+                emitted = b.emitted[:rows].to("cpu", copy=True).numpy()
+                changed = np.flatnonzero((emitted >= 0) & (emitted != result["tokens"]))
+                if len(changed):
+                    # A residual draw is not the row's own draw: its logprob and rank differ.
+                    self._rescore(b.logits[changed], emitted[changed], result, changed)
+                result["tokens"] = np.where(emitted >= 0, emitted, result["tokens"])
+        return result
 
-    def _eager_fallback(self, hidden: torch.Tensor, inputs: SamplerInputs, stop_ids: np.ndarray) -> dict[str, np.ndarray]:
-        """A step larger than every bucket: the same ops on tensors of its own size."""
-        suppress = np.zeros(inputs.num_sample_rows, dtype=bool)
-        suppress[inputs.eos_suppression_rows] = True
-        with stage("eager step"):
-            index = torch.as_tensor(inputs.selected_token_indices, dtype=torch.int64, device=self.device)
-            rows = gather(hidden, index).to(self.buffers.source.dtype)
-            logits = get_logits(
-                rows, self.weight, batch_invariant=self.config.batch_invariant, block_rows=self.config.logits_block_rows
-            )
-            params = RowParams.from_numpy(
-                temperature=inputs.temperatures,
-                top_k=inputs.top_ks,
-                top_p=inputs.top_ps,
-                min_p=inputs.min_ps,
-                seed=inputs.seeds,
-                sample_position=inputs.sample_positions,
-                row_to_req=inputs.row_to_req,
-                local_step=inputs.local_step,
-                stop_ids=stop_ids,
-                suppress_eos=suppress,
-                device=self.device,
-            )
-            out = SampleOutput.allocate(len(index), self.config.sampler.max_logprobs, self.device)
-            sample(logits, params, self.config.sampler, out=out)
-            self._redo_exact_rows(logits, params, out, len(index))
-        return _host_results(out, want_top=bool((inputs.num_logprobs > 0).any()))
+    def _rescore(self, logits: torch.Tensor, tokens: np.ndarray, result: dict, rows: np.ndarray) -> None:
+        """Raw logprob and rank of `tokens` at `rows` (rejection mode's residual draws)."""
+        raw = logits.to(torch.float32)
+        token_t = torch.as_tensor(tokens, device=raw.device)[:, None]
+        value = raw.gather(1, token_t)
+        result["logprob"][rows] = (value - torch.logsumexp(raw, dim=-1, keepdim=True)).squeeze(1).cpu().numpy()
+        result["rank"][rows] = ((raw > value).sum(-1) + 1).cpu().numpy()
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: SamplerInputs) -> list[list[PromptLogprob] | None]:
         if not inputs.is_prompt.any() or not (inputs.num_prompt_logprobs >= 0).any():
@@ -443,7 +648,6 @@ class StepEngine:
         self,
         inputs: SamplerInputs,
         result: dict[str, np.ndarray],
-        row_drafts: np.ndarray | None,
         prompt_lp: list[list[PromptLogprob] | None],
         bucket: int | None,
         replayed: bool,
@@ -452,20 +656,15 @@ class StepEngine:
         drawn = result["tokens"]
         for i in range(inputs.num_reqs):
             lo = int(inputs.sample_offsets[i])
-            hi = lo + int(inputs.sample_counts[i])
-            # Strict verification: row j's draw is keyed by the position it
-            # produces, exactly as in plain decoding, so accepting drafts while
-            # they equal the draws emits what one-token steps would have.
-            accepted = 0
-            if row_drafts is not None:
-                while lo + accepted < hi - 1 and drawn[lo + accepted] == row_drafts[lo + accepted]:
-                    accepted += 1
+            # Row j's token is keyed by the position it produces, exactly as in
+            # plain decoding; rows past the first rejected draft emit nothing.
+            accepted = int(result["num_accepted"][i]) if not inputs.is_prompt[i] else 0
             num_accepted.append(accepted)
             if inputs.is_prompt[i] and not inputs.is_last_chunk[i]:
                 emitted = range(0)  # the token sampled for a non-last chunk is discarded
             else:
                 emitted = range(lo, lo + accepted + 1)
-            tokens.append([int(result["tokens"][r]) for r in emitted])
+            tokens.append([int(drawn[r]) for r in emitted])
             n_top = int(inputs.num_logprobs[i])
             if n_top < 0:
                 logprobs.append(None)

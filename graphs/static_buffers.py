@@ -29,7 +29,7 @@ class StepField:
     dtype: torch.dtype
     per: str  # "row": one per sample-row slot; "req": one per request slot
     neutral: int | float | bool  # padding value
-    width: int = 1  # columns (stop ids per request)
+    width: int | str = 1  # columns; "stop" / "draft": max stop ids / max draft tokens
 
 
 # Names of RowParams fields where they match; `sample_rows` is the gather index.
@@ -45,9 +45,19 @@ STEP_FIELDS: tuple[StepField, ...] = (
     StepField("min_p", torch.float32, "req", 0.0),
     StepField("seed", torch.int64, "req", 0),
     StepField("sample_position", torch.int64, "req", 0),
-    StepField("stop_ids", torch.int64, "req", -1, width=0),  # width set by allocate
+    StepField("stop_ids", torch.int64, "req", -1, width="stop"),
+    # Drafts (SPEC §1.2, §1.3). row_drafts: the draft a row verifies, staged
+    # from the caller (>= 0), none (-1, a request's last row), or READ_FROM_POOL.
+    StepField("row_drafts", torch.int64, "row", -1),
+    StepField("pool_read_rows", torch.int64, "row", 0),  # mtp_info_read_rows
+    StepField("has_draft_probs", torch.bool, "row", False),  # rejection mode: q staged for this row
+    StepField("write_slot", torch.int64, "req", 0),  # mtp_info_write_slots; 0 = no write
+    StepField("next_draft_tokens", torch.int64, "req", -1, width="draft"),  # proposals for the next step
+    StepField("next_draft_logprobs", torch.float32, "req", 0.0, width="draft"),
 )
+READ_FROM_POOL = -2  # row_drafts value: take the draft from the draft-info pool
 
+_NEUTRAL = {f.name: f.neutral for f in STEP_FIELDS}
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_}
 
 
@@ -63,6 +73,12 @@ class StepBuffers:
     hidden: torch.Tensor  # [max_rows, H] gathered sample rows
     logits: torch.Tensor  # [max_rows, V] fp32
     out: SampleOutput  # [max_rows] results
+    num_accepted: torch.Tensor  # [max_reqs] int64: drafts accepted per request
+    emitted: torch.Tensor  # [max_rows] int64: rejection mode's emitted token per row (-1 = none)
+    resolved_drafts: torch.Tensor  # [max_rows] int64: the draft each row verified (staged or from the pool)
+    pool_tokens: torch.Tensor  # [(pool_slots + 1) * max_draft] int64; the extra slot absorbs "no write"
+    pool_logprobs: torch.Tensor  # same shape, f32
+    draft_probs: torch.Tensor | None  # [max_rows, V] f32, rejection mode only: q of each row's draft
     packed: torch.Tensor  # [nbytes] uint8 on the device: every per-step field
     staging: torch.Tensor  # [nbytes] uint8 on the host (pinned on CUDA)
     fields: dict[str, torch.Tensor]  # device views into `packed`, full size
@@ -82,12 +98,15 @@ class StepBuffers:
         max_stop_ids: int,
         source_dtype: torch.dtype,
         device: torch.device,
+        pool_slots: int = 0,
+        draft_probs: bool = False,
     ) -> StepBuffers:
         rows_per_req = 1 + max_draft_tokens
         max_rows = max_reqs * rows_per_req
+        widths = {"stop": max_stop_ids, "draft": max(max_draft_tokens, 1)}
         layout, offset = [], 0
         for f in STEP_FIELDS:
-            width = max_stop_ids if f.name == "stop_ids" else f.width
+            width = widths.get(f.width, f.width) if isinstance(f.width, str) else f.width
             count = (max_rows if f.per == "row" else max_reqs) * width
             nbytes = count * torch.tensor([], dtype=f.dtype).element_size()
             layout.append((f, width, offset, nbytes))
@@ -98,11 +117,19 @@ class StepBuffers:
         fields, staged = {}, {}
         host_bytes = staging.numpy()
         for f, width, start, nbytes in layout:
-            shape = (-1, width) if f.name == "stop_ids" else (-1,)
+            shape = (-1, width) if isinstance(f.width, str) else (-1,)
             fields[f.name] = packed[start : start + nbytes].view(f.dtype).view(shape)
             staged[f.name] = host_bytes[start : start + nbytes].view(_NUMPY[f.dtype]).reshape(shape)
             staged[f.name][...] = f.neutral
         packed.copy_(staging)
+        # Draft-info pool (SPEC §1.3): slot 0 is padding and never written:
+        # token V - 1, logprob 0 in its first entry and -inf after, so reading
+        # it biases nothing. Writes aimed at slot 0 land in the extra last slot.
+        width = max(max_draft_tokens, 1)
+        pool_tokens = torch.full(((pool_slots + 1) * width,), -1, dtype=torch.int64, device=device)
+        pool_logprobs = torch.full(((pool_slots + 1) * width,), -float("inf"), device=device)
+        pool_tokens[:width] = vocab_size - 1
+        pool_logprobs[0] = 0.0
         return cls(
             max_reqs=max_reqs,
             max_rows=max_rows,
@@ -112,6 +139,12 @@ class StepBuffers:
             hidden=torch.zeros(max_rows, hidden_size, dtype=source_dtype, device=device),
             logits=torch.zeros(max_rows, vocab_size, dtype=torch.float32, device=device),
             out=SampleOutput.allocate(max_rows, max_logprobs, device),
+            num_accepted=torch.zeros(max_reqs, dtype=torch.int64, device=device),
+            emitted=torch.full((max_rows,), -1, dtype=torch.int64, device=device),
+            resolved_drafts=torch.full((max_rows,), -1, dtype=torch.int64, device=device),
+            pool_tokens=pool_tokens,
+            pool_logprobs=pool_logprobs,
+            draft_probs=torch.zeros(max_rows, vocab_size, device=device) if draft_probs else None,
             packed=packed,
             staging=staging,
             fields=fields,
@@ -125,7 +158,19 @@ class StepBuffers:
 
     def static_tensors(self) -> dict[str, torch.Tensor]:
         """Every buffer the captured step touches, by name (for address checks)."""
-        named = {"source": self.source, "hidden": self.hidden, "logits": self.logits, "packed": self.packed}
+        named = {
+            "source": self.source,
+            "hidden": self.hidden,
+            "logits": self.logits,
+            "packed": self.packed,
+            "num_accepted": self.num_accepted,
+            "emitted": self.emitted,
+            "resolved_drafts": self.resolved_drafts,
+            "pool_tokens": self.pool_tokens,
+            "pool_logprobs": self.pool_logprobs,
+        }
+        if self.draft_probs is not None:
+            named["draft_probs"] = self.draft_probs
         named.update({f"out.{k}": v for k, v in vars(self.out).items()})
         return named
 
@@ -145,6 +190,12 @@ class StepBuffers:
         sample_position: np.ndarray,
         stop_ids: np.ndarray,
         forced_token: np.ndarray | None = None,
+        row_drafts: np.ndarray | None = None,
+        pool_read_rows: np.ndarray | None = None,
+        has_draft_probs: np.ndarray | None = None,
+        write_slot: np.ndarray | None = None,
+        next_draft_tokens: np.ndarray | None = None,
+        next_draft_logprobs: np.ndarray | None = None,
     ) -> None:
         """Stage one step's arrays (real entries, then padding up to the
         bucket) and issue the single host-to-device copy."""
@@ -172,9 +223,23 @@ class StepBuffers:
             s[name][rows:cap_rows] = pad
         s["suppress_eos"][:cap_rows] = False
         s["suppress_eos"][suppress_rows] = True
-        s["forced_token"][:cap_rows] = -1
-        if forced_token is not None:
-            s["forced_token"][:rows] = forced_token
+        for name, real in (
+            ("forced_token", forced_token),
+            ("row_drafts", row_drafts),
+            ("pool_read_rows", pool_read_rows),
+            ("has_draft_probs", has_draft_probs),
+        ):
+            s[name][:cap_rows] = _NEUTRAL[name]
+            if real is not None:
+                s[name][:rows] = real
+        for name, real in (
+            ("write_slot", write_slot),
+            ("next_draft_tokens", next_draft_tokens),
+            ("next_draft_logprobs", next_draft_logprobs),
+        ):
+            s[name][:cap_reqs] = _NEUTRAL[name]
+            if real is not None:
+                s[name][:n] = real
         for name, real in (
             ("temperature", temperature),
             ("top_k", top_k),
@@ -184,12 +249,13 @@ class StepBuffers:
             ("sample_position", sample_position),
         ):
             s[name][:n] = real
-        for f in STEP_FIELDS:
-            if f.per == "req":
-                s[f.name][n:cap_reqs] = f.neutral
+        for name in ("temperature", "top_k", "top_p", "min_p", "seed", "sample_position", "stop_ids"):
+            s[name][n:cap_reqs] = _NEUTRAL[name]
         s["stop_ids"][:n] = stop_ids
         non_blocking = self._copy_done is not None
-        self.packed.copy_(self.staging, non_blocking=non_blocking)
+        # Copied as int64 words: torch's CPU byte copy goes through a parallel
+        # path that costs milliseconds on a busy 2-core machine.
+        self.packed.view(torch.int64).copy_(self.staging.view(torch.int64), non_blocking=non_blocking)
         if self._copy_done is not None:
             self._copy_done.record()
 
@@ -212,7 +278,7 @@ class StepBuffers:
         )
 
     def outputs(self, rows: int) -> SampleOutput:
-        """Leading `rows` of every output buffer (views, no copy)."""
+        """Leading `rows` of the sampler's output buffers (views, no copy)."""
         return SampleOutput(**{k: v[:rows] for k, v in vars(self.out).items()})
 
     def fill_garbage(self, generator: torch.Generator | None = None) -> None:
@@ -221,7 +287,7 @@ class StepBuffers:
         for name, view in self.staged.items():
             view[...] = np.random.default_rng(0).integers(-5, 2**20, view.shape).astype(view.dtype)
         self.packed.copy_(self.staging)
-        for tensor in (self.hidden, self.logits, *vars(self.out).values()):
+        for tensor in (self.hidden, self.logits, self.num_accepted, self.emitted, *vars(self.out).values()):
             if tensor.dtype == torch.bool:
                 tensor.fill_(True)
             elif tensor.is_floating_point():

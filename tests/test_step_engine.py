@@ -64,9 +64,9 @@ def _same(a, b) -> None:
 def engines(request):
     device = request.param
     w = _weight(device)
-    replayed = StepEngine(w, EngineConfig(max_num_reqs=MAX_REQS, device=device, max_draft_tokens=2))
+    replayed = StepEngine(w, EngineConfig(max_num_reqs=MAX_REQS, device=device, max_draft_tokens=2, draft_pool_slots=64))
     replayed.capture()
-    eager = StepEngine(w, EngineConfig(max_num_reqs=MAX_REQS, device=device, max_draft_tokens=2, use_graphs=False))
+    eager = StepEngine(w, EngineConfig(max_num_reqs=MAX_REQS, device=device, max_draft_tokens=2, draft_pool_slots=64, use_graphs=False))
     return replayed, eager, device
 
 

@@ -47,8 +47,7 @@ class DecodeWorkload:
         self.seqlen_q = np.full(n, 1 + drafts, np.int32)
         self.seqlen_k = (prompt_lens + generated + drafts).astype(np.int32)
         self.stop_ids = np.full((n, 1), -1, np.int64)  # a persistent column in a real loop
-        self.row_drafts = np.where(np.arange(n * (1 + drafts)) % (1 + drafts) == drafts, -1,
-                                   rng.integers(0, vocab, n * (1 + drafts)))
+        self.drafts = rng.integers(0, vocab, (n, drafts)) if drafts else None
 
     def ledger(self, max_draft_tokens: int):
         read = self.slots.take_read_slots(self.write_slots, ~self.is_prompt)
@@ -90,13 +89,18 @@ def main(argv: list[str] | None = None) -> int:
         source = replayed.source  # zero-copy: the model would have written its rows here
         source[: bucket * (1 + args.drafts)].normal_()
         eager.source[: bucket * (1 + args.drafts)].copy_(source[: bucket * (1 + args.drafts)])
-        drafts = work.row_drafts if args.drafts else None
 
         def host_only():
-            replayed.stage_step(replayed.source, work.ledger(args.drafts), work.stop_ids)
+            inputs = work.ledger(args.drafts)
+            replayed._validate(replayed.source, inputs)
+            arrays = replayed.step_arrays(inputs, work.stop_ids, draft_tokens=work.drafts)
+            replayed.stage_step(replayed.source, arrays, bucket)
 
         def full(engine):
-            return lambda: engine.run(engine.source, work.ledger(args.drafts), work.stop_ids, drafts)
+            def one_step():
+                inputs = work.ledger(args.drafts)
+                return engine.run(engine.source, inputs, engine.step_arrays(inputs, work.stop_ids, draft_tokens=work.drafts))
+            return one_step
 
         t_host = median_us(host_only, repeats=repeats * 4, warmup=3, sync=sync)
         t_eager = median_us(full(eager), repeats=repeats, warmup=2, sync=sync)
@@ -115,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     work = DecodeWorkload(256, 3, 1024)
 
     def host_256():
-        big.stage_step(big.source, work.ledger(3), work.stop_ids)
+        inputs = work.ledger(3)
+        big._validate(big.source, inputs)
+        big.stage_step(big.source, big.step_arrays(inputs, work.stop_ids, draft_tokens=work.drafts), 256)
 
     t = median_us(host_256, repeats=50 if args.quick else 300, warmup=10, sync=sync)
     print(f"\nhost bar: ledger + staging at 256 requests x 3 drafts = {t:.1f} µs median (target <= 100 µs)")
