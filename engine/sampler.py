@@ -455,16 +455,16 @@ def _processed_logprobs(
         out.top_logprobs.copy_(lq[:, :num_top])
 
 
-def _exact_row(raw: torch.Tensor, rows: _Rows, i: int, cfg: SamplerConfig, num_top: int) -> tuple[int, float, int, list[int], list[float]]:
-    """One row over the whole vocabulary, sort-based, straight from the definitions above.
+def _exact_kept(raw: torch.Tensor, rows: _Rows, i: int):
+    """Row i's processed, sorted distribution and kept set over the whole vocabulary.
 
-    Returns (token, logprob, rank, top ids, top logprobs).
+    Returns (z sorted desc, their ids, p, kept mask, exp(z) by id, block masses,
+    log Z, unsuppressed mask by id).
     """
     vocab = raw.shape[0]
-    dev = raw.device
     temperature = rows.temperature[i : i + 1]
     suppressed = rows.stop_ids[i][rows.stop_active[i]]
-    unsuppressed = torch.ones(vocab, dtype=torch.bool, device=dev)
+    unsuppressed = torch.ones(vocab, dtype=torch.bool, device=raw.device)
     unsuppressed[suppressed] = False
     shift = raw[unsuppressed].max()
     z = torch.where(unsuppressed, (raw - shift) / temperature, -math.inf)  # [V] f32
@@ -486,7 +486,27 @@ def _exact_row(raw: torch.Tensor, rows: _Rows, i: int, cfg: SamplerConfig, num_t
             kept &= p >= p[reached[0, 0]]
     if m_on:
         kept &= p >= rows.min_p[i] * p[0]
+    return zs, ids, p, kept, e, block_mass, log_z, unsuppressed
 
+
+def kept_sets(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
+    """[rows, V] bool: the tokens each row's filters keep, by the sort-based definition."""
+    raw = logits.to(torch.float32)
+    rows = _expand(params, raw.shape[1])
+    mask = torch.zeros(raw.shape, dtype=torch.bool, device=raw.device)
+    for i in range(raw.shape[0]):
+        _, ids, _, kept, *_ = _exact_kept(raw[i], rows, i)
+        mask[i, ids[kept]] = True
+    return mask
+
+
+def _exact_row(raw: torch.Tensor, rows: _Rows, i: int, cfg: SamplerConfig, num_top: int) -> tuple[int, float, int, list[int], list[float]]:
+    """One row over the whole vocabulary, sort-based, straight from the definitions above.
+
+    Returns (token, logprob, rank, top ids, top logprobs).
+    """
+    vocab = raw.shape[0]
+    zs, ids, p, kept, e, block_mass, log_z, unsuppressed = _exact_kept(raw, rows, i)
     seed, position = rows.seed[i], rows.position[i]
     if bool(rows.greedy[i]):
         token = int(torch.argmax(torch.where(unsuppressed, raw, -math.inf)))  # first maximum = smallest id
