@@ -1,0 +1,363 @@
+"""Vocab-parallel logits and sampling over torch.distributed (SPEC §2 across ranks).
+
+Each rank holds rows [start, stop) of the LM head. Shard boundaries fall on
+the sampler's normaliser blocks (`engine.sampler.BLOCK`): a block never spans
+two ranks, so every rank computes whole blocks exactly as the unsharded
+sampler does, and the gathered block masses are the same f32 numbers. That is
+what makes the sharded results bit-identical, not just close.
+
+Two ways to sample a step, chosen per step by the engine:
+
+- "gather": all-gather the full logits row ([rows, V] fp32 on every rank) and
+  run the ordinary sampler. Always valid; moves rows * V * 4 bytes.
+- "candidates": each rank sends its local top-C raw logits (value bits and
+  global id), every rank merges them into the global top C in the sampler's
+  (raw desc, id asc) order, takes the global shift from them, then each rank
+  sends its block masses of exp((raw - shift) / T) and exp(raw - raw max).
+  The filters and the Gumbel race (noise keyed by token id and position) run
+  on the merged candidates identically on every rank: no token broadcast.
+  Valid when every request is greedy or has 0 < top_k <= k_cap, logprobs are
+  "raw": the kept set, the greedy token, the rank of the emitted token and
+  the top-N then all lie inside the global top C, with
+  C = max(k_cap + max_stop_ids, max_logprobs) + 1 (room for suppressed stop ids
+  ahead of the k-th token, and one candidate past everything kept so a tie
+  reaching the boundary is seen and sent to the exact path).
+
+Rows the candidate path cannot decide (ties at the boundary: the sampler's
+`needs_exact` conditions, evaluated at C instead of the sampler's
+candidate_cap, so they fire at least as often) are redone by the caller over
+all-gathered full logits with `sample_exact`, exactly as the unsharded engine
+redoes its flagged rows.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from engine.ledger import SamplerInputs
+from engine.ops import gather, get_logits
+from engine.prompt_logprobs import PromptRowResults, _top_n_ids
+from engine.rng import TARGET, gumbel
+from engine.sampler import (
+    BLOCK,
+    RowParams,
+    SampleOutput,
+    SamplerConfig,
+    _block_log_normaliser,
+    _expand,
+    _filter_candidates,
+    _min_id_of_max,
+    sample,
+)
+
+STRATEGIES = ("gather", "candidates")
+
+
+@dataclass(frozen=True)
+class VocabShards:
+    """Which vocabulary rows each of `tp` ranks holds, aligned to BLOCK:
+    contiguous runs of whole blocks, the last shard possibly shorter (fewer
+    blocks, and a partial block at the end of the vocabulary)."""
+
+    vocab: int
+    tp: int
+    starts: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @classmethod
+    def split(cls, vocab: int, tp: int) -> VocabShards:
+        if tp < 1:
+            raise ValueError(f"tp={tp}: must be >= 1")
+        blocks = -(-vocab // BLOCK)
+        if blocks < tp:
+            raise ValueError(f"vocab={vocab}: {blocks} blocks of {BLOCK} tokens cannot feed tp={tp} ranks")
+        # The first blocks % tp ranks take one block more: the last shard is
+        # never larger than the others and no rank is left empty.
+        counts = [blocks // tp + (r < blocks % tp) for r in range(tp)]
+        first_block = np.concatenate([[0], np.cumsum(counts)])
+        starts = tuple(int(b) * BLOCK for b in first_block[:-1])
+        sizes = tuple(min(int(b) * BLOCK, vocab) - a for a, b in zip(starts, first_block[1:]))
+        return cls(vocab, tp, starts, sizes)
+
+    @property
+    def max_size(self) -> int:
+        return max(self.sizes)
+
+    def blocks(self, rank: int) -> int:
+        return -(-self.sizes[rank] // BLOCK)
+
+    @property
+    def max_blocks(self) -> int:
+        return max(self.blocks(r) for r in range(self.tp))
+
+    def shard(self, weight: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank `rank`'s rows of a full [V, H] LM head (a view)."""
+        if weight.shape[0] != self.vocab:
+            raise ValueError(f"weight: {weight.shape[0]} rows, the shards cover vocab={self.vocab}")
+        return weight[self.starts[rank] : self.starts[rank] + self.sizes[rank]]
+
+
+def candidate_count(k_cap: int, max_stop_ids: int, max_logprobs: int) -> int:
+    """C, the global candidates per row of the candidate strategy (see module doc)."""
+    return max(k_cap + max_stop_ids, max_logprobs) + 1
+
+
+def candidate_ineligibility(
+    temperatures: np.ndarray, top_ks: np.ndarray, k_cap: int, vocab: int
+) -> str | None:
+    """Why the candidate strategy cannot sample these requests (host arrays,
+    real requests only), or None when it can."""
+    bounded = (top_ks > 0) & (top_ks <= k_cap) & (top_ks < vocab)
+    bad = np.flatnonzero((temperatures != 0) & ~bounded)
+    if len(bad):
+        i = int(bad[0])
+        return f"request {i} samples with top_k={int(top_ks[i])}, outside (0, k_cap={k_cap}]"
+    return None
+
+
+class VocabParallelSampler:
+    """The sharded device part of a step over static buffers sized for `max_rows`.
+
+    Every tensor a collective or the sampler touches is allocated here once;
+    bucket steps use leading slices, so on CUDA the NCCL collectives can be
+    captured with the rest of the step, and on CPU the replayed step issues
+    the same gloo collectives over the same buffers."""
+
+    def __init__(
+        self,
+        shards: VocabShards,
+        rank: int,
+        *,
+        max_rows: int,
+        k_cap: int,
+        max_stop_ids: int,
+        sampler: SamplerConfig,
+        full_logits: torch.Tensor,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.shards, self.rank, self.group, self.cfg = shards, rank, group, sampler
+        self.start, self.size = shards.starts[rank], shards.sizes[rank]
+        self.k_cap = k_cap
+        self.num_candidates = candidate_count(k_cap, max_stop_ids, sampler.max_logprobs)
+        if self.num_candidates >= shards.vocab:
+            raise ValueError(
+                f"k_cap={k_cap}: the candidate strategy needs C={self.num_candidates} < vocab={shards.vocab}"
+            )
+        tp, width = shards.tp, shards.max_size
+        c, nb = self.num_candidates, shards.max_blocks
+        device = full_logits.device
+        if tuple(full_logits.shape) != (max_rows, shards.vocab) or full_logits.dtype != torch.float32:
+            raise ValueError(f"full_logits: {tuple(full_logits.shape)} {full_logits.dtype}, expected {(max_rows, shards.vocab)} float32")
+        f32 = dict(dtype=torch.float32, device=device)
+        # [rows, V_max] fp32: the local logits, padded to the widest shard
+        # so every rank sends equal-sized messages.
+        self.local_logits = torch.zeros(max_rows, width, **f32)
+        self.gathered_logits = torch.zeros(tp * max_rows, width, **f32)  # [tp * rows, V_max]
+        self.full_logits = full_logits  # [rows, V] fp32, the engine's static logits
+        # Candidate exchange: [rows, 2, C] int32 = (raw value bits, global id).
+        self.local_candidates = torch.zeros(max_rows, 2, c, dtype=torch.int32, device=device)
+        self.gathered_candidates = torch.zeros(tp * max_rows, 2, c, dtype=torch.int32, device=device)
+        # Block masses: [rows, 2, blocks_max] fp32 = (processed, raw).
+        self.local_blocks = torch.zeros(max_rows, 2, nb, **f32)
+        self.gathered_blocks = torch.zeros(tp * max_rows, 2, nb, **f32)
+        # Global block b lives at column b - first block of its rank, rank r's
+        # slab [r, :, :blocks(r)]: a fixed index assembles the blocks in order.
+        self.block_index = torch.as_tensor(
+            np.concatenate([r * nb + np.arange(shards.blocks(r)) for r in range(tp)]), dtype=torch.int64, device=device
+        )
+        self.block_scratch = torch.zeros(max_rows, self.size, **f32)  # exp of the local row
+
+    def static_tensors(self) -> dict[str, torch.Tensor]:
+        names = (
+            "local_logits", "gathered_logits", "local_candidates",
+            "gathered_candidates", "local_blocks", "gathered_blocks", "block_index", "block_scratch",
+        )
+        return {f"vocab_parallel.{n}": getattr(self, n) for n in names}
+
+    def exchanged_bytes(self, strategy: str, rows: int) -> int:
+        """Bytes every rank receives from the step's collectives for `rows` rows."""
+        tp = self.shards.tp
+        if strategy == "gather":
+            return tp * rows * self.gathered_logits.shape[1] * 4
+        per_row = self.gathered_candidates[0].numel() * 4 + self.gathered_blocks[0].numel() * 4
+        return tp * rows * per_row
+
+    # -- logits -------------------------------------------------------------------
+
+    def local_logits_of(self, hidden: torch.Tensor, weight: torch.Tensor, *, batch_invariant: bool, block_rows: int) -> torch.Tensor:
+        """[rows, V_rank] fp32 LM-head logits of this rank's shard (a view of the static buffer)."""
+        rows = hidden.shape[0]
+        local = self.local_logits[:rows, : self.size]
+        get_logits(hidden, weight, out=local, batch_invariant=batch_invariant, block_rows=block_rows)
+        return local
+
+    def all_gather_logits(self, rows: int) -> torch.Tensor:
+        """Full [rows, V] logits on every rank from each rank's local logits."""
+        gathered = self.gathered_logits[: self.shards.tp * rows]
+        dist.all_gather_single(gathered, self.local_logits[:rows], group=self.group)
+        full = self.full_logits[:rows]
+        for r, (start, size) in enumerate(zip(self.shards.starts, self.shards.sizes)):
+            full[:, start : start + size].copy_(gathered[r * rows : (r + 1) * rows, :size])
+        return full
+
+    # -- the two strategies -----------------------------------------------------
+
+    def sample_gathered(self, rows: int, params: RowParams, out: SampleOutput) -> None:
+        """Strategy "gather": the unsharded sampler over the all-gathered row."""
+        sample(self.all_gather_logits(rows), params, self.cfg, out=out)
+
+    def sample_candidates(self, rows_n: int, params: RowParams, out: SampleOutput) -> None:
+        """Strategy "candidates": two small all-gathers, then the sampler's
+        filters and race over the merged global top C. Capture-safe.
+
+        Mirrors `engine.sampler.sample` line for line where it decides; the
+        differences are where the numbers come from (merged candidates,
+        gathered block masses), never what is done with them."""
+        tp, c, vocab = self.shards.tp, self.num_candidates, self.shards.vocab
+        raw_local = self.local_logits[:rows_n, : self.size]  # [rows, V_rank] fp32
+        rows = _expand(params, vocab)
+        neg_inf = torch.full((), -math.inf, dtype=torch.float32, device=raw_local.device)
+
+        # Phase 1: local top C (padded with -inf / id V when the shard is smaller).
+        local_c = min(c, self.size)
+        values, ids = torch.topk(raw_local, local_c)
+        send = self.local_candidates[:rows_n]
+        send[:, 0].view(torch.float32).fill_(-math.inf)
+        send[:, 1].fill_(vocab)
+        send[:, 0, :local_c].view(torch.float32).copy_(values)
+        send[:, 1, :local_c].copy_(ids + self.start)
+        received = self.gathered_candidates[: tp * rows_n]
+        dist.all_gather_single(received, send, group=self.group)
+        merged = received.view(tp, rows_n, 2, c).permute(1, 2, 0, 3).reshape(rows_n, 2, tp * c)
+        merged_raw = merged[:, 0].contiguous().view(torch.float32)  # [rows, tp * C]
+        merged_ids = merged[:, 1].to(torch.int64)
+        # The sampler's candidate order: raw desc, ties by id asc.
+        by_id = torch.argsort(merged_ids, dim=1)
+        merged_raw, merged_ids = merged_raw.gather(1, by_id), merged_ids.gather(1, by_id)
+        by_value = torch.sort(merged_raw, dim=1, descending=True, stable=True).indices[:, :c]
+        cand_raw, cand_ids = merged_raw.gather(1, by_value), merged_ids.gather(1, by_value)  # [rows, C]
+        boundary_raw = cand_raw[:, c - 1]
+
+        blocked = ((cand_ids[:, :, None] == rows.stop_ids[:, None, :]) & rows.stop_active[:, None, :]).any(-1)
+        valid = ~blocked
+        any_valid = valid.any(-1)
+        shift = torch.where(any_valid, torch.where(valid, cand_raw, neg_inf).amax(-1), boundary_raw)
+        raw_max = cand_raw[:, 0]
+
+        # Phase 2: this rank's block masses of both normalisers, then all blocks in order.
+        blocks_send = self.local_blocks[:rows_n]
+        blocks_send.zero_()
+        local_blocks = self.shards.blocks(self.rank)
+        scratch = self.block_scratch[:rows_n]
+        torch.sub(raw_local, shift[:, None], out=scratch).div_(rows.temperature[:, None]).exp_()
+        self._zero_suppressed(scratch, rows)
+        blocks_send[:, 0, :local_blocks].copy_(_block_log_normaliser(scratch)[0])
+        torch.sub(raw_local, raw_max[:, None], out=scratch).exp_()
+        blocks_send[:, 1, :local_blocks].copy_(_block_log_normaliser(scratch)[0])
+        got = self.gathered_blocks[: tp * rows_n]
+        dist.all_gather_single(got, blocks_send, group=self.group)
+        by_rank = got.view(tp, rows_n, 2, -1).permute(1, 2, 0, 3).reshape(rows_n, 2, -1)
+        block_mass = by_rank.index_select(2, self.block_index)  # [rows, 2, blocks]
+        log_z = torch.log(block_mass[:, 0].contiguous().to(torch.float64).sum(-1))
+        log_z_raw = torch.log(block_mass[:, 1].contiguous().to(torch.float64).sum(-1))
+
+        # From here on: engine.sampler.sample over the merged candidates.
+        cand_z = torch.where(valid, (cand_raw - shift[:, None]) / rows.temperature[:, None], neg_inf)
+        by_z = torch.sort(cand_z, dim=1, descending=True, stable=True).indices
+        zs, zs_ids = cand_z.gather(1, by_z), cand_ids.gather(1, by_z)
+        p = torch.exp(zs.to(torch.float64) - log_z[:, None])
+        boundary_z = (boundary_raw - shift) / rows.temperature
+        boundary_p = torch.exp(boundary_z.to(torch.float64) - log_z)
+        alive = zs > -math.inf
+        kept, filter_ambiguous = _filter_candidates(zs, p, alive, boundary_z, rows, c, True)
+        reaches_tail = (kept & (p <= boundary_p[:, None])).any(-1)
+        filtered = ~rows.greedy & ~rows.plain
+
+        noise = gumbel(rows.seed[:, None], rows.position[:, None], TARGET, zs_ids)
+        race = torch.where(kept, zs.to(torch.float64) + noise, -math.inf)
+        raced = _min_id_of_max(race, zs_ids, vocab)
+        valid_raw = torch.where(valid, cand_raw, neg_inf)
+        greedy_token = _min_id_of_max(valid_raw, cand_ids, vocab)
+        greedy_tie_in_tail = valid_raw.amax(-1) <= boundary_raw
+        # Plain rows never reach this path (not eligible) except as bucket
+        # padding, whose results are cut off: the race over all candidates
+        # keeps them finite.
+        token = torch.where(rows.greedy, greedy_token, raced)
+        needs_exact = (filtered & (reaches_tail | filter_ambiguous)) | (rows.greedy & greedy_tie_in_tail) | ~any_valid
+
+        # Raw logprobs: every token with a larger logit than the emitted one
+        # is a candidate, so the rank counts over candidates only.
+        lse = raw_max.to(torch.float64) + log_z_raw
+        token_raw = torch.where(cand_ids == token[:, None], cand_raw, neg_inf).amax(-1, keepdim=True)
+        out.logprob.copy_(token_raw.squeeze(1).to(torch.float64) - lse)
+        out.rank.copy_((cand_raw > token_raw).sum(-1) + 1)
+        num_top = out.top_ids.shape[1]
+        if num_top:
+            out.top_ids.copy_(cand_ids[:, :num_top])
+            out.top_logprobs.copy_(cand_raw[:, :num_top].to(torch.float64) - lse[:, None])
+            needs_exact = needs_exact | (cand_raw[:, num_top - 1] <= cand_raw[:, -1])
+        out.tokens.copy_(token)
+        out.needs_exact.copy_(needs_exact)
+
+    def _zero_suppressed(self, e: torch.Tensor, rows) -> None:
+        """Suppressed stop ids inside this shard get weight 0, as in the sampler.
+
+        A product scatter: ids outside the shard (and padding ids) multiply
+        column 0 by 1, so duplicate targets cannot overwrite a zero with a
+        stale value the way a plain scatter of kept values could."""
+        local = rows.stop_ids - self.start
+        inside = rows.stop_active & (local >= 0) & (local < self.size)
+        factor = torch.where(inside, torch.zeros((), dtype=e.dtype, device=e.device), torch.ones((), dtype=e.dtype, device=e.device))
+        e.scatter_reduce_(1, torch.where(inside, local, torch.zeros_like(local)), factor.expand(local.shape), reduce="prod")
+
+    # -- prompt logprobs ----------------------------------------------------------
+
+    def prompt_logprobs(
+        self,
+        hidden_states: torch.Tensor,
+        weight: torch.Tensor,
+        inputs: SamplerInputs,
+        *,
+        chunk_rows: int,
+        batch_invariant: bool,
+        block_rows: int,
+    ) -> PromptRowResults:
+        """engine.prompt_logprobs.compute_prompt_logprobs over a sharded head.
+
+        Eager, outside the graph, in chunks of at most the static row count:
+        each chunk's logits are all-gathered (both strategies; prompt rows
+        need the whole row for logsumexp and rank, and they are rare), then
+        the same arithmetic as the unsharded function gives the same bits."""
+        rows_idx = inputs.selected_prompt_indices
+        targets = inputs.prompt_token_targets
+        if rows_idx is None:
+            rows_idx = targets = np.zeros(0, dtype=np.int32)
+        counts = inputs.prompt_row_counts
+        num_top = np.minimum(np.repeat(np.maximum(inputs.num_prompt_logprobs, 0), counts), self.shards.vocab).astype(np.int32)
+        n = len(rows_idx)
+        max_top = int(num_top.max()) if n else 0
+        logprobs = np.empty(n, dtype=np.float32)
+        ranks = np.empty(n, dtype=np.int64)
+        top_ids = np.zeros((n, max_top), dtype=np.int64)
+        top_logprobs = np.zeros((n, max_top), dtype=np.float32)
+        chunk_rows = min(chunk_rows, self.local_logits.shape[0])
+        device = weight.device
+        for start in range(0, n, chunk_rows):
+            stop = min(start + chunk_rows, n)
+            hidden = gather(hidden_states, torch.as_tensor(rows_idx[start:stop], dtype=torch.int64).to(device))
+            self.local_logits_of(hidden, weight, batch_invariant=batch_invariant, block_rows=block_rows)
+            logits = self.all_gather_logits(stop - start)  # [chunk, V] fp32
+            target = torch.as_tensor(targets[start:stop], dtype=torch.int64).to(device).unsqueeze(1)
+            ranks[start:stop] = (1 + (logits > logits.gather(1, target)).sum(1)).cpu().numpy()
+            log_norm = torch.logsumexp(logits, dim=1, keepdim=True)
+            logprobs[start:stop] = (logits.gather(1, target) - log_norm).squeeze(1).cpu().numpy()
+            chunk_top = int(num_top[start:stop].max())
+            if chunk_top:
+                ids = _top_n_ids(logits, chunk_top)
+                top_ids[start:stop, :chunk_top] = ids.cpu().numpy()
+                top_logprobs[start:stop, :chunk_top] = (logits.gather(1, ids) - log_norm).cpu().numpy()
+        return PromptRowResults(np.asarray(targets, dtype=np.int32), logprobs, ranks, num_top, top_ids, top_logprobs)

@@ -1,0 +1,297 @@
+"""Context-parallel ledger broadcast and vocab-parallel sampling over gloo (issue 7).
+
+Each multi-rank test forks `world` processes (fork, not spawn: no re-import of
+torch per rank; each child runs torch with one thread, so the parent's OpenMP
+pool is never touched after the fork), joins a gloo group on a free local
+port with a 30 s timeout, and writes what it saw to a pickle; the parent
+compares against the single-process StepEngine / ledger over the same inputs.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine, prepare_sampler_inputs
+from engine.ops import gather
+from engine.parallel import (
+    LedgerBroadcaster,
+    ParallelConfig,
+    ShardedStepEngine,
+    StepPlan,
+    VocabShards,
+    batch_fingerprint,
+    request_key,
+)
+from engine.parallel.vocab_parallel import candidate_ineligibility
+from engine.sampler import BLOCK, SamplerConfig
+
+VOCAB, HIDDEN, MAX_REQS, MAX_DRAFTS = 4000, 32, 8, 3  # 4000: an uneven last shard with a partial block
+CONFIG = EngineConfig(
+    max_num_reqs=MAX_REQS,
+    max_draft_tokens=MAX_DRAFTS,
+    buckets=(2, 8),
+    device="cpu",
+    eos_token_id=7,
+    max_source_rows=256,
+    sampler=SamplerConfig(candidate_cap=256, max_logprobs=5),
+)
+NUM_BATCHES = 6
+
+
+def _weight() -> torch.Tensor:
+    return torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(0))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world: int, port: int, out_dir: str, worker, args) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    try:
+        result = worker(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+
+
+def run_ranks(world: int, worker, args: tuple, tmp_path) -> list:
+    """Run `worker(rank, world, *args)` on `world` forked gloo ranks; their return values."""
+    mp.start_processes(_child, args=(world, _free_port(), str(tmp_path), worker, args), nprocs=world, start_method="fork")
+    results = []
+    for rank in range(world):
+        with open(tmp_path / f"{rank}.pkl", "rb") as f:
+            results.append(pickle.load(f))
+    return results
+
+
+def random_batch(seed: int, *, eligible: bool) -> tuple[list[SeqMeta], torch.Tensor]:
+    """Prefill chunks (some with prompt logprobs), decodes with 0..MAX_DRAFTS
+    drafts; `eligible`: every request greedy or top_k in 1..50 (the candidate
+    strategy's domain), else some requests sample unfiltered or by top-p only."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, MAX_REQS + 1))
+    seqs = []
+    for i in range(n):
+        top_k = int(rng.choice([1, 5, 20, 50]))
+        temperature = float(rng.choice([0.0, 0.7, 1.0, 1.3]))
+        if not eligible and rng.random() < 0.5:
+            top_k, temperature = 0, 1.0
+        params = SamplingParams(
+            temperature=temperature,
+            top_k=top_k,
+            top_p=float(rng.choice([1.0, 0.9, 0.5])),
+            min_p=float(rng.choice([0.0, 0.05])),
+            seed=int(rng.integers(2**63)) if rng.random() < 0.7 else None,
+            logprobs=int(rng.choice([0, 3, 5])) if rng.random() < 0.6 else None,
+            min_tokens=int(rng.integers(3)),
+            prompt_logprobs=int(rng.choice([0, 2])) if rng.random() < 0.5 else False,
+        )
+        prompt_len = int(rng.integers(2, 12))
+        tokens = rng.integers(0, VOCAB, prompt_len)
+        if rng.random() < 0.35:
+            k = int(rng.integers(1, prompt_len + 1))
+            q = int(rng.integers(1, k + 1))
+            if q < k:  # a later chunk: its earlier chunks are not in these tests
+                params = replace(params, prompt_logprobs=False)
+            seqs.append(SeqMeta(f"req-{seed}-{i}", True, q, k, prompt_len, prompt_tokens=tokens, params=params,
+                                mtp_write_slot=i + 1))
+        else:
+            drafts = int(rng.integers(MAX_DRAFTS + 1))
+            gen = int(rng.integers(1, 20))
+            seqs.append(SeqMeta(i + 100 * seed, False, 1 + drafts, prompt_len + gen + drafts, prompt_len,
+                                prompt_tokens=tokens, num_generated=gen, params=replace(params, prompt_logprobs=False),
+                                mtp_read_slot=int(rng.integers(3)), mtp_write_slot=i + 1))
+    rows = sum(s.seqlen_q for s in seqs)
+    hidden = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(seed))
+    return seqs, hidden
+
+
+def accepting_drafts(engine: StepEngine, seqs, hidden, seed: int) -> list:
+    """Drafts that the strict verifier accepts in part or in full: the rows'
+    own draws (read from the static outputs after a probe step), with some
+    drafts replaced by a wrong token so rejections happen too."""
+    rng = np.random.default_rng(seed)
+    probe = [None if s.is_prompt else [0] * (s.seqlen_q - 1) for s in seqs]
+    engine.step(hidden, seqs, probe)
+    draws = engine.buffers.out.tokens.clone().numpy()
+    drafts, row = [], 0
+    for s in seqs:
+        if s.is_prompt:
+            drafts.append(None)
+            row += 1
+            continue
+        mine = draws[row : row + s.seqlen_q - 1].tolist()
+        if mine and rng.random() < 0.4:
+            j = int(rng.integers(len(mine)))
+            mine[j] = (mine[j] + 1) % VOCAB
+        drafts.append(mine)
+        row += s.seqlen_q
+    return drafts
+
+
+def make_cases() -> list:
+    reference = StepEngine(_weight(), CONFIG)
+    cases = []
+    for seed in range(NUM_BATCHES):
+        seqs, hidden = random_batch(seed, eligible=seed % 3 != 2)
+        cases.append((seqs, hidden, accepting_drafts(reference, seqs, hidden, seed)))
+    return cases
+
+
+def _outputs(out) -> tuple:
+    return (out.tokens, out.logprobs, out.prompt_logprobs, out.seeds, out.num_accepted)
+
+
+def _sharded_worker(rank: int, world: int, cases: list) -> dict:
+    shards = VocabShards.split(VOCAB, world)
+    results = {}
+    for strategy in ("gather", "candidates"):
+        engine = ShardedStepEngine(shards.shard(_weight(), rank), VOCAB, CONFIG, ParallelConfig(strategy=strategy, k_cap=50))
+        engine.capture()
+        outs = []
+        for seqs, hidden, drafts in cases:
+            # Followers get no batch: everything they need comes in the broadcast.
+            out = engine.step(hidden, seqs if rank == 0 else None, drafts if rank == 0 else None)
+            outs.append(_outputs(out))
+        results[strategy] = (outs, engine.parallel_stats, engine.stats.replays)
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_equals_unsharded(world: int, tmp_path) -> None:
+    cases = make_cases()
+    reference = StepEngine(_weight(), CONFIG)
+    reference.capture()
+    expected = [_outputs(reference.step(hidden, seqs, drafts)) for seqs, hidden, drafts in cases]
+    assert sum(sum(o[4]) for o in expected) > 0, "no draft was accepted: the strict path is untested"
+    assert any(p is not None for o in expected for p in o[2]), "no prompt logprobs requested"
+    results = run_ranks(world, _sharded_worker, (cases,), tmp_path)
+    for rank, result in enumerate(results):
+        for strategy, (outs, stats, replays) in result.items():
+            for i, (got, want) in enumerate(zip(outs, expected)):
+                assert got == want, f"rank {rank}, strategy {strategy}, batch {i}"
+            assert replays == NUM_BATCHES
+            if strategy == "candidates":
+                assert stats.candidate_steps == NUM_BATCHES - NUM_BATCHES // 3
+                assert stats.candidate_fallbacks == NUM_BATCHES // 3
+                assert "top_k=0" in stats.last_fallback_reason
+            else:
+                assert stats.gather_steps == NUM_BATCHES and stats.candidate_fallbacks == 0
+
+
+def _ledger_worker(rank: int, world: int, batches: list) -> list:
+    broadcaster = LedgerBroadcaster()
+    seen = []
+    for seqs, hidden, kwargs in batches:
+        def build() -> StepPlan:
+            inputs = prepare_sampler_inputs(seqs, **kwargs)
+            stop_ids = np.arange(inputs.num_reqs * 2, dtype=np.int64).reshape(-1, 2)
+            return StepPlan(inputs, stop_ids, np.arange(inputs.num_sample_rows, dtype=np.int64) - 1)
+
+        plan = broadcaster.share(build if rank == 0 else None, hidden_rows=hidden.shape[0], hidden_size=HIDDEN, config=1)
+        rows = torch.as_tensor(plan.inputs.selected_token_indices, dtype=torch.int64)
+        seen.append((plan, gather(hidden, rows)))
+    return seen
+
+
+def test_followers_rebuild_the_drivers_ledger(tmp_path) -> None:
+    batches = []
+    for seed in range(4):
+        seqs, hidden = random_batch(seed, eligible=True)
+        kwargs = {"max_draft_tokens": MAX_DRAFTS}
+        if seed == 0:  # no drafts, no draft-info fields
+            seqs = [s if s.is_prompt else replace(s, seqlen_q=1, seqlen_k=s.seqlen_k - s.seqlen_q + 1) for s in seqs]
+            hidden = hidden[: sum(s.seqlen_q for s in seqs)]
+            kwargs = {}
+        if seed == 2:  # compaction: output rows and query tokens differ
+            seqs = [replace(s, params=replace(s.params, prompt_logprobs=False)) for s in seqs]
+            kwargs["compaction_keep_tokens"] = 2
+        batches.append((seqs, hidden, kwargs))
+    results = run_ranks(2, _ledger_worker, (batches,), tmp_path)
+    for (seqs, hidden, kwargs), (driver, _), (follower, follower_rows) in zip(batches, results[0], results[1]):
+        expected = prepare_sampler_inputs(seqs, **kwargs)
+        keys = tuple(request_key(s.request_id) for s in seqs)
+        assert follower.inputs == replace(expected, request_ids=keys)
+        assert driver.inputs == expected
+        assert np.array_equal(follower.stop_ids, driver.stop_ids)
+        assert np.array_equal(follower.row_drafts, driver.row_drafts)
+        rows = torch.as_tensor(expected.selected_token_indices, dtype=torch.int64)
+        assert torch.equal(follower_rows, gather(hidden, rows))
+
+
+def _mismatch_worker(rank: int, world: int, cases: list) -> list:
+    shards = VocabShards.split(VOCAB, world)
+    engine = ShardedStepEngine(shards.shard(_weight(), rank), VOCAB, CONFIG, ParallelConfig(strategy="candidates"))
+    errors = []
+    for seqs_by_rank, hidden, drafts in cases:
+        try:
+            engine.step(hidden, seqs_by_rank[rank], drafts if rank == 0 else None)
+            errors.append(None)
+        except ValueError as err:
+            errors.append(str(err))
+    return errors
+
+
+def test_mismatching_batch_raises_on_every_rank(tmp_path) -> None:
+    seqs, hidden = random_batch(1, eligible=True)
+    seqs = [s if s.is_prompt else replace(s, seqlen_q=1, seqlen_k=s.seqlen_k - s.seqlen_q + 1) for s in seqs]
+    hidden = hidden[: sum(s.seqlen_q for s in seqs)]
+    other = list(seqs)
+    other[0] = replace(other[0], request_id="someone-else")
+    bad_draft = [None] * len(seqs)
+    decode = next(i for i, s in enumerate(seqs) if not s.is_prompt)
+    bad_draft[decode] = [1]  # a draft for a request that verifies none
+    cases = [
+        ((seqs, seqs), hidden, None),  # agreement: runs
+        ((seqs, other), hidden, None),  # rank 1 holds another batch
+        ((seqs, None), hidden, bad_draft),  # the driver rejects its own batch
+        ((seqs, None), hidden, None),  # and the group still works afterwards
+    ]
+    results = run_ranks(2, _mismatch_worker, (cases,), tmp_path)
+    for errors in results:
+        assert errors[0] is None and errors[3] is None
+        assert "rank 1: its batch differs from rank 0's" in errors[1]
+        assert "draft_tokens has 1 tokens" in errors[2]
+    assert results[1][2].startswith("rank 0 (driver) rejected the batch")
+
+
+def test_shards_align_to_blocks() -> None:
+    for vocab, tp in [(4000, 2), (4000, 4), (128256, 4), (131072, 2), (1024 * 5, 4)]:
+        shards = VocabShards.split(vocab, tp)
+        assert sum(shards.sizes) == vocab and shards.starts[0] == 0
+        assert all(s % BLOCK == 0 for s in shards.starts)
+        assert all(a + n == b for a, n, b in zip(shards.starts, shards.sizes, shards.starts[1:]))
+    with pytest.raises(ValueError, match="cannot feed tp=4"):
+        VocabShards.split(3000, 4)
+
+
+def test_candidate_eligibility() -> None:
+    temps = np.array([0.0, 1.0, 0.7], dtype=np.float32)
+    assert candidate_ineligibility(temps, np.array([0, 5, 50], dtype=np.int32), 50, VOCAB) is None
+    assert "request 2 samples with top_k=51" in candidate_ineligibility(temps, np.array([0, 5, 51], dtype=np.int32), 50, VOCAB)
+    assert "top_k=0" in candidate_ineligibility(temps, np.array([3, 0, 5], dtype=np.int32), 50, VOCAB)
+
+
+def test_batch_fingerprint_sees_lengths_and_ids() -> None:
+    seqs, _ = random_batch(3, eligible=True)
+    assert batch_fingerprint(seqs) == batch_fingerprint(list(seqs))
+    assert batch_fingerprint(seqs) != batch_fingerprint(seqs[:-1])
+    assert batch_fingerprint(seqs) != batch_fingerprint([replace(seqs[0], request_id="x"), *seqs[1:]])
+    assert request_key(12) == 12 and request_key("a") == request_key("a") != request_key("b")
