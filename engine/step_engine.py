@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from engine.ledger import SamplerInputs, prepare_sampler_inputs
-from engine.ops import DEFAULT_BLOCK_ROWS, gather, get_logits
+from engine.ops import gather, get_logits
 from engine.params import SeqMeta
 from engine.prompt_logprobs import DEFAULT_CHUNK_ROWS, PromptLogprob, PromptLogprobAccumulator, compute_prompt_logprobs
 from engine.sampler import RowParams, SampleOutput, SamplerConfig, sample, sample_exact
@@ -63,7 +63,10 @@ class EngineConfig:
     source_dtype: torch.dtype | None = None  # None: the LM-head weight's dtype
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     batch_invariant: bool = True  # LM head in fixed row blocks: tokens independent of the bucket
-    logits_block_rows: int = DEFAULT_BLOCK_ROWS
+    # Rows per LM-head GEMM in batch-invariant mode. None: 8 on CPU, where a
+    # small step should not pay for a wide block, and 64 on CUDA, where one
+    # block covers bucket 64 and the weight is read once.
+    logits_block_rows: int | None = None
     eos_token_id: int | None = None
     max_stop_ids: int = 8  # EOS plus stop_token_ids per request, for min_tokens suppression
     prompt_logprobs_chunk_rows: int = DEFAULT_CHUNK_ROWS
@@ -77,8 +80,10 @@ class EngineConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"EngineConfig.{name}={value!r}: must be an int >= {minimum}")
 
-        for name in ("max_num_reqs", "max_source_rows", "logits_block_rows", "max_stop_ids", "prompt_logprobs_chunk_rows"):
+        for name in ("max_num_reqs", "max_source_rows", "max_stop_ids", "prompt_logprobs_chunk_rows"):
             positive(name)
+        if self.logits_block_rows is not None:
+            positive("logits_block_rows")
         positive("max_draft_tokens", 0)
         if self.verify_mode not in VERIFY_MODES:
             raise ValueError(f"EngineConfig.verify_mode={self.verify_mode!r}: must be one of {VERIFY_MODES}")
@@ -96,6 +101,12 @@ class EngineConfig:
         if not isinstance(self.sampler, SamplerConfig):
             raise ValueError(f"EngineConfig.sampler={self.sampler!r}: must be a SamplerConfig")
         BucketTable(self.max_num_reqs, self.buckets)  # raises naming the bad bucket
+
+    @property
+    def block_rows(self) -> int:
+        if self.logits_block_rows is not None:
+            return self.logits_block_rows
+        return 64 if self.resolved_device().type == "cuda" else 8
 
     @property
     def pool_slots(self) -> int:
@@ -274,7 +285,7 @@ class StepEngine:
             self.weight,
             out=b.logits[:rows],
             batch_invariant=self.config.batch_invariant,
-            block_rows=self.config.logits_block_rows,
+            block_rows=self.config.block_rows,
         )
         params = b.params(bucket)
         sample(b.logits[:rows], params, self.config.sampler, out=b.outputs(rows))
