@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
+
+# torch.cuda imports pynvml and warns about the package name; the dependency is deliberate.
+warnings.filterwarnings("ignore", message="The pynvml package is deprecated", category=FutureWarning)
 
 from engine import explain as explain_mod
 

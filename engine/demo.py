@@ -131,10 +131,14 @@ class _ProgressBar:
                 f"{done} tokens, step {loop.stats.steps}, {rate:.1f} tok/s")
 
     def update(self, loop: DecodeLoop) -> None:
-        print(self._line(loop), end="", file=sys.stderr, flush=True)
+        # Redrawn in place on a terminal; in a log, one line every 10 steps.
+        if sys.stderr.isatty():
+            print(self._line(loop), end="", file=sys.stderr, flush=True)
+        elif loop.stats.steps % 10 == 0:
+            print(self._line(loop).lstrip("\r"), file=sys.stderr, flush=True)
 
     def close(self, loop: DecodeLoop) -> None:
-        print(self._line(loop), file=sys.stderr, flush=True)
+        print(self._line(loop) if sys.stderr.isatty() else self._line(loop).lstrip("\r"), file=sys.stderr, flush=True)
 
 
 def _same(a: dict, b: dict) -> list[str]:

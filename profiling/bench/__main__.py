@@ -4,6 +4,10 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import sys
+import warnings
+
+# torch.cuda imports pynvml and warns about the package name; the dependency is deliberate.
+warnings.filterwarnings("ignore", message="The pynvml package is deprecated", category=FutureWarning)
 
 import profiling.bench as _pkg
 
