@@ -63,9 +63,10 @@ class EngineConfig:
     source_dtype: torch.dtype | None = None  # None: the LM-head weight's dtype
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     batch_invariant: bool = True  # LM head in fixed row blocks: tokens independent of the bucket
-    # Rows per LM-head GEMM in batch-invariant mode. None: 8 on CPU, where a
-    # small step should not pay for a wide block, and 64 on CUDA, where one
-    # block covers bucket 64 and the weight is read once.
+    # Rows per LM-head GEMM in batch-invariant mode. Every block streams the
+    # whole weight once, so wider blocks mean fewer weight reads for big
+    # buckets and more wasted rows for small ones. None: 16 on CPU, 64 on
+    # CUDA (one block covers bucket 64: the weight is read once).
     logits_block_rows: int | None = None
     eos_token_id: int | None = None
     max_stop_ids: int = 8  # EOS plus stop_token_ids per request, for min_tokens suppression
@@ -106,7 +107,7 @@ class EngineConfig:
     def block_rows(self) -> int:
         if self.logits_block_rows is not None:
             return self.logits_block_rows
-        return 64 if self.resolved_device().type == "cuda" else 8
+        return 64 if self.resolved_device().type == "cuda" else 16
 
     @property
     def pool_slots(self) -> int:
