@@ -288,7 +288,8 @@ def test_smollm2_tokenizer_round_trip_and_special_ids(smollm2) -> None:
 @settings(max_examples=60, deadline=None)
 # SmolLM2's byte alphabet lacks a few bytes (0x04 0x06 0x13 0x14 0x16 0x1d, and the UTF-8 lead bytes
 # 0xf1 / 0xf2 of U+40000..U+BFFFF, plus bytes no UTF-8 text contains): text made of them cannot round-trip.
-@given(text=st.text(st.characters(max_codepoint=0x3FFFF, exclude_characters="\x04\x06\x13\x14\x16\x1d"), max_size=80))
+@given(text=st.text(st.characters(max_codepoint=0x3FFFF, exclude_categories=("Cs",),  # lone surrogates are not text
+                                  exclude_characters="\x04\x06\x13\x14\x16\x1d"), max_size=80))
 def test_smollm2_tokenizer_round_trips_any_text(smollm2, text: str) -> None:
     tokenizer = smollm2[1]
     assert tokenizer.decode(tokenizer.encode(text), skip_special_tokens=False) == text

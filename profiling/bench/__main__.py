@@ -16,10 +16,24 @@ def available() -> list[str]:
     return sorted(m.name for m in pkgutil.iter_modules(_pkg.__path__) if not m.name.startswith("_"))
 
 
+def _take_threads(argv: list[str]) -> list[str]:
+    """`--threads N` anywhere: set torch's CPU threads for every benchmark.
+    On a busy 2-core machine one thread avoids OpenMP threads fighting other
+    processes, which slows small ops by an order of magnitude."""
+    if "--threads" not in argv:
+        return argv
+    i = argv.index("--threads")
+    import torch
+
+    torch.set_num_threads(int(argv[i + 1]))
+    return argv[:i] + argv[i + 2 :]
+
+
 def main(argv: list[str]) -> int:
+    argv = _take_threads(argv)
     names = available()
     if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: python -m profiling.bench {{{','.join(names + ['all'])}}} [options]")
+        print(f"usage: python -m profiling.bench {{{','.join(names + ['all'])}}} [--threads N] [options]")
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name == "all":

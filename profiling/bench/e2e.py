@@ -10,7 +10,7 @@ at the first stop token, inclusive). Prints tokens/s and ratios.
 
 Needs the `hf` extra (`.venv/bin/pip install -e '.[hf]'`).
 
-    python -m profiling.bench e2e [--quick] [--max-tokens 64] [--threads N]
+    python -m profiling.bench [--threads N] e2e [--quick] [--max-tokens 64]
 """
 from __future__ import annotations
 
@@ -74,13 +74,10 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="4 prompts, 16 tokens")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = parser.parse_args(argv)
     if importlib.util.find_spec("transformers") is None:
         print("e2e: transformers is not installed; install the hf extra: .venv/bin/pip install -e '.[hf]'")
         return 0
-    if args.threads:
-        torch.set_num_threads(args.threads)
     count, max_tokens = (4, 16) if args.quick else (16, args.max_tokens)
     _, tokenizer = load_smollm2(num_slots=1, max_context=1024)
     prompts = [tokenizer.chat_prompt([{"role": "user", "content": text}]) for text in CHAT_PROMPTS[:count]]
