@@ -95,9 +95,10 @@ def _mixed_batch(n: int, seed: int):
     return seqs, drafts, qs, hidden
 
 
-@pytest.mark.parametrize("mode", ["strict", "rejection"])
-def test_replay_equals_eager_with_mixed_draft_lengths_at_every_bucket(mode):
-    replayed, eager = _engine(verify_mode=mode), _engine(verify_mode=mode, use_graphs=False)
+@pytest.mark.parametrize("mode, top_k_space", [("strict", False), ("rejection", False), ("strict", True), ("rejection", True)])
+def test_replay_equals_eager_with_mixed_draft_lengths_at_every_bucket(mode, top_k_space):
+    options = dict(verify_mode=mode, top_k_space_verify=top_k_space)
+    replayed, eager = _engine(**options), _engine(**options, use_graphs=False)
     for n in (1, 2, 3, 4, 5, 7, 8, 9):
         seqs, drafts, qs, hidden = _mixed_batch(n, seed=40 + n)
         q_arg = qs if mode == "rejection" else None

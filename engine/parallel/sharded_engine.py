@@ -148,7 +148,7 @@ class ShardedStepEngine(StepEngine):
         rows = b.rows_for(bucket)
         gather(b.source, b.fields["sample_rows"][:rows], out=b.hidden[:rows])
         vp.local_logits_of(
-            b.hidden[:rows], self.weight, batch_invariant=self.config.batch_invariant, block_rows=self.config.logits_block_rows
+            b.hidden[:rows], self.weight, batch_invariant=self.config.batch_invariant, block_rows=self.config.block_rows
         )
         if strategy == "gather":
             vp.sample_gathered(rows, b.params(bucket), b.outputs(rows))
