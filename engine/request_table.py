@@ -9,6 +9,8 @@ rule of SPEC §1.3.
 """
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass
 from typing import Hashable, Sequence
 
 import numpy as np
@@ -76,6 +78,7 @@ class RequestTable:
         self._batch_position = np.zeros(capacity, dtype=np.int32)  # scratch for the duplicate check
         self.row_of: dict[Hashable, int] = {}
         self._free = list(range(capacity - 1, -1, -1))
+        self._steady: _SteadyDecode | None = None  # see _steady_ledger
 
     def __len__(self) -> int:
         return len(self.row_of)
@@ -105,6 +108,7 @@ class RequestTable:
             mtp_write_slot=mtp_write_slot,
         )
         row = self._free.pop()
+        self._steady = None
         self.cols.write_row(row, seq, self.seed_base)
         self.prompt_tokens[row] = tokens.astype(np.int32)
         self.request_ids[row] = request_id
@@ -113,6 +117,7 @@ class RequestTable:
 
     def remove(self, request_id: Hashable) -> None:
         row = self.row_of.pop(request_id)
+        self._steady = None
         self.cols.fill_neutral(np.array([row]))
         self.prompt_tokens[row] = None
         self.request_ids[row] = None
@@ -157,6 +162,16 @@ class RequestTable:
     ) -> SamplerInputs:
         """Validate and build the step's ledger from table rows."""
         rows = np.asarray(rows)
+        steady = self._steady
+        if (
+            steady is not None
+            and steady.max_draft_tokens == max_draft_tokens
+            and compaction_keep_tokens is None
+            and np.array_equal(rows, steady.rows)
+            and np.array_equal(seqlen_q, steady.seqlen_q)
+            and not np.any(is_prompt)
+        ):
+            return self._steady_ledger(steady, rows, seqlen_q, seqlen_k, mtp_read_slot)
         if len(rows) and (rows.min() < 0 or rows.max() >= self.capacity):
             raise ValueError(f"rows: table rows must lie in [0, {self.capacity}), got [{rows.min()}, {rows.max()}]")
         # Duplicate rows: write each row's batch position; a row named twice
@@ -177,9 +192,61 @@ class RequestTable:
             compaction_keep_tokens=compaction_keep_tokens,
             check_duplicate_ids=False,
         )
-        return build_ledger(
+        inputs = build_ledger(
             schedule, cols, max_draft_tokens=max_draft_tokens, compaction_keep_tokens=compaction_keep_tokens
         )
+        if compaction_keep_tokens is None and not inputs.is_prompt.any():
+            min_tokens = cols.min_tokens.copy() if cols.min_tokens.any() else None
+            self._steady = _SteadyDecode(rows.copy(), schedule.seqlen_q.copy(), max_draft_tokens, min_tokens, inputs)
+        return inputs
+
+    def _steady_ledger(
+        self,
+        steady: _SteadyDecode,
+        rows: np.ndarray,
+        seqlen_q: np.ndarray,
+        seqlen_k: np.ndarray,
+        mtp_read_slot: np.ndarray | None,
+    ) -> SamplerInputs:
+        """Steady-state decode: the same requests, in the same order, with the
+        same draft counts as the last all-decode step. The row layout (sample
+        rows, row_to_req, local_step, offsets), the parameter arrays and every
+        validation outcome are unchanged (a request's columns change only
+        through add / remove, which drop this cache, and record_emitted, which
+        moves num_generated); only what depends on positions, generated counts
+        and read slots is recomputed."""
+        prev = steady.inputs
+        inputs = copy.copy(prev)  # parameter arrays and row layout carry over unchanged
+        positions = np.subtract(seqlen_k, seqlen_q, dtype=np.int64)
+        positions += 1
+        inputs.sample_positions = positions
+        if steady.min_tokens is not None:
+            tokens_short = steady.min_tokens - self.cols.num_generated[rows]
+            inputs.eos_suppression_rows = np.flatnonzero(prev.local_step < tokens_short[prev.row_to_req]).astype(np.int32)
+        else:
+            inputs.eos_suppression_rows = _NO_ROWS  # no request in the batch has min_tokens
+        k = steady.max_draft_tokens
+        if k:
+            read = np.zeros(len(rows), np.int32) if mtp_read_slot is None else mtp_read_slot
+            mtp_read = (read * k)[prev.row_to_req] + prev.local_step
+            mtp_read[prev.sample_offsets + prev.sample_counts - 1] = 0  # last rows read padding row 0
+            inputs.mtp_info_read_rows = mtp_read.astype(np.int32, copy=False)
+        return inputs
+
+
+@dataclass(frozen=True)
+class _SteadyDecode:
+    """The last all-decode step's layout, reused while the batch is unchanged."""
+
+    rows: np.ndarray
+    seqlen_q: np.ndarray
+    max_draft_tokens: int
+    min_tokens: np.ndarray | None  # per request, None when all are 0
+    inputs: SamplerInputs
+
+
+_NO_ROWS = np.zeros(0, dtype=np.int32)
+_NO_ROWS.flags.writeable = False
 
 
 class _LazyRows:

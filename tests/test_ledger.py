@@ -105,6 +105,59 @@ def test_request_table_path_equals_seqmeta_path(seqs):
     assert got == prepare_sampler_inputs(seqs, max_draft_tokens=MAX_DRAFTS)
 
 
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_steady_decode_steps_equal_a_fresh_ledger(seed):
+    """The request table reuses the last all-decode step's layout while the
+    batch is unchanged; over many steps with emitted tokens, read slots that
+    come and go, draft counts that change and requests that join and leave,
+    every step equals the ledger built from scratch."""
+    rng = np.random.default_rng(seed)
+    table = RequestTable(16)
+    live: dict[int, dict] = {}
+    next_id = 0
+
+    def join():
+        nonlocal next_id
+        params = SamplingParams(temperature=0.5, min_tokens=int(rng.integers(0, 6)), seed=next_id)
+        prompt = rng.integers(0, 100, int(rng.integers(1, 9)))
+        row = table.add(next_id, params, prompt, mtp_write_slot=1 + next_id % 9)
+        live[next_id] = dict(row=row, params=params, prompt=prompt, gen=1, write=1 + next_id % 9)
+        table.record_emitted(np.array([row]), np.array([1]))
+        next_id += 1
+
+    for _ in range(int(rng.integers(1, 6))):
+        join()
+    drafts = {rid: int(rng.integers(0, MAX_DRAFTS + 1)) for rid in live}
+    for _step in range(12):
+        event = rng.random()
+        if event < 0.15 and len(live) < 16:
+            join()
+        elif event < 0.25 and len(live) > 1:
+            gone = int(rng.choice(list(live)))
+            table.remove(gone)
+            del live[gone]
+        if rng.random() < 0.2:
+            drafts = {rid: int(rng.integers(0, MAX_DRAFTS + 1)) for rid in live}
+        ids = sorted(live)
+        drafts = {rid: drafts.get(rid, 0) for rid in ids}
+        seqs = [
+            SeqMeta(rid, False, 1 + drafts[rid], len(live[rid]["prompt"]) + live[rid]["gen"] + drafts[rid],
+                    len(live[rid]["prompt"]), live[rid]["prompt"], live[rid]["gen"], live[rid]["params"],
+                    mtp_read_slot=live[rid]["write"] if rng.random() < 0.5 else 0, mtp_write_slot=live[rid]["write"])
+            for rid in ids
+        ]
+        rows = np.array([live[rid]["row"] for rid in ids])
+        got = table.ledger(rows, np.zeros(len(ids), bool), np.array([s.seqlen_q for s in seqs], np.int32),
+                           np.array([s.seqlen_k for s in seqs], np.int32),
+                           np.array([s.mtp_read_slot for s in seqs], np.int32), max_draft_tokens=MAX_DRAFTS)
+        assert got == prepare_sampler_inputs(seqs, max_draft_tokens=MAX_DRAFTS)
+        emitted = rng.integers(1, 3, len(ids))
+        table.record_emitted(rows, emitted)
+        for rid, e in zip(ids, emitted):
+            live[rid]["gen"] += int(e)
+
+
 def _no_drafts(s: SeqMeta) -> SeqMeta:
     drafts = s.seqlen_q - 1
     return SeqMeta(s.request_id, False, 1, s.seqlen_k - drafts, s.prompt_len, s.prompt_tokens, s.num_generated, s.params)
