@@ -425,25 +425,28 @@ class StepEngine:
                 if value is not None and any(v for v in value):
                     raise ValueError(f"{name}: drafts given but EngineConfig.max_draft_tokens=0")
             return arrays
-        drafts_per_req = np.where(inputs.is_prompt, 0, inputs.sample_counts - 1)
-        has_draft_row = inputs.local_step < drafts_per_req[inputs.row_to_req]
-        arrays.row_drafts = np.where(has_draft_row, READ_FROM_POOL, -1).astype(np.int64)
-        arrays.pool_read_rows = inputs.mtp_info_read_rows.astype(np.int64)
-        arrays.write_slot = inputs.mtp_info_write_slots.astype(np.int64)
+        drafts_per_req = inputs.sample_counts - 1  # 0 for a prefill chunk (one sample row)
+        # Every row verifies a draft (by default from the pool) except each
+        # request's last row, which has none.
+        arrays.row_drafts = np.full(rows, READ_FROM_POOL, dtype=np.int64)
+        arrays.row_drafts[inputs.sample_offsets + inputs.sample_counts - 1] = -1
+        arrays.pool_read_rows = inputs.mtp_info_read_rows
+        arrays.write_slot = inputs.mtp_info_write_slots
         limit = self.config.pool_slots
-        for name, slots in (("mtp_read_slot", arrays.pool_read_rows // k), ("mtp_write_slot", arrays.write_slot)):
-            if len(slots) and slots.max() >= limit:
+        for name, slots, bound in (("mtp_read_slot", arrays.pool_read_rows, limit * k),
+                                   ("mtp_write_slot", arrays.write_slot, limit)):
+            if len(slots) and slots.max() >= bound:
                 j = int(np.argmax(slots))
                 req = int(inputs.row_to_req[j]) if name == "mtp_read_slot" else j
-                raise ValueError(f"request {inputs.request_ids[req]!r}: {name}={int(slots[j])}: the draft-info "
-                                 f"pool has slots 0..{limit - 1} (EngineConfig.draft_pool_slots)")
+                raise ValueError(f"request {inputs.request_ids[req]!r}: {name}={int(slots[j]) * limit // bound}: the "
+                                 f"draft-info pool has slots 0..{limit - 1} (EngineConfig.draft_pool_slots)")
         if isinstance(draft_tokens, np.ndarray):
             # The hot path: [n, >= k] array, row i's first drafts_per_req[i] entries used.
-            rows_with = np.flatnonzero(has_draft_row)
-            values = draft_tokens[inputs.row_to_req[rows_with], inputs.local_step[rows_with]].astype(np.int64)
-            bad = np.flatnonzero((values < 0) | (values >= self.vocab_size))
-            if len(bad):
-                i = int(inputs.row_to_req[rows_with[bad[0]]])
+            rows_with = np.flatnonzero(arrays.row_drafts == READ_FROM_POOL)
+            values = draft_tokens[inputs.row_to_req[rows_with], inputs.local_step[rows_with]]
+            if len(values) and (values.min() < 0 or values.max() >= self.vocab_size):
+                bad = int(np.flatnonzero((values < 0) | (values >= self.vocab_size))[0])
+                i = int(inputs.row_to_req[rows_with[bad]])
                 raise ValueError(f"request {inputs.request_ids[i]!r}: draft_tokens={draft_tokens[i].tolist()}: "
                                  f"outside [0, {self.vocab_size})")
             arrays.row_drafts[rows_with] = values
