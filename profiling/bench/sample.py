@@ -52,14 +52,17 @@ def _params(rows: int, temperature: float, top_k: int, top_p: float) -> RowParam
 
 
 def sort_based_kept(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """[rows, V] bool kept mask the way engines do it natively: sort, mask, cumsum."""
+    """[rows, V] bool kept mask the way engines do it natively: sort, mask,
+    cumsum; the cumulative mass in float64 (a float32 cumsum drifts by more
+    than the gaps between probabilities on rows keeping tens of thousands of
+    tokens, and then no two implementations agree)."""
     scaled = logits / temperature
     values, ids = torch.sort(scaled, dim=-1, descending=True)
     keep = torch.ones_like(values, dtype=torch.bool)
     if top_k > 0:
         keep[:, top_k:] = False
     if top_p < 1.0:
-        probs = torch.softmax(values.masked_fill(~keep, -float("inf")), dim=-1)
+        probs = torch.softmax(values.masked_fill(~keep, -float("inf")).double(), dim=-1)
         mass_before = probs.cumsum(-1) - probs
         keep &= mass_before < top_p
     return torch.zeros_like(keep).scatter_(1, ids, keep)
