@@ -256,8 +256,13 @@ def _block_log_normaliser(e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _exp_processed(raw: torch.Tensor, shift: torch.Tensor, rows: _Rows) -> torch.Tensor:
     """exp(z) over the full row, [rows, V] f32, suppressed stop ids set to 0."""
     e = torch.sub(raw, shift[:, None]).div_(rows.temperature[:, None]).exp_()
-    kept_value = torch.where(rows.stop_active, torch.zeros((), dtype=e.dtype, device=e.device), e.gather(1, rows.stop_ids))
-    return e.scatter_(1, rows.stop_ids, kept_value)
+    # Every slot that lands on a suppressed id writes 0, also an inactive
+    # (padding) slot aimed at the same id: scatter order is unspecified on
+    # CUDA, so two slots of one row must never write different values.
+    ids, active = rows.stop_ids, rows.stop_active  # [rows, S]
+    blocked = (active[:, None, :] & (ids[:, None, :] == ids[:, :, None])).any(-1)  # [rows, S]
+    kept_value = torch.where(blocked, torch.zeros((), dtype=e.dtype, device=e.device), e.gather(1, ids))
+    return e.scatter_(1, ids, kept_value)
 
 
 def _inverse_cdf_draw(e: torch.Tensor, block_mass: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

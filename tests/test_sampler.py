@@ -301,3 +301,18 @@ def test_same_results_on_cuda():
     gpu = sample(logits.cuda(), cuda_params, cfg)
     assert torch.equal(cpu.tokens, gpu.tokens.cpu())
     assert torch.equal(cpu.needs_exact, gpu.needs_exact.cpu())
+
+
+def test_padding_stop_slot_never_unsuppresses_stop_id_zero():
+    """Stop id 0 next to a padding slot (-1, clamped to 0 for the scatter):
+    both slots land on token 0, and token 0 must stay suppressed."""
+    logits = torch.zeros(2, 16)
+    logits[:, 0] = 10.0  # token 0 would win by far
+    params = RowParams.from_numpy(
+        temperature=np.array([0.0, 1.0], np.float32), top_k=np.zeros(2, np.int32), top_p=np.ones(2, np.float32),
+        min_p=np.zeros(2, np.float32), seed=np.array([1, 2], np.uint64), sample_position=np.zeros(2, np.int64),
+        row_to_req=np.arange(2), local_step=np.zeros(2, np.int64),
+        stop_ids=np.array([[0, -1], [0, -1]]), suppress_eos=np.array([True, True]),
+    )
+    out = sample(logits, params, SamplerConfig(candidate_cap=4, max_logprobs=2))
+    assert (out.tokens != 0).all()
