@@ -474,8 +474,8 @@ def _exact_kept(raw: torch.Tensor, rows: _Rows, i: int):
     shift = raw[unsuppressed].max()
     z = torch.where(unsuppressed, (raw - shift) / temperature, -math.inf)  # [V] f32
     e = torch.where(unsuppressed, torch.sub(raw, shift).div_(temperature).exp_(), 0.0)
-    block_mass = torch.stack([e[b : b + BLOCK].sum() for b in range(0, vocab, BLOCK)])
-    log_z = torch.log(block_mass.to(torch.float64).sum())
+    block_mass, log_z = _block_log_normaliser(e[None, :])
+    block_mass, log_z = block_mass[0], log_z[0]
 
     zs, ids = torch.sort(z, descending=True, stable=True)  # ties keep id order
     p = torch.exp(zs.to(torch.float64) - log_z)
@@ -505,7 +505,9 @@ def kept_sets(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
     return mask
 
 
-def _exact_row(raw: torch.Tensor, rows: _Rows, i: int, cfg: SamplerConfig, num_top: int) -> tuple[int, float, int, list[int], list[float]]:
+def _exact_row(
+    raw: torch.Tensor, rows: _Rows, i: int, cfg: SamplerConfig, num_top: int, compute_logprobs: bool = True
+) -> tuple[int, float, int, list[int], list[float]]:
     """One row over the whole vocabulary, sort-based, straight from the definitions above.
 
     Returns (token, logprob, rank, top ids, top logprobs).
@@ -526,17 +528,20 @@ def _exact_row(raw: torch.Tensor, rows: _Rows, i: int, cfg: SamplerConfig, num_t
         pick = min(pick, int(torch.nonzero(weights > 0)[-1, 0]))
         token = block * BLOCK + pick
     else:
-        race = zs.to(torch.float64) + gumbel(seed, position, TARGET, ids)
-        race = torch.where(kept, race, -math.inf)
-        token = int(ids[race == race.max()].min())
+        # Noise only for the kept tokens: keyed by token id, so the same
+        # values a race over the whole vocabulary would see.
+        kept_ids = ids[kept]
+        race = zs[kept].to(torch.float64) + gumbel(seed, position, TARGET, kept_ids)
+        token = int(kept_ids[race == race.max()].min())
     if int(rows.forced[i]) >= 0:
         token = int(rows.forced[i])
 
+    if not compute_logprobs:
+        return token, 0.0, 0, [], []
     if cfg.logprobs_mode == "raw":
         raw_max = raw.max()
-        exp_raw = torch.sub(raw, raw_max).exp_()
-        raw_mass = torch.stack([exp_raw[b : b + BLOCK].sum() for b in range(0, vocab, BLOCK)])
-        lse = raw_max.to(torch.float64) + torch.log(raw_mass.to(torch.float64).sum())
+        _, log_raw_mass = _block_log_normaliser(torch.sub(raw, raw_max).exp_()[None, :])
+        lse = raw_max.to(torch.float64) + log_raw_mass[0]
         logprob = float(raw[token].to(torch.float64) - lse)
         rank = int((raw > raw[token]).sum()) + 1
         values, order = torch.sort(raw, descending=True, stable=True)
@@ -554,13 +559,19 @@ def _exact_row(raw: torch.Tensor, rows: _Rows, i: int, cfg: SamplerConfig, num_t
     return token, logprob, rank, top_ids, top_lps
 
 
-def _write_exact_rows(logits: torch.Tensor, params: RowParams, cfg: SamplerConfig, row_index: list[int], out: SampleOutput) -> None:
+def _write_exact_rows(
+    logits: torch.Tensor, params: RowParams, cfg: SamplerConfig, row_index: list[int], out: SampleOutput,
+    compute_logprobs: bool = True,
+) -> None:
     raw = logits.to(torch.float32)
     rows = _expand(params, raw.shape[1])
     num_top = out.top_ids.shape[1]
     for i in row_index:
-        token, logprob, rank, top_ids, top_lps = _exact_row(raw[i], rows, i, cfg, num_top)
+        token, logprob, rank, top_ids, top_lps = _exact_row(raw[i], rows, i, cfg, num_top, compute_logprobs)
         out.tokens[i] = token
+        out.needs_exact[i] = False
+        if not compute_logprobs:
+            continue
         out.logprob[i] = logprob
         out.rank[i] = rank
         out.top_ids[i] = torch.tensor(top_ids, dtype=torch.int64)
@@ -574,15 +585,18 @@ def sample_exact(
     cfg: SamplerConfig,
     rows: torch.Tensor,
     out: SampleOutput,
+    *,
+    compute_logprobs: bool = True,
 ) -> SampleOutput:
     """Redo the given rows (bool mask [rows] or index tensor) over the full vocabulary.
 
     Eager and host-synchronising: it runs after the captured step, only for
     rows the fast path flagged. Results equal an unlimited `candidate_cap`.
+    `compute_logprobs=False` leaves logprob, rank and top-N untouched.
     """
     rows = rows.to(logits.device)
     index = torch.nonzero(rows).flatten() if rows.dtype == torch.bool else rows.flatten()
-    _write_exact_rows(logits, params, cfg, index.tolist(), out)
+    _write_exact_rows(logits, params, cfg, index.tolist(), out, compute_logprobs)
     return out
 
 

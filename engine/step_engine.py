@@ -565,7 +565,8 @@ class StepEngine:
                 else:
                     self.replayer.run_eager(part_bucket)
                     self.stats.eager_steps += bucket is not None
-            results.append(self._collect(part_bucket, part, want_top=bool((inputs.num_logprobs > 0).any())))
+            results.append(self._collect(part_bucket, part, want_top=bool((inputs.num_logprobs > 0).any()),
+                                         want_logprobs=bool((inputs.num_logprobs >= 0).any())))
             host_start = time.perf_counter()
         if bucket is not None:
             self.stats.bucket_histogram[bucket] = self.stats.bucket_histogram.get(bucket, 0) + 1
@@ -612,7 +613,7 @@ class StepEngine:
                 next_draft_logprobs=arrays.next_draft_logprobs,
             )
 
-    def _collect(self, bucket: int, arrays: StepArrays, *, want_top: bool) -> dict[str, np.ndarray]:
+    def _collect(self, bucket: int, arrays: StepArrays, *, want_top: bool, want_logprobs: bool = True) -> dict[str, np.ndarray]:
         """After the replay: redo flagged rows exactly, re-verify if needed,
         and copy the real rows out before the next replay overwrites them."""
         b = self.buffers
@@ -622,7 +623,8 @@ class StepEngine:
             flags = out.needs_exact[:rows].cpu()
             if bool(flags.any()):
                 index = torch.nonzero(flags).flatten()
-                sample_exact(b.logits[:capacity], params, self.config.sampler, index, out)
+                sample_exact(b.logits[:capacity], params, self.config.sampler, index, out,
+                             compute_logprobs=want_logprobs)
                 self.stats.exact_rows += len(index)
                 if self.config.max_draft_tokens:
                     self._verify(bucket)  # the drafts were checked against the fast path's draws

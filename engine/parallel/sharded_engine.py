@@ -225,7 +225,7 @@ class ShardedStepEngine(StepEngine):
             self.parallel_stats.candidate_steps += 1
         self.parallel_stats.exchanged_bytes += self.vocab_parallel.exchanged_bytes(strategy, rows)
 
-    def _collect(self, bucket: int, arrays: StepArrays, *, want_top: bool) -> dict:
+    def _collect(self, bucket: int, arrays: StepArrays, *, want_top: bool, want_logprobs: bool = True) -> dict:
         """StepEngine's collection; after a candidate step with flagged rows the
         full logits it redoes them over are gathered first. Every rank sees the
         same flags (they derive from the merged data), so all gather together."""
@@ -236,7 +236,7 @@ class ShardedStepEngine(StepEngine):
                 self.vocab_parallel.all_gather_logits(capacity)
                 self.parallel_stats.exact_gathers += 1
                 self.parallel_stats.exchanged_bytes += self.vocab_parallel.exchanged_bytes("gather", capacity)
-        return super()._collect(bucket, arrays, want_top=want_top)
+        return super()._collect(bucket, arrays, want_top=want_top, want_logprobs=want_logprobs)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: SamplerInputs) -> list[list[PromptLogprob] | None]:
         if not inputs.is_prompt.any() or not (inputs.num_prompt_logprobs >= 0).any():

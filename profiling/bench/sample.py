@@ -99,7 +99,7 @@ def _ours(logits: torch.Tensor, params: RowParams, cfg: SamplerConfig, out: Samp
     sample(logits, params, cfg, out, compute_logprobs=logprobs)
     flagged = out.needs_exact
     if bool(flagged.any()):
-        sample_exact(logits, params, cfg, flagged.clone(), out)
+        sample_exact(logits, params, cfg, flagged.clone(), out, compute_logprobs=logprobs)
     return out.tokens
 
 
