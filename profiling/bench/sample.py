@@ -56,7 +56,10 @@ def sort_based_kept(logits: torch.Tensor, temperature: float, top_k: int, top_p:
     cumsum; the cumulative mass in float64 (a float32 cumsum drifts by more
     than the gaps between probabilities on rows keeping tens of thousands of
     tokens, and then no two implementations agree)."""
-    scaled = logits / temperature
+    # Shift by the row maximum before dividing, as the sampler's definition
+    # does: z = (raw - max) / T. Dividing first rounds differently in float32
+    # and flips a boundary token on rows keeping ~18k tokens.
+    scaled = (logits - logits.amax(-1, keepdim=True)) / temperature
     values, ids = torch.sort(scaled, dim=-1, descending=True)
     keep = torch.ones_like(values, dtype=torch.bool)
     if top_k > 0:
