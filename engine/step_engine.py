@@ -178,6 +178,16 @@ class StepArrays:
         return StepArrays(**part)
 
 
+@dataclass(frozen=True)
+class _DraftLayout:
+    row_to_req: np.ndarray  # the ledger arrays this layout was derived from (identity-checked)
+    sample_offsets: np.ndarray
+    row_drafts: np.ndarray  # [rows] READ_FROM_POOL where a row verifies a draft, -1 on last rows
+    draft_rows: np.ndarray  # rows that verify a draft
+    draft_req: np.ndarray  # their request
+    draft_step: np.ndarray  # their local step (= draft index)
+
+
 @dataclass
 class StepOutput:
     """Per request, in batch order."""
@@ -251,6 +261,7 @@ class StepEngine:
         )
         self.prompt_logprobs = PromptLogprobAccumulator()
         self.stats = EngineStats()
+        self._last_draft_layout: _DraftLayout | None = None
 
     # -- the hidden-state source ------------------------------------------------
 
@@ -426,10 +437,8 @@ class StepEngine:
                     raise ValueError(f"{name}: drafts given but EngineConfig.max_draft_tokens=0")
             return arrays
         drafts_per_req = inputs.sample_counts - 1  # 0 for a prefill chunk (one sample row)
-        # Every row verifies a draft (by default from the pool) except each
-        # request's last row, which has none.
-        arrays.row_drafts = np.full(rows, READ_FROM_POOL, dtype=np.int64)
-        arrays.row_drafts[inputs.sample_offsets + inputs.sample_counts - 1] = -1
+        layout = self._draft_layout(inputs)
+        arrays.row_drafts = layout.row_drafts.copy()
         arrays.pool_read_rows = inputs.mtp_info_read_rows
         arrays.write_slot = inputs.mtp_info_write_slots
         limit = self.config.pool_slots
@@ -442,8 +451,8 @@ class StepEngine:
                                  f"draft-info pool has slots 0..{limit - 1} (EngineConfig.draft_pool_slots)")
         if isinstance(draft_tokens, np.ndarray):
             # The hot path: [n, >= k] array, row i's first drafts_per_req[i] entries used.
-            rows_with = np.flatnonzero(arrays.row_drafts == READ_FROM_POOL)
-            values = draft_tokens[inputs.row_to_req[rows_with], inputs.local_step[rows_with]]
+            rows_with = layout.draft_rows
+            values = draft_tokens[layout.draft_req, layout.draft_step]
             if len(values) and (values.min() < 0 or values.max() >= self.vocab_size):
                 bad = int(np.flatnonzero((values < 0) | (values >= self.vocab_size))[0])
                 i = int(inputs.row_to_req[rows_with[bad]])
@@ -487,6 +496,23 @@ class StepEngine:
                 if next_draft_logprobs is not None and next_draft_logprobs[i] is not None:
                     arrays.next_draft_logprobs[i, : len(proposal)] = np.asarray(next_draft_logprobs[i], np.float32)
         return arrays
+
+    def _draft_layout(self, inputs: SamplerInputs) -> _DraftLayout:
+        """Which rows verify a draft, and of which request and step; reused
+        while the ledger hands out the same row layout (steady-state decode
+        shares its arrays from step to step)."""
+        cached = self._last_draft_layout
+        if cached is not None and cached.row_to_req is inputs.row_to_req and cached.sample_offsets is inputs.sample_offsets:
+            return cached
+        # Every row verifies a draft (by default from the pool) except each
+        # request's last row, which has none.
+        row_drafts = np.full(inputs.num_sample_rows, READ_FROM_POOL, dtype=np.int64)
+        row_drafts[inputs.sample_offsets + inputs.sample_counts - 1] = -1
+        draft_rows = np.flatnonzero(row_drafts == READ_FROM_POOL)
+        layout = _DraftLayout(inputs.row_to_req, inputs.sample_offsets, row_drafts, draft_rows,
+                              inputs.row_to_req[draft_rows], inputs.local_step[draft_rows])
+        self._last_draft_layout = layout
+        return layout
 
     def _checked_tokens(self, request_id: Hashable, name: str, tokens: Sequence[int], count: int) -> np.ndarray:
         values = np.asarray(list(tokens), dtype=np.int64)

@@ -14,7 +14,7 @@ parameters, so its logits and draw stay finite and are then cut off.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 import numpy as np
 import torch
 
@@ -84,6 +84,8 @@ class StepBuffers:
     fields: dict[str, torch.Tensor]  # device views into `packed`, full size
     staged: dict[str, np.ndarray]  # numpy views into `staging`, full size
     _copy_done: torch.cuda.Event | None = None
+    # Per staged field: leading entries that may hold non-neutral values.
+    _high_water: dict[str, int] = field(default_factory=lambda: {f.name: 0 for f in STEP_FIELDS})
 
     @classmethod
     def allocate(
@@ -221,37 +223,39 @@ class StepBuffers:
         ):
             s[name][:rows] = real
             s[name][rows:cap_rows] = pad
-        s["suppress_eos"][:cap_rows] = False
+        # Fields with a fixed neutral value: write the real entries, then reset
+        # only what an earlier step left non-neutral past them. Everything
+        # beyond a field's high-water mark is neutral already (allocate wrote
+        # it, fill_garbage raises the marks), so a steady batch pays nothing
+        # for padding.
+        hw = self._high_water
+
+        def put(name: str, real: np.ndarray | bool | None, count: int) -> None:
+            view = s[name]
+            if real is None:
+                count = 0
+            else:
+                view[:count] = real
+            if hw[name] > count:
+                view[count : hw[name]] = _NEUTRAL[name]
+            hw[name] = count
+
+        put("suppress_eos", False, rows)
         s["suppress_eos"][suppress_rows] = True
-        for name, real in (
-            ("forced_token", forced_token),
-            ("row_drafts", row_drafts),
-            ("pool_read_rows", pool_read_rows),
-            ("has_draft_probs", has_draft_probs),
-        ):
-            s[name][:cap_rows] = _NEUTRAL[name]
-            if real is not None:
-                s[name][:rows] = real
-        for name, real in (
-            ("write_slot", write_slot),
-            ("next_draft_tokens", next_draft_tokens),
-            ("next_draft_logprobs", next_draft_logprobs),
-        ):
-            s[name][:cap_reqs] = _NEUTRAL[name]
-            if real is not None:
-                s[name][:n] = real
-        for name, real in (
-            ("temperature", temperature),
-            ("top_k", top_k),
-            ("top_p", top_p),
-            ("min_p", min_p),
-            ("seed", seed.view(np.int64)),
-            ("sample_position", sample_position),
-        ):
-            s[name][:n] = real
-        for name in ("temperature", "top_k", "top_p", "min_p", "seed", "sample_position", "stop_ids"):
-            s[name][n:cap_reqs] = _NEUTRAL[name]
-        s["stop_ids"][:n] = stop_ids
+        put("forced_token", forced_token, rows)
+        put("row_drafts", row_drafts, rows)
+        put("pool_read_rows", pool_read_rows, rows)
+        put("has_draft_probs", has_draft_probs, rows)
+        put("write_slot", write_slot, n)
+        put("next_draft_tokens", next_draft_tokens, n)
+        put("next_draft_logprobs", next_draft_logprobs, n)
+        put("temperature", temperature, n)
+        put("top_k", top_k, n)
+        put("top_p", top_p, n)
+        put("min_p", min_p, n)
+        put("seed", seed.view(np.int64), n)
+        put("sample_position", sample_position, n)
+        put("stop_ids", stop_ids, n)
         non_blocking = self._copy_done is not None
         # Copied as int64 words: torch's CPU byte copy goes through a parallel
         # path that costs milliseconds on a busy 2-core machine.
@@ -286,6 +290,7 @@ class StepBuffers:
         previous step with other requests would have left them."""
         for name, view in self.staged.items():
             view[...] = np.random.default_rng(0).integers(-5, 2**20, view.shape).astype(view.dtype)
+            self._high_water[name] = len(view)
         self.packed.copy_(self.staging)
         for tensor in (self.hidden, self.logits, self.num_accepted, self.emitted, *vars(self.out).values()):
             if tensor.dtype == torch.bool:
