@@ -81,9 +81,11 @@ def load_model(args: argparse.Namespace, num_slots: int):
     """(model, tokenizer, label)."""
     device = torch.device(args.device)
     if args.model:
-        from engine.models.hf_adapter import load_hf_model
+        from engine.models.hf_adapter import HFCausalLM
 
-        model, tokenizer = load_hf_model(args.model, device=device, num_slots=num_slots)
+        model, tokenizer = HFCausalLM.from_pretrained(args.model, device=device, num_slots=num_slots)
+        if tokenizer is None:
+            raise SystemExit(f"--model {args.model}: the folder has no tokenizer files; the demo needs one for its chat prompts")
         return model, tokenizer, args.model
     from engine.models.gguf_loader import load_smollm2
 

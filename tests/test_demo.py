@@ -26,3 +26,25 @@ def test_demo_json_with_determinism_check_and_trace(capsys, tmp_path):
     assert result["completions"][1]["prompt_logprobs"]  # req-01 asks for them
     events = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
     assert {"schedule", "ledger", "staging copy", "replay", "output copy", "model forward"} <= events
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
+def test_demo_runs_a_local_hugging_face_checkpoint(capsys, tmp_path):
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "</s>": 1, **{f"w{i}": i for i in range(2, 128)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", eos_token="</s>").save_pretrained(tmp_path)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      eos_token_id=1, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    code = main(["--model", str(tmp_path), "--requests", "3", "--max-tokens", "5", "--max-num-reqs", "2",
+                 "--json", "--device", "cpu", "--drafts", "0"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["model"] == str(tmp_path)
+    assert all(1 <= len(c["tokens"]) <= 5 for c in result["completions"])
