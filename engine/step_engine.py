@@ -1,20 +1,22 @@
 """StepEngine: one step of the tail, top to bottom.
 
-    step(hidden, seqs)
+    step(hidden, seqs, drafts)
       -> ledger         which rows, positions, parameters (host, numpy)
       -> validate       everything, before any buffer is touched
       -> stage + copy   one packed host-to-device copy into the static buffers
       -> replay         the bucket's captured graph: gather -> logits -> sample
-      -> output copy    truncated to the real rows, copied out before the next replay
+                        -> verify drafts -> write next drafts into the pool
       -> exact rows     rows whose kept set reached past the candidates (eager)
+      -> output copy    truncated to the real rows, copied out before the next replay
       -> prompt logprobs  chunked, eager, outside the graph
       -> StepOutput
 
 `EngineConfig(use_graphs=False)` runs the same step function over the same
 static buffers without a graph; a step with more requests than the largest
-bucket runs eagerly on tensors of its own size. With `batch_invariant=True`
-(the default) all three give identical tokens: the LM head runs in fixed row
-blocks and the sampler's arithmetic is per row.
+bucket runs eagerly over them, the largest bucket's worth of requests at a
+time. With `batch_invariant=True` (the default) all three give identical
+tokens: the LM head runs in fixed row blocks and the sampler's arithmetic is
+per row.
 """
 from __future__ import annotations
 
@@ -30,12 +32,11 @@ from engine.ops import gather, get_logits
 from engine.params import SeqMeta
 from engine.prompt_logprobs import DEFAULT_CHUNK_ROWS, PromptLogprob, PromptLogprobAccumulator, compute_prompt_logprobs
 from engine.sampler import RowParams, SampleOutput, SamplerConfig, sample, sample_exact
+from engine.verify import accept_strict, draft_in_top_k, target_probs, verify_rejection
 from graphs.buckets import BucketTable
 from graphs.replay import CaptureReport, GraphReplayer
-from engine.verify import accept_strict, draft_in_top_k, target_probs, verify_rejection
 from graphs.static_buffers import READ_FROM_POOL, StepBuffers
 from profiling.ranges import stage
-
 
 VERIFY_MODES = ("strict", "rejection")
 
@@ -590,7 +591,8 @@ class StepEngine:
                     self.stats.replays += 1
                 else:
                     self.replayer.run_eager(part_bucket)
-                    self.stats.eager_steps += bucket is not None
+                    if bucket is not None:  # a fallback slice is counted as eager_fallbacks
+                        self.stats.eager_steps += 1
             results.append(self._collect(part_bucket, part, want_top=bool((inputs.num_logprobs > 0).any()),
                                          want_logprobs=bool((inputs.num_logprobs >= 0).any())))
             host_start = time.perf_counter()
