@@ -1,9 +1,11 @@
 """A small continuous-batching decode loop around StepEngine.
 
-Per step: admit arrived requests (a KV-cache slot and a table row each),
-schedule decodes first (1 + drafts tokens each), then prefill chunks with the
-rest of the token budget; run the model's forward straight into the engine's
-static hidden-state source (zero-copy); `engine.step` samples / verifies; emit,
+Per step: admit arrived requests (a KV-cache slot, a draft-info slot and a
+row of the columnar request table each), schedule decodes first (1 + drafts
+tokens each), then prefill chunks with the rest of the token budget; run the
+model's forward straight into the engine's static hidden-state source
+(zero-copy); build the ledger from the request table (SPEC §5: no per-step
+rebuild from Python objects) and let `engine.run` sample / verify; emit,
 finish (EOS, stop ids, max_tokens) and free the slots.
 
 Drafts come from an n-gram prompt-lookup drafter: the longest recent n-gram
@@ -21,8 +23,8 @@ import numpy as np
 import torch
 
 from engine.models.protocol import CausalLM, ForwardBatch
-from engine.params import SamplingParams, SeqMeta
-from engine.request_table import DraftSlots
+from engine.params import SamplingParams
+from engine.request_table import DraftSlots, RequestTable
 from engine.prompt_logprobs import PromptLogprob
 from engine.step_engine import EngineConfig, StepEngine, TokenLogprob
 from profiling.ranges import stage
@@ -85,12 +87,24 @@ class _Running:
     kv_slot: int
     completion: Completion
     draft_slot: int = 0  # draft-info write slot (0 = none: speculation off)
+    table_row: int = -1  # row of the loop's RequestTable
     prefilled: int = 0  # prompt tokens already in the KV cache
     drafts: list[int] = field(default_factory=list)  # being verified this step
 
     @property
     def generated(self) -> list[int]:
         return self.completion.tokens
+
+
+@dataclass(frozen=True)
+class _Scheduled:
+    """One request's part of a step."""
+
+    req: _Running
+    is_prompt: bool
+    seqlen_q: int
+    seqlen_k: int  # context length after this step
+    tokens: np.ndarray  # [seqlen_q] query tokens
 
 
 @dataclass
@@ -146,6 +160,8 @@ class DecodeLoop:
         if capture:
             self.engine.capture()
         self.draft_slots = DraftSlots(cfg.max_num_reqs + 1) if cfg.max_draft_tokens else None
+        self.table = RequestTable(cfg.max_num_reqs, seed_base=engine_config.seed_base)
+        self.stop_ids = np.full((cfg.max_num_reqs, engine_config.max_stop_ids), -1, dtype=np.int64)  # per table row
         self.waiting: deque[tuple[int, _Running]] = deque()  # (arrival step, request)
         self.running: list[_Running] = []
         self.finished: dict[Hashable, Completion] = {}
@@ -212,10 +228,12 @@ class DecodeLoop:
             req.kv_slot = self.model.allocate_slot()
             if self.draft_slots is not None:
                 req.draft_slot = self.draft_slots.allocate()
+            req.table_row = self.table.add(req.request_id, req.params, req.prompt, mtp_write_slot=req.draft_slot)
+            self.stop_ids[req.table_row] = self.engine.stop_ids_for(req.request_id, req.params)
             self.running.append(req)
 
-    def _schedule(self) -> list[tuple[_Running, SeqMeta, np.ndarray]]:
-        """(request, its SeqMeta, its query tokens) in batch order: decodes first."""
+    def _schedule(self) -> list[_Scheduled]:
+        """This step's work in batch order: decodes first, then prefill chunks."""
         cfg = self.config
         budget = cfg.token_budget
         batch = []
@@ -231,36 +249,17 @@ class DecodeLoop:
                     drafts = propose_ngram_drafts(history, k, cfg.ngram_max)
             req.drafts = drafts
             q = 1 + len(drafts)
+            # The first query token is the last generated one, not yet in the cache.
             seqlen_k = len(req.prompt) + len(req.generated) + len(drafts)
-            seq = SeqMeta(
-                req.request_id,
-                is_prompt=False,
-                seqlen_q=q,
-                seqlen_k=seqlen_k,
-                prompt_len=len(req.prompt),
-                num_generated=len(req.generated),
-                params=req.params,
-                mtp_write_slot=req.draft_slot,
-            )
-            batch.append((req, seq, np.asarray([req.generated[-1], *drafts], dtype=np.int64)))
+            batch.append(_Scheduled(req, False, q, seqlen_k, np.asarray([req.generated[-1], *drafts], dtype=np.int64)))
             budget -= q
         for req in self.running:
             if req.prefilled >= len(req.prompt) or budget <= 0:
                 continue
             chunk = min(len(req.prompt) - req.prefilled, budget)
             seqlen_k = req.prefilled + chunk
-            seq = SeqMeta(
-                req.request_id,
-                is_prompt=True,
-                seqlen_q=chunk,
-                seqlen_k=seqlen_k,
-                prompt_len=len(req.prompt),
-                prompt_tokens=req.prompt,
-                params=req.params,
-                mtp_write_slot=req.draft_slot,
-            )
             req.drafts = []
-            batch.append((req, seq, req.prompt[req.prefilled : seqlen_k]))
+            batch.append(_Scheduled(req, True, chunk, seqlen_k, req.prompt[req.prefilled : seqlen_k]))
             budget -= chunk
         return batch
 
@@ -273,19 +272,24 @@ class DecodeLoop:
         if not batch:
             self.stats.steps += 1
             return []
-        seqs = [seq for _, seq, _ in batch]
-        token_ids = torch.from_numpy(np.concatenate([tokens for _, _, tokens in batch]))
-        forward_batch = ForwardBatch.of(
-            [req.kv_slot for req, _, _ in batch], [s.seqlen_q for s in seqs], [s.seqlen_k for s in seqs]
-        )
+        rows = np.fromiter((s.req.table_row for s in batch), dtype=np.int64, count=len(batch))
+        is_prompt = np.fromiter((s.is_prompt for s in batch), dtype=bool, count=len(batch))
+        seqlen_q = np.fromiter((s.seqlen_q for s in batch), dtype=np.int32, count=len(batch))
+        seqlen_k = np.fromiter((s.seqlen_k for s in batch), dtype=np.int32, count=len(batch))
+        token_ids = torch.from_numpy(np.concatenate([s.tokens for s in batch]))
+        forward_batch = ForwardBatch.of([s.req.kv_slot for s in batch], seqlen_q, seqlen_k)
         t1 = time.perf_counter()
         with stage("model forward"):
             # Straight into the engine's static source: no copy between the
             # model's last layer and the captured gather.
             self.model.forward(token_ids, forward_batch.positions(), forward_batch, out=self.engine.source)
         t2 = time.perf_counter()
-        drafts = [None if seq.is_prompt else req.drafts for req, seq, _ in batch]
-        out = self.engine.step(self.engine.source, seqs, drafts if self.config.max_draft_tokens else None)
+        with stage("ledger"):
+            inputs = self.table.ledger(rows, is_prompt, seqlen_q, seqlen_k,
+                                       max_draft_tokens=self.config.max_draft_tokens)
+            drafts = [None if s.is_prompt else s.req.drafts for s in batch] if self.config.max_draft_tokens else None
+            arrays = self.engine.step_arrays(inputs, self.stop_ids[rows], draft_tokens=drafts)
+        out = self.engine.run(self.engine.source, inputs, arrays, host_start=t2)
         t3 = time.perf_counter()
         events = self._apply(batch, out)
         self.stats.schedule_seconds += (t1 - t0) + (time.perf_counter() - t3)
@@ -294,14 +298,16 @@ class DecodeLoop:
         self.stats.steps += 1
         return events
 
-    def _apply(self, batch, out) -> list[StepEvent]:
+    def _apply(self, batch: list[_Scheduled], out) -> list[StepEvent]:
         events = []
-        for i, (req, seq, _) in enumerate(batch):
+        emitted = np.zeros(len(batch), dtype=np.int32)
+        for i, scheduled in enumerate(batch):
+            req = scheduled.req
             completion = req.completion
             completion.seed = out.seeds[i]
-            if seq.is_prompt:
-                req.prefilled = seq.seqlen_k
-                self.stats.prefill_tokens += seq.seqlen_q
+            if scheduled.is_prompt:
+                req.prefilled = scheduled.seqlen_k
+                self.stats.prefill_tokens += scheduled.seqlen_q
                 if out.prompt_logprobs[i] is not None and req.prefilled == len(req.prompt):
                     completion.prompt_logprobs = out.prompt_logprobs[i]
             else:
@@ -319,14 +325,18 @@ class DecodeLoop:
                 if len(completion.tokens) >= req.max_tokens:
                     completion.finish_reason = "length"
                     break
+            emitted[i] = len(new)
             self.stats.tokens_generated += len(new)
             finished = completion.finish_reason is not None
             events.append(StepEvent(req.request_id, new, finished))
+        self.table.record_emitted(np.array([s.req.table_row for s in batch]), emitted)
         for req in [r for r in self.running if r.completion.finish_reason is not None]:
             self.running.remove(req)
             self.model.free_slot(req.kv_slot)
             if self.draft_slots is not None:
                 self.draft_slots.release(req.draft_slot)
+            self.table.remove(req.request_id)
+            self.stop_ids[req.table_row] = -1
             self.finished[req.request_id] = req.completion
         return events
 

@@ -29,7 +29,7 @@ import torch
 
 from engine.ledger import SamplerInputs, prepare_sampler_inputs
 from engine.ops import gather, get_logits
-from engine.params import SeqMeta
+from engine.params import SamplingParams, SeqMeta
 from engine.prompt_logprobs import DEFAULT_CHUNK_ROWS, PromptLogprob, PromptLogprobAccumulator, compute_prompt_logprobs
 from engine.sampler import RowParams, SampleOutput, SamplerConfig, sample, sample_exact
 from engine.verify import accept_strict, draft_in_top_k, target_probs, verify_rejection
@@ -353,27 +353,34 @@ class StepEngine:
 
     def stop_id_matrix(self, seqs: Sequence[SeqMeta]) -> np.ndarray:
         """[n, max_stop_ids] int64: EOS (unless ignore_eos) and stop ids, -1 padded."""
-        width = self.config.max_stop_ids
-        matrix = np.full((len(seqs), width), -1, dtype=np.int64)
-        eos = self.config.eos_token_id
+        matrix = np.full((len(seqs), self.config.max_stop_ids), -1, dtype=np.int64)
         for i, seq in enumerate(seqs):
-            ids = list(seq.params.stop_token_ids)
-            if eos is not None and not seq.params.ignore_eos:
-                ids.insert(0, eos)
-            if not ids:
-                continue
-            if len(ids) > width:
-                raise ValueError(
-                    f"request {seq.request_id!r}: params.stop_token_ids: {len(ids)} stop ids (with EOS) "
-                    f"but EngineConfig.max_stop_ids={width}"
-                )
-            if max(ids) >= self.vocab_size:
-                raise ValueError(
-                    f"request {seq.request_id!r}: params.stop_token_ids={seq.params.stop_token_ids}: "
-                    f"outside the vocabulary ({self.vocab_size})"
-                )
-            matrix[i, : len(ids)] = ids
+            matrix[i] = self.stop_ids_for(seq.request_id, seq.params)
         return matrix
+
+    def stop_ids_for(self, request_id: Hashable, params: SamplingParams) -> np.ndarray:
+        """[max_stop_ids] int64: the ids suppressed while a request is short of
+        min_tokens: EOS (unless ignore_eos) and its stop ids, -1 padded."""
+        width = self.config.max_stop_ids
+        row = np.full(width, -1, dtype=np.int64)
+        ids = list(params.stop_token_ids)
+        eos = self.config.eos_token_id
+        if eos is not None and not params.ignore_eos:
+            ids.insert(0, eos)
+        if not ids:
+            return row
+        if len(ids) > width:
+            raise ValueError(
+                f"request {request_id!r}: params.stop_token_ids: {len(ids)} stop ids (with EOS) "
+                f"but EngineConfig.max_stop_ids={width}"
+            )
+        if max(ids) >= self.vocab_size:
+            raise ValueError(
+                f"request {request_id!r}: params.stop_token_ids={params.stop_token_ids}: "
+                f"outside the vocabulary ({self.vocab_size})"
+            )
+        row[: len(ids)] = ids
+        return row
 
     def step(
         self,
