@@ -691,6 +691,8 @@ class StepEngine:
             hidden,
             self.weight,
             inputs,
+            # Top-k-space mode (SPEC §2.1): a target outside the request's top-k reads -inf.
+            top_k=inputs.top_ks if self.config.top_k_space_verify else None,
             chunk_rows=self.config.prompt_logprobs_chunk_rows,
             batch_invariant=self.config.batch_invariant,
         )

@@ -123,3 +123,21 @@ def test_rejection_mode_accepts_drafts_the_target_agrees_with():
     wrong = [(t + 1) % VOCAB for t in argmaxes[:K]]
     rejected = engine.step(hidden, [_decode("g", K, params=greedy)], [wrong])
     assert rejected.num_accepted == [0] and rejected.tokens[0] == argmaxes[:1]
+
+
+def test_top_k_space_mode_applies_to_prompt_logprobs():
+    """SPEC §2.1: in top-k-space mode a prompt-logprob target outside the
+    request's top-k reads -inf; inside, it is renormalised over the top-k."""
+    hidden = torch.randn(6, HIDDEN, generator=torch.Generator().manual_seed(9))
+    prompt = list(range(6))
+    params = SamplingParams(top_k=1, prompt_logprobs=True)
+    seq = SeqMeta("p", True, 6, 6, 6, prompt_tokens=prompt, params=params)
+    plain = _engine().step(hidden, [seq]).prompt_logprobs[0]
+    spaced = _engine(top_k_space_verify=True).step(hidden, [seq]).prompt_logprobs[0]
+    argmax = torch.argmax(hidden @ _weight().T, dim=-1).tolist()
+    for j, (a, b) in enumerate(zip(plain, spaced)):
+        assert a.token == b.token == prompt[j + 1]
+        if argmax[j] == prompt[j + 1]:
+            assert b.logprob == 0.0  # the only token of a top-1 space
+        else:
+            assert b.logprob == float("-inf") and a.logprob > float("-inf")
