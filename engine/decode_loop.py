@@ -201,8 +201,7 @@ class DecodeLoop:
                 f"request {request_id!r}: prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) needs a "
                 f"context of {needed} but the model's max_context is {self.model.max_context}"
             )
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"request {request_id!r}: params.stop_token_ids={params.stop_token_ids}: outside [0, {vocab})")
+        self.engine.stop_ids_for(request_id, params)  # raises for too many or out-of-vocabulary stop ids
         top_n = params.num_logprobs
         if top_n > self.engine.config.sampler.max_logprobs:
             raise ValueError(

@@ -91,6 +91,10 @@ def test_bad_requests_are_rejected_at_submission_without_disturbing_running_ones
         (lambda: loop.submit("oov", [1, CONFIG.vocab_size], SamplingParams()), r"request 'oov': prompt_tokens\[1\]"),
         (lambda: loop.submit(0, [1, 2], SamplingParams()), "request 0: request_id was already submitted"),
         (lambda: loop.submit("lp", [1, 2], SamplingParams(logprobs=500)), "request 'lp': params.logprobs=500"),
+        (lambda: loop.submit("st", [1, 2], SamplingParams(stop_token_ids=tuple(range(3, 12)))),
+         "request 'st': params.stop_token_ids: 10 stop ids"),
+        (lambda: loop.submit("sv", [1, 2], SamplingParams(stop_token_ids=(CONFIG.vocab_size,))),
+         "request 'sv': params.stop_token_ids"),
     ]
     for call, match in bad:
         with pytest.raises(ValueError, match=match):
