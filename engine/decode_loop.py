@@ -223,8 +223,15 @@ class DecodeLoop:
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_num_reqs and self.waiting[0][0] <= self.stats.steps:
+            try:
+                kv_slot = self.model.allocate_slot()
+            except RuntimeError:
+                # The model's KV cache is full: the request waits for a finished one.
+                if not self.running:
+                    raise
+                return
             _, req = self.waiting.popleft()
-            req.kv_slot = self.model.allocate_slot()
+            req.kv_slot = kv_slot
             if self.draft_slots is not None:
                 req.draft_slot = self.draft_slots.allocate()
             req.table_row = self.table.add(req.request_id, req.params, req.prompt, mtp_write_slot=req.draft_slot)

@@ -105,6 +105,15 @@ def test_bad_requests_are_rejected_at_submission_without_disturbing_running_ones
     assert [(c.tokens, c.logprobs, c.prompt_logprobs, c.seed, c.finish_reason) for _, c in sorted(done.items())] == reference
 
 
+def test_requests_wait_for_kv_cache_slots():
+    """More running room than KV-cache slots: the extra requests wait for a
+    slot instead of failing the step, and complete identically."""
+    prompts, params = prompts_and_params(5)
+    reference, _ = _run(prompts, params, max_num_reqs=8, num_slots=8)
+    constrained, loop = _run(prompts, params, max_num_reqs=8, num_slots=2)
+    assert constrained == reference
+
+
 def test_ngram_drafter_proposes_what_followed_the_latest_match():
     history = np.array([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3])
     assert propose_ngram_drafts(history, 2, 3) == [7, 8]  # latest earlier "1 2 3" is followed by 7 8
