@@ -512,7 +512,6 @@ def _exact_row(
 
     Returns (token, logprob, rank, top ids, top logprobs).
     """
-    vocab = raw.shape[0]
     zs, ids, p, kept, e, block_mass, log_z, unsuppressed = _exact_kept(raw, rows, i)
     seed, position = rows.seed[i], rows.position[i]
     if bool(rows.greedy[i]):

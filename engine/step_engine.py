@@ -31,7 +31,7 @@ from engine.ledger import SamplerInputs, prepare_sampler_inputs
 from engine.ops import gather, get_logits
 from engine.params import SamplingParams, SeqMeta
 from engine.prompt_logprobs import DEFAULT_CHUNK_ROWS, PromptLogprob, PromptLogprobAccumulator, compute_prompt_logprobs
-from engine.sampler import RowParams, SampleOutput, SamplerConfig, sample, sample_exact
+from engine.sampler import SampleOutput, SamplerConfig, sample, sample_exact
 from engine.verify import accept_strict, draft_in_top_k, target_probs, verify_rejection
 from graphs.buckets import BucketTable
 from graphs.replay import CaptureReport, GraphReplayer

@@ -2,10 +2,8 @@
 target distribution, top-k-space mode, padding rows, capture safety."""
 from __future__ import annotations
 
-import math
 
 import numpy as np
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -18,7 +18,6 @@ import pickle
 import socket
 import tempfile
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp

@@ -63,7 +63,6 @@ def _engine_table(
 
 
 def _row_params(num_reqs: int, drafts: int, device: torch.device) -> RowParams:
-    rows = num_reqs * (1 + drafts)
     return RowParams.from_numpy(
         temperature=np.ones(num_reqs, np.float32),
         top_k=np.where(np.arange(num_reqs) % 2 == 1, 50, 0).astype(np.int32),
