@@ -270,6 +270,16 @@ class LlamaModel:
         cache_rows = np.repeat(batch.slots * self.cache_len + batch.context_starts - offsets[:-1], batch.seqlens_q)
         cache_rows = torch.from_numpy(cache_rows + np.arange(total, dtype=np.int64)).to(self.device)
         layout = list(zip(offsets[:-1].tolist(), offsets[1:].tolist(), batch.slots.tolist(), batch.seqlens_k.tolist()))
+        # A pure decode step in fast mode attends for every request in one
+        # call per layer over keys padded to the longest context (masked),
+        # instead of one call per request.
+        decode_keys = None
+        if not self.batch_invariant and batch.num_reqs > 1 and bool((batch.seqlens_q == 1).all()):
+            longest = int(batch.seqlens_k.max())
+            slots_t = torch.from_numpy(batch.slots).to(self.device)
+            lengths = torch.from_numpy(batch.seqlens_k).to(self.device)
+            visible = torch.arange(longest, device=self.device)[None, :] < lengths[:, None]  # [n, Lmax]
+            decode_keys = (slots_t, longest, visible[:, None, None, :])
 
         cos = self._rope_cos[positions][:, None, :]  # [rows, 1, d/2]
         sin = self._rope_sin[positions][:, None, :]
@@ -283,7 +293,12 @@ class LlamaModel:
             k = _rope(k.view(rows, kv_heads, d), cos, sin)
             k_cache.view(-1, kv_heads, d).index_copy_(0, cache_rows, k[:total])
             v_cache.view(-1, kv_heads, d).index_copy_(0, cache_rows, v.view(rows, kv_heads, d)[:total])
-            for start, end, slot, seqlen_k in layout:
+            if decode_keys is not None:
+                attn[:total] = self._decode_attention(q[:total], k_cache, v_cache, *decode_keys)
+                layout_now = ()
+            else:
+                layout_now = layout
+            for start, end, slot, seqlen_k in layout_now:
                 if self.batch_invariant:
                     attn[start:end] = self._tiled_attention(q[start:end], k_cache[slot], v_cache[slot], seqlen_k)
                 else:
@@ -328,6 +343,21 @@ class LlamaModel:
             visible = torch.arange(k_len, device=q.device)[None, :] <= query_pos[:, None]  # [Lq, Lk]
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible.repeat(group, 1))
         return o.reshape(kv_heads, group, q_len, d).permute(2, 0, 1, 3).reshape(q_len, heads * d)
+
+    def _decode_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, longest: int,
+        visible: torch.Tensor,
+    ) -> torch.Tensor:
+        """Every request's single query `[n, heads, d]` against its own cache
+        slot, padded to the longest context and masked; returns `[n, heads * d]`."""
+        n, heads, d = q.shape
+        kv_heads = k_cache.shape[2]
+        group = heads // kv_heads
+        keys = k_cache[slots, :longest].transpose(1, 2)  # [n, kv_heads, Lmax, d]
+        values = v_cache[slots, :longest].transpose(1, 2)
+        q = q.view(n, kv_heads, group, d)  # query heads sharing a KV head, stacked
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)  # [n, kv_heads, group, d]
+        return o.reshape(n, heads * d)
 
     def _tiled_attention(self, q: torch.Tensor, k_slot: torch.Tensor, v_slot: torch.Tensor, k_len: int) -> torch.Tensor:
         """Batch-invariant attention of one request: q `[Lq, heads, d]` against its whole cache slot.
