@@ -14,6 +14,7 @@ followed it. Verification is strict, so drafts change speed, never tokens.
 """
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -24,8 +25,8 @@ import torch
 
 from engine.models.protocol import CausalLM, ForwardBatch
 from engine.params import SamplingParams
-from engine.request_table import DraftSlots, RequestTable
 from engine.prompt_logprobs import PromptLogprob
+from engine.request_table import DraftSlots, RequestTable
 from engine.step_engine import EngineConfig, StepEngine, TokenLogprob
 from profiling.ranges import stage
 
@@ -162,7 +163,7 @@ class DecodeLoop:
         self.draft_slots = DraftSlots(cfg.max_num_reqs + 1) if cfg.max_draft_tokens else None
         self.table = RequestTable(cfg.max_num_reqs, seed_base=engine_config.seed_base)
         self.stop_ids = np.full((cfg.max_num_reqs, engine_config.max_stop_ids), -1, dtype=np.int64)  # per table row
-        self.waiting: deque[tuple[int, _Running]] = deque()  # (arrival step, request)
+        self.waiting: deque[tuple[int, _Running]] = deque()  # (arrival step, request), by arrival
         self.running: list[_Running] = []
         self.finished: dict[Hashable, Completion] = {}
         self._known: set[Hashable] = set()
@@ -214,7 +215,10 @@ class DecodeLoop:
             logprobs=[] if params.logprobs is not None else None,
         )
         self._known.add(request_id)
-        self.waiting.append((arrival_step, _Running(request_id, prompt, params, max_tokens, -1, completion)))
+        # Kept in arrival order (stable for equal steps), so a late arrival
+        # submitted early never blocks the queue in front of an early one.
+        position = bisect.bisect_right([arrival for arrival, _ in self.waiting], arrival_step)
+        self.waiting.insert(position, (arrival_step, _Running(request_id, prompt, params, max_tokens, -1, completion)))
 
     # -- one step -------------------------------------------------------------------
 
