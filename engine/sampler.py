@@ -292,6 +292,107 @@ def _min_id_of_max(score: torch.Tensor, ids: torch.Tensor, fill: int) -> torch.T
     return torch.where(score == best, ids, torch.full_like(ids, fill)).amin(-1)
 
 
+def order_candidates(values: torch.Tensor, ids: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first `cap` of (values, ids) [rows, M >= cap] in (value desc, id
+    asc) order, and the boundary value: every token not among them has a raw
+    logit <= it. The id sort first, then a stable value sort, fixes the order
+    of ties that topk (or a merge of shards) leaves unspecified."""
+    by_id = torch.argsort(ids, dim=1)
+    values, ids = values.gather(1, by_id), ids.gather(1, by_id)
+    by_value = torch.sort(values, dim=1, descending=True, stable=True).indices[:, :cap]
+    values, ids = values.gather(1, by_value), ids.gather(1, by_value)
+    return values, ids, values[:, cap - 1]
+
+
+def suppression_and_shift(
+    cand_raw: torch.Tensor, cand_ids: torch.Tensor, boundary_raw: torch.Tensor, rows: _Rows
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(valid [rows, C]: candidate not a suppressed stop id, any_valid [rows],
+    shift M [rows]: the largest unsuppressed raw logit).
+
+    M is a candidate unless every candidate is a suppressed stop id (C <= the
+    number of stop ids); such a row goes to the exact path and the boundary
+    value keeps its numbers finite."""
+    blocked = ((cand_ids[:, :, None] == rows.stop_ids[:, None, :]) & rows.stop_active[:, None, :]).any(-1)
+    valid = ~blocked
+    any_valid = valid.any(-1)
+    neg_inf = torch.full((), -math.inf, dtype=cand_raw.dtype, device=cand_raw.device)
+    shift = torch.where(any_valid, torch.where(valid, cand_raw, neg_inf).amax(-1), boundary_raw)
+    return valid, any_valid, shift
+
+
+@dataclass
+class CandidateDecision:
+    """What the filters and draws decided over a row's candidates."""
+
+    zs: torch.Tensor  # [rows, C] processed logits, (z desc, id asc), suppressed last
+    zs_ids: torch.Tensor  # [rows, C]
+    p: torch.Tensor  # [rows, C] f64 probabilities under the full-row normaliser
+    kept: torch.Tensor  # [rows, C] bool
+    filter_ambiguous: torch.Tensor  # [rows] bool
+    reaches_tail: torch.Tensor  # [rows] bool: the kept set may extend past the candidates
+    raced: torch.Tensor  # [rows] int64: Gumbel race winner over the kept candidates
+    greedy_token: torch.Tensor  # [rows] int64
+    greedy_tie_in_tail: torch.Tensor  # [rows] bool
+
+    def needs_exact(self, rows: _Rows, any_valid: torch.Tensor) -> torch.Tensor:
+        """[rows] bool: the candidates cannot settle the row's draw."""
+        filtered = ~rows.greedy & ~rows.plain
+        return (
+            (filtered & (self.reaches_tail | self.filter_ambiguous))
+            | (rows.greedy & self.greedy_tie_in_tail)
+            | ~any_valid
+        )
+
+
+def decide_on_candidates(
+    cand_raw: torch.Tensor,
+    cand_ids: torch.Tensor,
+    boundary_raw: torch.Tensor,
+    valid: torch.Tensor,
+    shift: torch.Tensor,
+    log_z: torch.Tensor,
+    rows: _Rows,
+    cap: int,
+    has_tail: bool,
+    vocab: int,
+) -> CandidateDecision:
+    """Filters, race and greedy pick over ordered candidates, given the
+    full-row normaliser log Z. Shared by `sample` and the vocab-parallel
+    candidate exchange, which only differ in where these inputs come from."""
+    neg_inf = torch.full((), -math.inf, dtype=torch.float32, device=cand_raw.device)
+    # Processed candidates in (z desc, id asc) order: suppressed ones last.
+    cand_z = torch.where(valid, (cand_raw - shift[:, None]) / rows.temperature[:, None], neg_inf)
+    by_z = torch.sort(cand_z, dim=1, descending=True, stable=True).indices
+    zs, zs_ids = cand_z.gather(1, by_z), cand_ids.gather(1, by_z)
+    p = torch.exp(zs.to(torch.float64) - log_z[:, None])  # [rows, C] f64, full-row normaliser
+    boundary_z = (boundary_raw - shift) / rows.temperature
+    boundary_p = torch.exp(boundary_z.to(torch.float64) - log_z)  # largest p of any non-candidate
+    alive = zs > -math.inf
+
+    kept, filter_ambiguous = _filter_candidates(zs, p, alive, boundary_z, rows, cap, has_tail)
+    if has_tail:
+        reaches_tail = (kept & (p <= boundary_p[:, None])).any(-1)
+    else:
+        reaches_tail = torch.zeros_like(rows.greedy)
+
+    # Gumbel race over kept candidates; greedy over unsuppressed raw.
+    noise = gumbel(rows.seed[:, None], rows.position[:, None], TARGET, zs_ids)  # [rows, C] f64
+    race = torch.where(kept, zs.to(torch.float64) + noise, -math.inf)
+    valid_raw = torch.where(valid, cand_raw, neg_inf)
+    return CandidateDecision(
+        zs=zs,
+        zs_ids=zs_ids,
+        p=p,
+        kept=kept,
+        filter_ambiguous=filter_ambiguous,
+        reaches_tail=reaches_tail,
+        raced=_min_id_of_max(race, zs_ids, vocab),
+        greedy_token=_min_id_of_max(valid_raw, cand_ids, vocab),
+        greedy_tie_in_tail=has_tail & (valid_raw.amax(-1) <= boundary_raw),
+    )
+
+
 def sample(
     logits: torch.Tensor,
     params: RowParams,
@@ -317,56 +418,21 @@ def sample(
     has_tail = cap < vocab
     raw = logits.to(torch.float32)  # [rows, V]
     rows = _expand(params, vocab)
-    neg_inf = torch.full((), -math.inf, dtype=torch.float32, device=raw.device)
 
-    # Candidates: top C raw logits in (raw desc, id asc) order. The second,
-    # stable sort fixes the order of ties that topk leaves unspecified.
-    cand_raw, cand_ids = torch.topk(raw, cap)  # [rows, C]
-    by_id = torch.argsort(cand_ids, dim=1)
-    cand_raw, cand_ids = cand_raw.gather(1, by_id), cand_ids.gather(1, by_id)
-    by_value = torch.sort(cand_raw, dim=1, descending=True, stable=True).indices
-    cand_raw, cand_ids = cand_raw.gather(1, by_value), cand_ids.gather(1, by_value)
-    boundary_raw = cand_raw[:, cap - 1]  # every non-candidate raw logit is <= this
-
-    blocked = ((cand_ids[:, :, None] == rows.stop_ids[:, None, :]) & rows.stop_active[:, None, :]).any(-1)
-    valid = ~blocked  # [rows, C]
-    # M, the largest unsuppressed raw logit, is a candidate unless every
-    # candidate is a suppressed stop id (C <= number of stop ids). Such a row
-    # goes to the exact path; the boundary value keeps its numbers finite.
-    any_valid = valid.any(-1)
-    shift = torch.where(any_valid, torch.where(valid, cand_raw, neg_inf).amax(-1), boundary_raw)
-
+    # Candidates: top C raw logits in (raw desc, id asc) order.
+    cand_raw, cand_ids, boundary_raw = order_candidates(*torch.topk(raw, cap), cap)  # [rows, C]
+    valid, any_valid, shift = suppression_and_shift(cand_raw, cand_ids, boundary_raw, rows)
     e = _exp_processed(raw, shift, rows)  # [rows, V] f32
     block_mass, log_z = _block_log_normaliser(e)
+    d = decide_on_candidates(cand_raw, cand_ids, boundary_raw, valid, shift, log_z, rows, cap, has_tail, vocab)
 
-    # Processed candidates in (z desc, id asc) order: suppressed ones last.
-    cand_z = torch.where(valid, (cand_raw - shift[:, None]) / rows.temperature[:, None], neg_inf)
-    by_z = torch.sort(cand_z, dim=1, descending=True, stable=True).indices
-    zs, zs_ids = cand_z.gather(1, by_z), cand_ids.gather(1, by_z)
-    p = torch.exp(zs.to(torch.float64) - log_z[:, None])  # [rows, C] f64, full-row normaliser
-    boundary_z = (boundary_raw - shift) / rows.temperature
-    boundary_p = torch.exp(boundary_z.to(torch.float64) - log_z)  # largest p of any non-candidate
-    alive = zs > -math.inf
-
-    kept, filter_ambiguous = _filter_candidates(zs, p, alive, boundary_z, rows, cap, has_tail)
-    if has_tail:
-        reaches_tail = (kept & (p <= boundary_p[:, None])).any(-1)
-    else:
-        reaches_tail = torch.zeros_like(rows.greedy)
-    filtered = ~rows.greedy & ~rows.plain
-
-    # Draws. Gumbel race over kept candidates; greedy over unsuppressed raw.
-    noise = gumbel(rows.seed[:, None], rows.position[:, None], TARGET, zs_ids)  # [rows, C] f64
-    race = torch.where(kept, zs.to(torch.float64) + noise, -math.inf)
-    raced = _min_id_of_max(race, zs_ids, vocab)
-    greedy_token = _min_id_of_max(torch.where(valid, cand_raw, neg_inf), cand_ids, vocab)
-    greedy_tie_in_tail = has_tail & (torch.where(valid, cand_raw, neg_inf).amax(-1) <= boundary_raw)
+    # Rows without any filter draw by inverse CDF over the whole row.
     u = uniform(rows.seed, rows.position, TARGET, torch.full((), INVERSE_CDF_COUNTER, device=raw.device))
     plain_token = _inverse_cdf_draw(e, block_mass, u)
-    token = torch.where(rows.greedy, greedy_token, torch.where(rows.plain, plain_token, raced))
+    token = torch.where(rows.greedy, d.greedy_token, torch.where(rows.plain, plain_token, d.raced))
     token = torch.where(rows.forced >= 0, rows.forced, token)
 
-    needs_exact = (filtered & (reaches_tail | filter_ambiguous)) | (rows.greedy & greedy_tie_in_tail) | ~any_valid
+    needs_exact = d.needs_exact(rows, any_valid)
     if compute_logprobs:
         if cfg.logprobs_mode == "raw":
             needs_exact = needs_exact | _raw_logprobs(raw, cand_raw, cand_ids, token, num_top, has_tail, out)
@@ -374,8 +440,8 @@ def sample(
             # A plain row's processed distribution covers the whole row: its
             # logprobs (like those of any kept set reaching the tail) come
             # from the exact path.
-            _processed_logprobs(log_z, zs, zs_ids, p, kept, token, num_top, out)
-            needs_exact = needs_exact | (has_tail & (rows.plain | reaches_tail | filter_ambiguous))
+            _processed_logprobs(log_z, d.zs, d.zs_ids, d.p, d.kept, token, num_top, out)
+            needs_exact = needs_exact | (has_tail & (rows.plain | d.reaches_tail | d.filter_ambiguous))
     out.tokens.copy_(token)
     out.needs_exact.copy_(needs_exact)
     return out

@@ -41,7 +41,6 @@ import torch.distributed as dist
 from engine.ledger import SamplerInputs
 from engine.ops import gather, get_logits
 from engine.prompt_logprobs import PromptRowResults, _top_n_ids
-from engine.rng import TARGET, gumbel
 from engine.sampler import (
     BLOCK,
     RowParams,
@@ -49,9 +48,10 @@ from engine.sampler import (
     SamplerConfig,
     _block_log_normaliser,
     _expand,
-    _filter_candidates,
-    _min_id_of_max,
+    decide_on_candidates,
+    order_candidates,
     sample,
+    suppression_and_shift,
 )
 
 STRATEGIES = ("gather", "candidates")
@@ -214,9 +214,9 @@ class VocabParallelSampler:
         """Strategy "candidates": two small all-gathers, then the sampler's
         filters and race over the merged global top C. Capture-safe.
 
-        Mirrors `engine.sampler.sample` line for line where it decides; the
-        differences are where the numbers come from (merged candidates,
-        gathered block masses), never what is done with them."""
+        The decisions are `engine.sampler`'s own (`order_candidates`,
+        `suppression_and_shift`, `decide_on_candidates`); only where the
+        numbers come from differs (merged candidates, gathered block masses)."""
         tp, c, vocab = self.shards.tp, self.num_candidates, self.shards.vocab
         raw_local = self.local_logits[:rows_n, : self.size]  # [rows, V_rank] fp32
         rows = _expand(params, vocab)
@@ -235,17 +235,9 @@ class VocabParallelSampler:
         merged = received.view(tp, rows_n, 2, c).permute(1, 2, 0, 3).reshape(rows_n, 2, tp * c)
         merged_raw = merged[:, 0].contiguous().view(torch.float32)  # [rows, tp * C]
         merged_ids = merged[:, 1].to(torch.int64)
-        # The sampler's candidate order: raw desc, ties by id asc.
-        by_id = torch.argsort(merged_ids, dim=1)
-        merged_raw, merged_ids = merged_raw.gather(1, by_id), merged_ids.gather(1, by_id)
-        by_value = torch.sort(merged_raw, dim=1, descending=True, stable=True).indices[:, :c]
-        cand_raw, cand_ids = merged_raw.gather(1, by_value), merged_ids.gather(1, by_value)  # [rows, C]
-        boundary_raw = cand_raw[:, c - 1]
-
-        blocked = ((cand_ids[:, :, None] == rows.stop_ids[:, None, :]) & rows.stop_active[:, None, :]).any(-1)
-        valid = ~blocked
-        any_valid = valid.any(-1)
-        shift = torch.where(any_valid, torch.where(valid, cand_raw, neg_inf).amax(-1), boundary_raw)
+        # The global top C in the sampler's order (raw desc, ties by id asc).
+        cand_raw, cand_ids, boundary_raw = order_candidates(merged_raw, merged_ids, c)  # [rows, C]
+        valid, any_valid, shift = suppression_and_shift(cand_raw, cand_ids, boundary_raw, rows)
         raw_max = cand_raw[:, 0]
 
         # Phase 2: this rank's block masses of both normalisers, then all blocks in order.
@@ -265,29 +257,15 @@ class VocabParallelSampler:
         log_z = torch.log(block_mass[:, 0].contiguous().to(torch.float64).sum(-1))
         log_z_raw = torch.log(block_mass[:, 1].contiguous().to(torch.float64).sum(-1))
 
-        # From here on: engine.sampler.sample over the merged candidates.
-        cand_z = torch.where(valid, (cand_raw - shift[:, None]) / rows.temperature[:, None], neg_inf)
-        by_z = torch.sort(cand_z, dim=1, descending=True, stable=True).indices
-        zs, zs_ids = cand_z.gather(1, by_z), cand_ids.gather(1, by_z)
-        p = torch.exp(zs.to(torch.float64) - log_z[:, None])
-        boundary_z = (boundary_raw - shift) / rows.temperature
-        boundary_p = torch.exp(boundary_z.to(torch.float64) - log_z)
-        alive = zs > -math.inf
-        kept, filter_ambiguous = _filter_candidates(zs, p, alive, boundary_z, rows, c, True)
-        reaches_tail = (kept & (p <= boundary_p[:, None])).any(-1)
-        filtered = ~rows.greedy & ~rows.plain
-
-        noise = gumbel(rows.seed[:, None], rows.position[:, None], TARGET, zs_ids)
-        race = torch.where(kept, zs.to(torch.float64) + noise, -math.inf)
-        raced = _min_id_of_max(race, zs_ids, vocab)
-        valid_raw = torch.where(valid, cand_raw, neg_inf)
-        greedy_token = _min_id_of_max(valid_raw, cand_ids, vocab)
-        greedy_tie_in_tail = valid_raw.amax(-1) <= boundary_raw
+        # From here on: engine.sampler.sample over the merged candidates. A
+        # row whose kept set could reach past them is flagged for the exact
+        # path; so is every row the global top C cannot settle.
+        d = decide_on_candidates(cand_raw, cand_ids, boundary_raw, valid, shift, log_z, rows, c, True, vocab)
         # Plain rows never reach this path (not eligible) except as bucket
         # padding, whose results are cut off: the race over all candidates
         # keeps them finite.
-        token = torch.where(rows.greedy, greedy_token, raced)
-        needs_exact = (filtered & (reaches_tail | filter_ambiguous)) | (rows.greedy & greedy_tie_in_tail) | ~any_valid
+        token = torch.where(rows.greedy, d.greedy_token, d.raced)
+        needs_exact = d.needs_exact(rows, any_valid)
 
         # Raw logprobs: every token with a larger logit than the emitted one
         # is a candidate, so the rank counts over candidates only.
