@@ -4,8 +4,8 @@ Everything a captured graph reads or writes lives here, sized once for the
 largest bucket; a bucket's graph works on leading slices. Per step the host
 packs every index and parameter array into ONE staging area (pinned on CUDA)
 and ONE copy moves it into the device twin, whose typed views are the step's
-inputs. The field list is declared once (`STEP_FIELDS`): layout, staging,
-padding values and the sampler's `RowParams` views all derive from it.
+inputs. The field list is declared once (`STEP_FIELDS`): the packed layout,
+the staging views and the padding values derive from it.
 
 Why padding is safe: a padding sample row gets gather index -1, outside the
 hidden-state source, so it reads a zero row (never stray memory or a stale
@@ -15,6 +15,7 @@ parameters, so its logits and draw stay finite and are then cut off.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
