@@ -15,6 +15,7 @@ followed it. Verification is strict, so drafts change speed, never tokens.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -89,6 +90,7 @@ class _Running:
     completion: Completion
     draft_slot: int = 0  # draft-info write slot (0 = none: speculation off)
     table_row: int = -1  # row of the loop's RequestTable
+    stop_ids: np.ndarray | None = None  # [max_stop_ids] ids suppressed before min_tokens (checked at submit)
     prefilled: int = 0  # prompt tokens already in the KV cache
     drafts: list[int] = field(default_factory=list)  # being verified this step
 
@@ -147,15 +149,13 @@ class DecodeLoop:
         # The engine serves this loop: its largest bucket, draft count and
         # source size follow the loop; everything else (device, graphs,
         # sampler) comes from the caller's config.
-        engine_config = EngineConfig(
-            **{
-                **{f: getattr(engine_config, f) for f in engine_config.__dataclass_fields__},
-                "max_num_reqs": cfg.max_num_reqs,
-                "max_draft_tokens": cfg.max_draft_tokens,
-                "max_source_rows": max(cfg.token_budget, cfg.max_num_reqs * (1 + cfg.max_draft_tokens)),
-                "eos_token_id": model.eos_token_id,
-                "buckets": None,
-            }
+        engine_config = dataclasses.replace(
+            engine_config,
+            max_num_reqs=cfg.max_num_reqs,
+            max_draft_tokens=cfg.max_draft_tokens,
+            max_source_rows=max(cfg.token_budget, cfg.max_num_reqs * (1 + cfg.max_draft_tokens)),
+            eos_token_id=model.eos_token_id,
+            buckets=None,
         )
         self.engine = StepEngine(model.lm_head_weight, engine_config)
         if capture:
@@ -202,7 +202,7 @@ class DecodeLoop:
                 f"request {request_id!r}: prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) needs a "
                 f"context of {needed} but the model's max_context is {self.model.max_context}"
             )
-        self.engine.stop_ids_for(request_id, params)  # raises for too many or out-of-vocabulary stop ids
+        stop_ids = self.engine.stop_ids_for(request_id, params)  # raises for too many or out-of-vocabulary ids
         top_n = params.num_logprobs
         if top_n > self.engine.config.sampler.max_logprobs:
             raise ValueError(
@@ -218,7 +218,8 @@ class DecodeLoop:
         # Kept in arrival order (stable for equal steps), so a late arrival
         # submitted early never blocks the queue in front of an early one.
         position = bisect.bisect_right([arrival for arrival, _ in self.waiting], arrival_step)
-        self.waiting.insert(position, (arrival_step, _Running(request_id, prompt, params, max_tokens, -1, completion)))
+        request = _Running(request_id, prompt, params, max_tokens, -1, completion, stop_ids=stop_ids)
+        self.waiting.insert(position, (arrival_step, request))
 
     # -- one step -------------------------------------------------------------------
 
@@ -239,7 +240,7 @@ class DecodeLoop:
             if self.draft_slots is not None:
                 req.draft_slot = self.draft_slots.allocate()
             req.table_row = self.table.add(req.request_id, req.params, req.prompt, mtp_write_slot=req.draft_slot)
-            self.stop_ids[req.table_row] = self.engine.stop_ids_for(req.request_id, req.params)
+            self.stop_ids[req.table_row] = req.stop_ids
             self.running.append(req)
 
     def _schedule(self) -> list[_Scheduled]:
