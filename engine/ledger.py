@@ -187,6 +187,24 @@ def _exclusive_cumsum(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return ends - counts, ends
 
 
+def suppression_rows(local_step: np.ndarray, row_to_req: np.ndarray, tokens_short: np.ndarray) -> np.ndarray:
+    """Sample rows whose token would be the request's k-th generated one with
+    k < min_tokens (`tokens_short` = min_tokens - num_generated per request):
+    EOS and stop ids are suppressed there."""
+    return np.flatnonzero(local_step < tokens_short[row_to_req]).astype(np.int32)
+
+
+def draft_read_rows(
+    read_slot: np.ndarray, max_draft_tokens: int, row_to_req: np.ndarray, local_step: np.ndarray, last_rows: np.ndarray
+) -> np.ndarray:
+    """mtp_info_read_rows (§1.3): row j < seqlen_q - 1 reads draft j of its
+    request's read slot; the last row of each request (a prefill's only row)
+    has no draft and reads padding row 0."""
+    rows = (read_slot * max_draft_tokens)[row_to_req] + local_step
+    rows[last_rows] = 0
+    return rows.astype(np.int32, copy=False)
+
+
 def build_ledger(
     schedule: StepSchedule,
     cols: Columns,
@@ -235,10 +253,7 @@ def build_ledger(
     local_step = _arange(num_sample_rows) - sample_offsets[row_to_req]
     selected_token_indices = first_sample_row[row_to_req] + local_step
 
-    # EOS/stop suppression while the token a row produces would be the
-    # request's k-th generated one with k < min_tokens.
-    tokens_short = cols.min_tokens - cols.num_generated
-    eos_suppression_rows = np.flatnonzero(local_step < tokens_short[row_to_req]).astype(np.int32)
+    eos_suppression_rows = suppression_rows(local_step, row_to_req, cols.min_tokens - cols.num_generated)
 
     if any_prompt:
         selected_prompt_indices, prompt_token_targets, prompt_row_counts = _prompt_rows(
@@ -258,12 +273,7 @@ def build_ledger(
             # Non-last prefill chunks never produce draft info: slot 0 means "no write".
             mtp_write = np.where(is_prompt & ~is_last_chunk, 0, mtp_write).astype(np.int32)
             read_slot = np.where(is_prompt, 0, read_slot)
-        # Row j < seqlen_q - 1 reads draft j of the request's read slot; the
-        # last row of each request (a prefill's only row) has no draft and
-        # reads padding row 0.
-        mtp_read = (read_slot * max_draft_tokens)[row_to_req] + local_step
-        mtp_read[sample_ends - 1] = 0
-        mtp_read = mtp_read.astype(np.int32, copy=False)
+        mtp_read = draft_read_rows(read_slot, max_draft_tokens, row_to_req, local_step, sample_ends - 1)
 
     inputs = SamplerInputs(
         selected_token_indices=selected_token_indices,

@@ -15,7 +15,7 @@ from typing import Hashable, Sequence
 import numpy as np
 
 from engine.columns import Columns
-from engine.ledger import SamplerInputs, StepSchedule, build_ledger, validate_batch
+from engine.ledger import SamplerInputs, StepSchedule, build_ledger, draft_read_rows, suppression_rows, validate_batch
 from engine.params import SamplingParams, SeqMeta
 
 
@@ -224,15 +224,14 @@ class RequestTable:
         inputs.sample_positions = positions
         if steady.min_tokens is not None:
             tokens_short = steady.min_tokens - self.cols.num_generated[rows]
-            inputs.eos_suppression_rows = np.flatnonzero(prev.local_step < tokens_short[prev.row_to_req]).astype(np.int32)
+            inputs.eos_suppression_rows = suppression_rows(prev.local_step, prev.row_to_req, tokens_short)
         else:
             inputs.eos_suppression_rows = _NO_ROWS  # no request in the batch has min_tokens
         k = steady.max_draft_tokens
         if k:
             read = np.zeros(len(rows), np.int32) if mtp_read_slot is None else mtp_read_slot
-            mtp_read = (read * k)[prev.row_to_req] + prev.local_step
-            mtp_read[prev.sample_offsets + prev.sample_counts - 1] = 0  # last rows read padding row 0
-            inputs.mtp_info_read_rows = mtp_read.astype(np.int32, copy=False)
+            last_rows = prev.sample_offsets + prev.sample_counts - 1
+            inputs.mtp_info_read_rows = draft_read_rows(read, k, prev.row_to_req, prev.local_step, last_rows)
         return inputs
 
 
