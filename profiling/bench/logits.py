@@ -1,7 +1,7 @@
 """LM-head logits: plain GEMM vs batch-invariant fixed row blocks.
 
-`python -m profiling.bench logits [--quick] [--hidden 576] [--vocab 32000]
-[--block-rows N] [--threads N]`. For each dtype and row count it prints the median time of
+`python -m profiling.bench [--threads N] logits [--quick] [--hidden 576] [--vocab 32000]
+[--block-rows N]`. For each dtype and row count it prints the median time of
 both modes and their ratio (batch-invariant / plain, measured in the same run).
 """
 from __future__ import annotations
@@ -21,11 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--block-rows", type=int, default=DEFAULT_BLOCK_ROWS)
     parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args(argv)
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     if args.quick:

@@ -1,7 +1,7 @@
 """Verify-step latency against plain decode at the same request count.
 
-`python -m profiling.bench verify [--quick] [--vocab 32000] [--hidden 576]
-[--repeats N] [--threads N]`. Two tables, each with ratios against plain decode
+`python -m profiling.bench [--threads N] verify [--quick] [--vocab 32000]
+[--hidden 576] [--repeats N]`. Two tables, each with ratios against plain decode
 measured in the same run:
 - engine: `StepEngine.step` (captured graphs on CUDA, the replay path on CPU)
   for B decode requests with k drafts each (B * (1 + k) rows, strict mode)
@@ -122,11 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--hidden", type=int, default=576)
     parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args(argv)
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     if args.quick:
