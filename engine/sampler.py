@@ -476,6 +476,14 @@ def _filter_candidates(
     return alive & k_mask & p_mask & m_mask, filter_ambiguous
 
 
+def raw_log_normaliser(raw: torch.Tensor, raw_max: torch.Tensor) -> torch.Tensor:
+    """[rows] f64 log-sum-exp of raw logits [rows, V] (`raw_max` their row
+    maximum), summed over the same fixed blocks as every other normaliser
+    here, so a logprob does not depend on which path reported it."""
+    _, log_z = _block_log_normaliser(torch.sub(raw, raw_max[:, None]).exp_())
+    return raw_max.to(torch.float64) + log_z
+
+
 def _raw_logprobs(
     raw: torch.Tensor,
     cand_raw: torch.Tensor,
@@ -486,9 +494,7 @@ def _raw_logprobs(
     out: SampleOutput,
 ) -> torch.Tensor:
     """Log-softmax of the unprocessed logits; returns rows whose top-N ties reach the tail."""
-    raw_max = cand_raw[:, 0]
-    _, log_z = _block_log_normaliser(torch.sub(raw, raw_max[:, None]).exp_())
-    lse = raw_max.to(torch.float64) + log_z  # [rows]
+    lse = raw_log_normaliser(raw, cand_raw[:, 0])  # [rows]
     token_raw = raw.gather(1, token[:, None])
     out.logprob.copy_(token_raw.squeeze(1).to(torch.float64) - lse)
     out.rank.copy_((raw > token_raw).sum(-1) + 1)

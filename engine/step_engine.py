@@ -31,7 +31,7 @@ from engine.ledger import SamplerInputs, prepare_sampler_inputs
 from engine.ops import gather, get_logits
 from engine.params import SamplingParams, SeqMeta
 from engine.prompt_logprobs import DEFAULT_CHUNK_ROWS, PromptLogprob, PromptLogprobAccumulator, compute_prompt_logprobs
-from engine.sampler import SampleOutput, SamplerConfig, sample, sample_exact
+from engine.sampler import SampleOutput, SamplerConfig, raw_log_normaliser, sample, sample_exact
 from engine.verify import accept_strict, draft_in_top_k, target_probs, verify_rejection
 from graphs.buckets import BucketTable
 from graphs.replay import CaptureReport, GraphReplayer
@@ -680,8 +680,9 @@ class StepEngine:
         """Raw logprob and rank of `tokens` at `rows` (rejection mode's residual draws)."""
         raw = logits.to(torch.float32)
         token_t = torch.as_tensor(tokens, device=raw.device)[:, None]
-        value = raw.gather(1, token_t)
-        result["logprob"][rows] = (value - torch.logsumexp(raw, dim=-1, keepdim=True)).squeeze(1).cpu().numpy()
+        value = raw.gather(1, token_t)  # [rows, 1]
+        lse = raw_log_normaliser(raw, raw.amax(-1))  # the sampler's own normaliser
+        result["logprob"][rows] = (value.squeeze(1).to(torch.float64) - lse).cpu().numpy()
         result["rank"][rows] = ((raw > value).sum(-1) + 1).cpu().numpy()
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: SamplerInputs) -> list[list[PromptLogprob] | None]:
