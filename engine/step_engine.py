@@ -587,6 +587,8 @@ class StepEngine:
             largest = self.buckets.largest
             parts = [(a, min(a + largest, n), self.buckets.bucket_for(min(a + largest, n) - a)) for a in range(0, n, largest)]
         replayed = bucket is not None and self.config.use_graphs and self.replayer.captured
+        want_logprobs = bool((inputs.num_logprobs >= 0).any())
+        want_top = bool((inputs.num_logprobs > 0).any())
         results = []
         for a, b, part_bucket in parts:
             part = arrays if len(parts) == 1 else arrays.requests(a, b, inputs.sample_offsets, inputs.sample_counts)
@@ -600,8 +602,7 @@ class StepEngine:
                     self.replayer.run_eager(part_bucket)
                     if bucket is not None:  # a fallback slice is counted as eager_fallbacks
                         self.stats.eager_steps += 1
-            results.append(self._collect(part_bucket, part, want_top=bool((inputs.num_logprobs > 0).any()),
-                                         want_logprobs=bool((inputs.num_logprobs >= 0).any())))
+            results.append(self._collect(part_bucket, part, want_top=want_top, want_logprobs=want_logprobs))
             host_start = time.perf_counter()
         if bucket is not None:
             self.stats.bucket_histogram[bucket] = self.stats.bucket_histogram.get(bucket, 0) + 1
