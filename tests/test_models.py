@@ -121,6 +121,22 @@ def test_fast_mode_mixed_batch_matches_reference(weights: LlamaWeights) -> None:
         torch.testing.assert_close(got.double(), reference_hidden(weights, tokens)[cached:], atol=2e-4, rtol=2e-4)
 
 
+
+def test_fast_mode_batched_decode_with_slot_gaps_matches_reference(weights: LlamaWeights) -> None:
+    """The one-call decode attention runs over a span of cache slots: requests in an order
+    unlike their slots, slots inside the span that are free (never written, or freed with
+    stale keys) or belong to no request this step, and unequal context lengths."""
+    model = make_model(weights, batch_invariant=False)
+    slots = [model.allocate_slot() for _ in range(7)]
+    histories = {slot: prompt_tokens(4 + 9 * i, seed=40 + i) for i, slot in enumerate(slots)}
+    for slot, tokens in histories.items():
+        prefill(model, slot, tokens[:-1], chunk=len(tokens))
+    model.free_slot(slots[2])  # stale keys inside the span
+    decoding = [slots[6], slots[0], slots[4], slots[3]]  # slots 1 and 5 sit this step out
+    rows = step(model, [(slot, histories[slot][-1:], len(histories[slot])) for slot in decoding])
+    for slot, got in zip(decoding, rows):
+        torch.testing.assert_close(got.double(), reference_hidden(weights, histories[slot])[-1:], atol=2e-4, rtol=2e-4)
+
 @pytest.mark.parametrize("batch_invariant", [False, True])
 def test_cached_decode_equals_full_recompute(wide_weights: LlamaWeights, batch_invariant: bool) -> None:
     model = make_model(wide_weights, batch_invariant)

@@ -270,16 +270,17 @@ class LlamaModel:
         cache_rows = np.repeat(batch.slots * self.cache_len + batch.context_starts - offsets[:-1], batch.seqlens_q)
         cache_rows = torch.from_numpy(cache_rows + np.arange(total, dtype=np.int64)).to(self.device)
         layout = list(zip(offsets[:-1].tolist(), offsets[1:].tolist(), batch.slots.tolist(), batch.seqlens_k.tolist()))
-        # A pure decode step in fast mode attends for every request in one
-        # call per layer over keys padded to the longest context (masked),
-        # instead of one call per request.
+        # A pure decode step in fast mode attends for every request in one call per layer: the
+        # queries are scattered to their slots and attend to a view of the first `span` cache
+        # slots, keys padded to the longest context and masked (no per-step copy of the caches).
         decode_keys = None
         if not self.batch_invariant and batch.num_reqs > 1 and bool((batch.seqlens_q == 1).all()):
             longest = int(batch.seqlens_k.max())
-            slots_t = torch.from_numpy(batch.slots).to(self.device)
-            lengths = torch.from_numpy(batch.seqlens_k).to(self.device)
-            visible = torch.arange(longest, device=self.device)[None, :] < lengths[:, None]  # [n, Lmax]
-            decode_keys = (slots_t, longest, visible[:, None, None, :])
+            span = int(batch.slots.max()) + 1
+            lengths = np.ones(span, dtype=np.int64)  # slots outside the batch see one key; their rows are dropped
+            lengths[batch.slots] = batch.seqlens_k
+            visible = torch.arange(longest, device=self.device)[None, :] < torch.from_numpy(lengths).to(self.device)[:, None]
+            decode_keys = (torch.from_numpy(batch.slots).to(self.device), span, longest, visible[:, None, None, :])
 
         cos = self._rope_cos[positions][:, None, :]  # [rows, 1, d/2]
         sin = self._rope_sin[positions][:, None, :]
@@ -345,19 +346,23 @@ class LlamaModel:
         return o.reshape(kv_heads, group, q_len, d).permute(2, 0, 1, 3).reshape(q_len, heads * d)
 
     def _decode_attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, longest: int,
-        visible: torch.Tensor,
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, span: int,
+        longest: int, visible: torch.Tensor,
     ) -> torch.Tensor:
-        """Every request's single query `[n, heads, d]` against its own cache
-        slot, padded to the longest context and masked; returns `[n, heads * d]`."""
+        """Every request's single query `[n, heads, d]` against its own cache slot; returns `[n, heads * d]`.
+
+        Attention runs over cache slots `[0, span)` as a view: each query sits at its slot's
+        index, keys are padded to the longest context and masked by `visible` `[span, 1, 1, longest]`.
+        """
         n, heads, d = q.shape
         kv_heads = k_cache.shape[2]
         group = heads // kv_heads
-        keys = k_cache[slots, :longest].transpose(1, 2)  # [n, kv_heads, Lmax, d]
-        values = v_cache[slots, :longest].transpose(1, 2)
-        q = q.view(n, kv_heads, group, d)  # query heads sharing a KV head, stacked
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)  # [n, kv_heads, group, d]
-        return o.reshape(n, heads * d)
+        keys = k_cache[:span, :longest].transpose(1, 2)  # [span, kv_heads, longest, d], a view
+        values = v_cache[:span, :longest].transpose(1, 2)
+        queries = q.new_zeros(span, kv_heads, group, d)  # query heads sharing a KV head, stacked
+        queries[slots] = q.view(n, kv_heads, group, d)
+        o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=visible)  # [span, kv_heads, group, d]
+        return o[slots].reshape(n, heads * d)
 
     def _tiled_attention(self, q: torch.Tensor, k_slot: torch.Tensor, v_slot: torch.Tensor, k_len: int) -> torch.Tensor:
         """Batch-invariant attention of one request: q `[Lq, heads, d]` against its whole cache slot.
