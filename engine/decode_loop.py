@@ -24,7 +24,7 @@ from typing import Callable, Hashable, Iterable, Sequence
 import numpy as np
 import torch
 
-from engine.models.protocol import CausalLM, ForwardBatch
+from engine.models.protocol import CausalLM, ForwardBatch, PrefixCopy
 from engine.params import SamplingParams
 from engine.prompt_logprobs import PromptLogprob
 from engine.request_table import DraftSlots, RequestTable
@@ -39,10 +39,18 @@ class LoopConfig:
     max_draft_tokens: int = 0  # 0 = no speculation
     ngram_max: int = 3  # longest n-gram the drafter matches
     default_max_tokens: int = 64  # when a request's params.max_tokens is None
+    # Prefix sharing: a request whose prompt starts like one another running request has
+    # prefilled copies those keys and values instead of computing them (models with
+    # `copy_prefix`). A prefix shorter than `min_shared_prefix` is computed; for a longer one
+    # a request waits a step while the request ahead of it that shares it prefills it.
+    prefix_sharing: bool = True
+    min_shared_prefix: int = 16
 
     def __post_init__(self) -> None:
+        if not isinstance(self.prefix_sharing, bool):
+            raise ValueError(f"LoopConfig.prefix_sharing={self.prefix_sharing!r}: must be a bool")
         for name, minimum in (("max_num_reqs", 1), ("token_budget", 1), ("max_draft_tokens", 0),
-                              ("ngram_max", 1), ("default_max_tokens", 1)):
+                              ("ngram_max", 1), ("default_max_tokens", 1), ("min_shared_prefix", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"LoopConfig.{name}={value!r}: must be an int >= {minimum}")
@@ -66,6 +74,12 @@ def propose_ngram_drafts(history: np.ndarray, k: int, ngram_max: int) -> list[in
             start = int(hits[-1]) + n
             return history[start : start + k].tolist()
     return []
+
+
+def common_prefix_length(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
 
 
 @dataclass
@@ -114,7 +128,8 @@ class _Scheduled:
 class LoopStats:
     steps: int = 0
     tokens_generated: int = 0
-    prefill_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens computed by the model
+    shared_prefix_tokens: int = 0  # prompt tokens copied from another request's cache instead
     drafts_proposed: int = 0
     drafts_accepted: int = 0
     forward_seconds: float = 0.0
@@ -163,6 +178,7 @@ class DecodeLoop:
         self.draft_slots = DraftSlots(cfg.max_num_reqs + 1) if cfg.max_draft_tokens else None
         self.table = RequestTable(cfg.max_num_reqs, seed_base=engine_config.seed_base)
         self.stop_ids = np.full((cfg.max_num_reqs, engine_config.max_stop_ids), -1, dtype=np.int64)  # per table row
+        self.shares_prefixes = cfg.prefix_sharing and isinstance(model, PrefixCopy)
         self.waiting: deque[tuple[int, _Running]] = deque()  # (arrival step, request), by arrival
         self.running: list[_Running] = []
         self.finished: dict[Hashable, Completion] = {}
@@ -267,12 +283,43 @@ class DecodeLoop:
         for req in self.running:
             if req.prefilled >= len(req.prompt) or budget <= 0:
                 continue
+            if req.prefilled == 0 and self.shares_prefixes and not self._share_prefix(req):
+                continue  # waits for the request ahead of it to prefill the prefix they share
             chunk = min(len(req.prompt) - req.prefilled, budget)
             seqlen_k = req.prefilled + chunk
             req.drafts = []
             batch.append(_Scheduled(req, True, chunk, seqlen_k, req.prompt[req.prefilled : seqlen_k]))
             budget -= chunk
         return batch
+
+    def _share_prefix(self, req: _Running) -> bool:
+        """Before a request's first prefill chunk: copy the longest prompt prefix (at least
+        `min_shared_prefix` tokens) another running request has in its cache. Returns False
+        when none is cached yet but a request ahead of it is prefilling one: this one waits
+        a step rather than compute the same positions. Waiting only ever points ahead in
+        the running order, and budget goes out in that order, so the wait ends."""
+        if req.params.num_prompt_logprobs >= 0:
+            return True  # its prompt logprobs need every prompt position's logits
+        limit = len(req.prompt) - 1  # the last prompt token is computed: its logits give the first token
+        floor = self.config.min_shared_prefix
+        best, donor, coming, ahead = 0, None, False, True
+        for other in self.running:
+            if other is req:
+                ahead = False
+                continue
+            shared = min(common_prefix_length(req.prompt, other.prompt), limit)
+            if shared < floor:
+                continue
+            cached = min(shared, other.prefilled)
+            if cached > best:
+                best, donor = cached, other
+            coming |= ahead and cached < shared
+        if best >= floor:
+            self.model.copy_prefix(donor.kv_slot, req.kv_slot, best)
+            req.prefilled = best
+            self.stats.shared_prefix_tokens += best
+            return True
+        return not coming
 
     def step(self) -> list[StepEvent]:
         """Admit, schedule, forward, sample; returns what each request emitted."""

@@ -166,7 +166,7 @@ def summary_rows(result: RunResult, requests: list, telemetry) -> list[tuple[str
     rows = [
         ("requests", str(len(requests))),
         ("tokens generated", str(stats.tokens_generated)),
-        ("prompt tokens", str(stats.prefill_tokens)),
+        ("prompt tokens computed / copied from a shared prefix", f"{stats.prefill_tokens} / {stats.shared_prefix_tokens}"),
         ("wall time", f"{result.seconds:.2f} s"),
         ("tokens/s", f"{stats.tokens_generated / result.seconds:.1f}"),
         ("steps", str(stats.steps)),

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from engine import EngineConfig, SamplingParams
 from engine.decode_loop import DecodeLoop, LoopConfig, generate, propose_ngram_drafts
 from engine.models.llama import LlamaConfig, LlamaModel
+from engine.models.protocol import ForwardBatch
 
 CONFIG = LlamaConfig.tiny()
 
@@ -34,10 +36,11 @@ def prompts_and_params(n: int, seed: int = 0):
     return prompts, params
 
 
-def _run(prompts, params, *, drafts=0, graphs=True, max_num_reqs=8, token_budget=64, arrivals=None, num_slots=8):
+def _run(prompts, params, *, drafts=0, graphs=True, max_num_reqs=8, token_budget=64, arrivals=None, num_slots=8,
+         **loop_options):
     loop = DecodeLoop(
         tiny_model(num_slots),
-        LoopConfig(max_num_reqs=max_num_reqs, token_budget=token_budget, max_draft_tokens=drafts),
+        LoopConfig(max_num_reqs=max_num_reqs, token_budget=token_budget, max_draft_tokens=drafts, **loop_options),
         engine_config=EngineConfig(device="cpu", use_graphs=graphs),
     )
     for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -75,6 +78,72 @@ def test_chunked_prefill_matches_one_shot(chunk):
     chunked, loop = _run([prompt], params, max_num_reqs=1, token_budget=chunk)
     assert chunked == one_shot
     assert len(chunked[0][2]) == len(prompt) - 1
+
+
+def shared_prefix_prompts(n: int, seed: int = 3):
+    """Chat-like prompts: one of two 'system prompts' (20 and 30 tokens, sharing their
+    first 12), then a distinct user part; params mix greedy, sampled, logprobs and one
+    prompt-logprobs request (which computes its whole prompt and never takes a prefix)."""
+    rng = np.random.default_rng(seed)
+    systems = [rng.integers(3, CONFIG.vocab_size, 20).tolist()]
+    systems.append(systems[0][:12] + rng.integers(3, CONFIG.vocab_size, 18).tolist())
+    prompts, params = [], []
+    for i in range(n):
+        prompts.append(systems[i % 2] + rng.integers(3, CONFIG.vocab_size, int(rng.integers(1, 9))).tolist())
+        params.append(SamplingParams(temperature=0.0 if i % 3 else 0.8, seed=i, max_tokens=8, logprobs=1,
+                                     prompt_logprobs=i == 2))
+    return prompts, params
+
+
+def test_prefix_sharing_changes_no_completion_and_skips_the_shared_prefill():
+    prompts, params = shared_prefix_prompts(10)
+    computed, off = _run(prompts, params, prefix_sharing=False)
+    shared, on = _run(prompts, params, min_shared_prefix=16)
+    assert shared == computed
+    assert off.stats.shared_prefix_tokens == 0
+    total = sum(map(len, prompts))
+    assert off.stats.prefill_tokens == total
+    assert on.stats.prefill_tokens + on.stats.shared_prefix_tokens == total
+    # Requests 0 and 1 compute their system prompts; request 2 wants prompt logprobs and
+    # computes everything; every other one copies its 20- or 30-token system prompt.
+    assert on.stats.shared_prefix_tokens == sum(20 if i % 2 == 0 else 30 for i in range(3, len(prompts)))
+    assert computed[2][2] is not None and len(computed[2][2]) == len(prompts[2]) - 1
+
+
+def test_prefix_sharing_alone_and_in_a_staggered_crowd_agree_with_a_short_lived_donor():
+    prompts, params = shared_prefix_prompts(12, seed=4)
+    params[0] = SamplingParams(temperature=0.0, max_tokens=1)  # the first donor finishes at its first token
+    arrivals = [(i * 3) % 5 for i in range(12)]
+    crowd, loop = _run(prompts, params, arrivals=arrivals, token_budget=24, min_shared_prefix=8)
+    assert loop.stats.shared_prefix_tokens > 0
+    for i in (1, 5, 11):
+        alone, _ = _run([prompts[i]], [params[i]], max_num_reqs=1, token_budget=16, num_slots=1)
+        assert alone[0] == crowd[i]
+
+
+def test_a_prefix_shorter_than_the_minimum_is_computed():
+    prompts, params = shared_prefix_prompts(6)
+    _, loop = _run(prompts, params, min_shared_prefix=31)  # longer than either system prompt
+    assert loop.stats.shared_prefix_tokens == 0
+    assert loop.stats.prefill_tokens == sum(map(len, prompts))
+
+
+def test_copy_prefix_equals_prefilling_and_checks_its_slots():
+    model = tiny_model()
+    prompt = list(range(3, 40))
+    src, dst, other = model.allocate_slot(), model.allocate_slot(), model.allocate_slot()
+    for slot in (src, other):
+        batch = ForwardBatch.of([slot], [len(prompt)], [len(prompt)])
+        model.forward(torch.tensor(prompt), batch.positions(), batch)
+    model.copy_prefix(src, dst, 25)
+    for cache in (*model.k_cache, *model.v_cache):
+        assert torch.equal(cache[dst, :25], cache[other, :25])  # bit-identical in batch-invariant mode
+    with pytest.raises(ValueError, match="dst_slot=7 is not an allocated"):
+        model.copy_prefix(src, 7, 5)
+    with pytest.raises(ValueError, match="length=9999"):
+        model.copy_prefix(src, dst, 9999)
+    with pytest.raises(ValueError, match="both"):
+        model.copy_prefix(src, src, 5)
 
 
 def test_bad_requests_are_rejected_at_submission_without_disturbing_running_ones():

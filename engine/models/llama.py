@@ -239,6 +239,24 @@ class LlamaModel:
         self._slot_in_use[slot] = False
         self._free_slots.append(slot)
 
+    def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
+        """Copy the keys and values of cache positions `[0, length)` from one slot to another.
+
+        The decode loop's prefix sharing: a request whose prompt starts like one already
+        prefilled takes those positions instead of computing them. A position's keys and
+        values depend only on the tokens up to it, so (in batch-invariant mode, bit for bit)
+        the copy equals what prefilling the destination would have written.
+        """
+        for name, slot in (("src_slot", src_slot), ("dst_slot", dst_slot)):
+            if not 0 <= slot < self.num_slots or not self._slot_in_use[slot]:
+                raise ValueError(f"copy_prefix: {name}={slot} is not an allocated KV-cache slot")
+        if src_slot == dst_slot:
+            raise ValueError(f"copy_prefix: src_slot and dst_slot are both {src_slot}")
+        if not 0 <= length <= self.max_context:
+            raise ValueError(f"copy_prefix: length={length} must be in [0, {self.max_context}]")
+        for cache in (*self.k_cache, *self.v_cache):
+            cache[dst_slot, :length] = cache[src_slot, :length]
+
     # ---- forward ------------------------------------------------------------------------------
 
     # no_grad, not inference_mode: callers may update the returned rows in place afterwards.

@@ -113,6 +113,15 @@ class CausalLM(Protocol):
 
 
 @runtime_checkable
+class PrefixCopy(Protocol):
+    """Optional for a `CausalLM`: copy cache positions `[0, length)` between two allocated
+    slots. With it, the decode loop shares the KV of common prompt prefixes."""
+
+    def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
+        ...
+
+
+@runtime_checkable
 class ChatTokenizer(Protocol):
     """Text <-> ids, plus the model's chat format."""
 
