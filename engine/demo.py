@@ -172,6 +172,7 @@ def summary_rows(result: RunResult, requests: list, telemetry) -> list[tuple[str
         ("steps", str(stats.steps)),
         ("bucket histogram (bucket:steps)", hist),
         ("replays / eager steps / eager fallbacks", f"{estats.replays} / {estats.eager_steps} / {estats.eager_fallbacks}"),
+        ("steps sampled from few candidates (greedy / small top_k)", str(estats.small_candidate_steps)),
         ("rows redone over the full vocabulary", str(estats.exact_rows)),
         ("host µs per step (ledger + staging)", f"{1e6 * estats.host_seconds / max(estats.steps, 1):.0f}"),
         ("time: model forward / step engine / scheduling",

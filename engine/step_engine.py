@@ -20,6 +20,7 @@ per row.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Hashable, NamedTuple, Sequence
@@ -63,6 +64,12 @@ class EngineConfig:
     max_source_rows: int = 8192  # rows of the static hidden-state source
     source_dtype: torch.dtype | None = None  # None: the LM-head weight's dtype
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    # A second set of graphs samples with this many candidates per row instead of
+    # sampler.candidate_cap; a step uses it when every request is greedy or has
+    # 1 <= top_k <= it. Results do not depend on the candidate count (rows whose
+    # answer might lie past the candidates are redone exactly), only speed: a
+    # top-32 of a 49k vocabulary costs a quarter of a top-1024. 0 = off.
+    small_candidate_cap: int = 32
     batch_invariant: bool = True  # LM head in fixed row blocks: tokens independent of the bucket
     # Rows per LM-head GEMM in batch-invariant mode. Every block streams the
     # whole weight once, so wider blocks mean fewer weight reads for big
@@ -102,6 +109,14 @@ class EngineConfig:
             positive("compaction_keep_tokens")
         if not isinstance(self.sampler, SamplerConfig):
             raise ValueError(f"EngineConfig.sampler={self.sampler!r}: must be a SamplerConfig")
+        small = self.small_candidate_cap
+        if isinstance(small, bool) or not isinstance(small, int) or (
+            small and not self.sampler.max_logprobs <= small < self.sampler.candidate_cap
+        ):
+            raise ValueError(
+                f"EngineConfig.small_candidate_cap={small!r}: must be 0 (off) or an int in "
+                f"[sampler.max_logprobs={self.sampler.max_logprobs}, sampler.candidate_cap={self.sampler.candidate_cap})"
+            )
         BucketTable(self.max_num_reqs, self.buckets)  # raises naming the bad bucket
 
     @property
@@ -211,6 +226,7 @@ class EngineStats:
     eager_fallbacks: int = 0  # above the largest bucket
     source_copies: int = 0  # steps whose hidden states were copied into the static source
     exact_rows: int = 0  # rows redone over the full vocabulary
+    small_candidate_steps: int = 0  # steps sampled with EngineConfig.small_candidate_cap candidates
     bucket_histogram: dict[int, int] = field(default_factory=dict)
     host_seconds: float = 0.0  # ledger + validation + staging, summed
 
@@ -253,12 +269,20 @@ class StepEngine:
             pool_slots=config.pool_slots,
             draft_probs=config.verify_mode == "rejection" and config.max_draft_tokens > 0,
         )
-        self.replayer = GraphReplayer(
-            self._device_step,
-            self.buckets,
-            self.buffers.static_tensors(),
-            self.device,
-            check_addresses_each_replay=config.check_addresses_each_replay,
+        def replayer(sampler: SamplerConfig) -> GraphReplayer:
+            return GraphReplayer(
+                lambda bucket: self._device_step(bucket, sampler),
+                self.buckets,
+                self.buffers.static_tensors(),
+                self.device,
+                check_addresses_each_replay=config.check_addresses_each_replay,
+            )
+
+        self.replayer = replayer(config.sampler)
+        # Steps whose requests all need few candidates (see EngineConfig.small_candidate_cap).
+        self.small_replayer = (
+            replayer(dataclasses.replace(config.sampler, candidate_cap=config.small_candidate_cap))
+            if config.small_candidate_cap else None
         )
         self.prompt_logprobs = PromptLogprobAccumulator()
         self.stats = EngineStats()
@@ -286,9 +310,25 @@ class StepEngine:
     def capture(self, progress: bool = False) -> CaptureReport:
         """Capture one graph per bucket (largest first); on CPU, run each once
         under the capture safety check. Reports buckets, seconds, pool bytes."""
-        return self.replayer.capture(progress=progress)
+        report = self.replayer.capture(progress=progress)
+        if self.small_replayer is None:
+            return report
+        small = self.small_replayer.capture(progress=progress)
+        pools = None if report.pool_bytes is None else report.pool_bytes + (small.pool_bytes or 0)
+        return dataclasses.replace(report, seconds=report.seconds + small.seconds, pool_bytes=pools, graphs_per_bucket=2)
 
-    def _device_step(self, bucket: int) -> None:
+    def _replayer_for(self, inputs: SamplerInputs) -> GraphReplayer:
+        """The small-candidate graphs when every request is greedy or has 1 <= top_k <= their cap."""
+        cap = self.config.small_candidate_cap
+        if self.small_replayer is None:
+            return self.replayer
+        top_k = inputs.top_ks
+        if np.all((inputs.temperatures == 0) | ((top_k >= 1) & (top_k <= cap))):
+            self.stats.small_candidate_steps += 1
+            return self.small_replayer
+        return self.replayer
+
+    def _device_step(self, bucket: int, sampler: SamplerConfig) -> None:
         """The captured part: reads and writes only the static buffers."""
         b = self.buffers
         rows = b.rows_for(bucket)
@@ -301,7 +341,7 @@ class StepEngine:
             block_rows=self.config.block_rows,
         )
         params = b.params(bucket)
-        sample(b.logits[:rows], params, self.config.sampler, out=b.outputs(rows))
+        sample(b.logits[:rows], params, sampler, out=b.outputs(rows))
         if self.config.max_draft_tokens:
             self._verify_and_store_drafts(bucket)
 
@@ -586,7 +626,8 @@ class StepEngine:
                 self.stats.eager_fallbacks += 1
             largest = self.buckets.largest
             parts = [(a, min(a + largest, n), self.buckets.bucket_for(min(a + largest, n) - a)) for a in range(0, n, largest)]
-        replayed = bucket is not None and self.config.use_graphs and self.replayer.captured
+        replayer = self._replayer_for(inputs)
+        replayed = bucket is not None and self.config.use_graphs and replayer.captured
         want_logprobs = bool((inputs.num_logprobs >= 0).any())
         want_top = bool((inputs.num_logprobs > 0).any())
         results = []
@@ -596,10 +637,10 @@ class StepEngine:
             self.stats.host_seconds += time.perf_counter() - host_start
             with stage("replay" if replayed else "eager step"):
                 if replayed:
-                    self.replayer.replay(part_bucket)
+                    replayer.replay(part_bucket)
                     self.stats.replays += 1
                 else:
-                    self.replayer.run_eager(part_bucket)
+                    replayer.run_eager(part_bucket)
                     if bucket is not None:  # a fallback slice is counted as eager_fallbacks
                         self.stats.eager_steps += 1
             results.append(self._collect(part_bucket, part, want_top=want_top, want_logprobs=want_logprobs))

@@ -35,10 +35,12 @@ class CaptureReport:
     # shared graph pool: torch.cuda.graph empties the allocator cache before
     # each capture, so warm-up scratch is released again.
     pool_bytes: int | None
+    graphs_per_bucket: int = 1  # the step engine captures a second sampler variant per bucket
 
     def __str__(self) -> str:
         pool = "" if self.pool_bytes is None else f", {self.pool_bytes / 2**20:.1f} MiB pool"
-        return f"captured {len(self.buckets)} buckets on {self.device} in {self.seconds:.2f} s{pool}"
+        per = "" if self.graphs_per_bucket == 1 else f" ({self.graphs_per_bucket} graphs each)"
+        return f"captured {len(self.buckets)} buckets{per} on {self.device} in {self.seconds:.2f} s{pool}"
 
 
 def _show_progress(done: int, total: int, bucket: int) -> None:

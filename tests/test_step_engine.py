@@ -261,3 +261,53 @@ def test_capture_rejects_a_planted_hazard_inside_the_step(monkeypatch, plant, ma
     engine = StepEngine(_weight("cpu"), EngineConfig(max_num_reqs=2, device="cpu"))
     with pytest.raises(CaptureSafetyError, match=match):
         engine.capture()
+
+
+def _few_candidate_batch(n: int, seed: int, weight: torch.Tensor, *, top_k_zero_row: bool = False):
+    """Greedy and 1 <= top_k <= 32 requests (what the small-candidate graphs serve), some of
+    them aimed at a 64-way tie of logits, so the candidate boundary cuts through a tie."""
+    rng = np.random.default_rng(seed)
+    seqs, rows = [], []
+    for i in range(n):
+        greedy = rng.random() < 0.4
+        params = SamplingParams(
+            temperature=0.0 if greedy else float(rng.choice([0.7, 1.0])),
+            top_k=0 if greedy and rng.random() < 0.5 else int(rng.choice([1, 5, 20, 32])),
+            top_p=float(rng.choice([1.0, 0.9])),
+            min_p=float(rng.choice([0.0, 0.05])),
+            seed=int(rng.integers(2**63)),
+            logprobs=int(rng.choice([0, 3])) if rng.random() < 0.6 else None,
+            min_tokens=int(rng.integers(3)),
+            stop_token_ids=[int(t) for t in rng.integers(0, VOCAB, 2)],
+        )
+        if top_k_zero_row and i == n - 1:
+            params = SamplingParams(temperature=0.9, seed=1)  # a plain row: full candidates
+        gen = int(rng.integers(1, 5))
+        seqs.append(SeqMeta(f"r{i}", False, 1, 6 + gen, 5, prompt_tokens=np.arange(5), num_generated=gen, params=params))
+        tie = rng.random() < 0.5
+        rows.append(weight[100] * 4 if tie else torch.randn(HIDDEN, generator=torch.Generator().manual_seed(seed * 97 + i)))
+    return seqs, torch.stack(rows)
+
+
+def test_small_candidate_steps_sample_exactly_what_full_candidate_steps_do():
+    weight = _weight("cpu")
+    weight[100:164] = weight[100]  # 64 tokens share one logit: ties wider than 32 candidates
+    small = StepEngine(weight, EngineConfig(max_num_reqs=MAX_REQS, device="cpu", eos_token_id=7))
+    full = StepEngine(weight, EngineConfig(max_num_reqs=MAX_REQS, device="cpu", eos_token_id=7, small_candidate_cap=0))
+    assert "2 graphs each" in str(small.capture())
+    full.capture()
+    sizes = [1, 4, 9, 16] * 5
+    for seed, n in enumerate(sizes):
+        seqs, hidden = _few_candidate_batch(n, seed=seed, weight=weight)
+        _same(small.step(hidden, seqs), full.step(hidden, seqs))
+    assert small.stats.small_candidate_steps == len(sizes) and full.stats.small_candidate_steps == 0
+    assert small.stats.exact_rows > full.stats.exact_rows  # the ties really crossed the small boundary
+    seqs, hidden = _few_candidate_batch(5, seed=50, weight=weight, top_k_zero_row=True)
+    _same(small.step(hidden, seqs), full.step(hidden, seqs))
+    assert small.stats.small_candidate_steps == len(sizes)  # a plain sampled row keeps the full candidate count
+
+
+@pytest.mark.parametrize("cap", [-1, 5, 1024, True])
+def test_small_candidate_cap_must_lie_between_max_logprobs_and_candidate_cap(cap):
+    with pytest.raises(ValueError, match="small_candidate_cap"):
+        EngineConfig(small_candidate_cap=cap)

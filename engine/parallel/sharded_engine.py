@@ -129,6 +129,7 @@ class ShardedStepEngine(StepEngine):
             for strategy in STRATEGIES
         }
         self.replayer = self.replayers[parallel.strategy]
+        self.small_replayer = None  # the sharded step samples through vocab_parallel; no small-candidate variant
         self._strategy = parallel.strategy
         self.broadcaster = LedgerBroadcaster(group, src=parallel.src)
         self.config_fingerprint = config_fingerprint(vocab_size, tp, self.hidden_size, config, parallel)
