@@ -139,14 +139,15 @@ def test_fast_mode_batched_decode_with_slot_gaps_matches_reference(weights: Llam
 
 @pytest.mark.parametrize("batch_invariant", [False, True])
 def test_cached_decode_equals_full_recompute(wide_weights: LlamaWeights, batch_invariant: bool) -> None:
+    """The decode steps cross the first key tile's end (64)."""
     model = make_model(wide_weights, batch_invariant)
-    tokens = prompt_tokens(20, seed=2)
+    tokens = prompt_tokens(58, seed=2)
     slot = model.allocate_slot()
     decode_rows = [prefill(model, slot, tokens, chunk=len(tokens))[-1]]
     for _ in range(12):
         tokens.append(greedy(model, decode_rows[-1]))
         decode_rows.append(step(model, [(slot, tokens[-1:], len(tokens))])[0][0])
-    recomputed = prefill(model, model.allocate_slot(), tokens, chunk=len(tokens))[19:]
+    recomputed = prefill(model, model.allocate_slot(), tokens, chunk=len(tokens))[57:]
     decoded = torch.stack(decode_rows)
     if batch_invariant:
         assert torch.equal(decoded, recomputed)
@@ -202,6 +203,25 @@ def test_request_alone_and_in_a_crowd_are_bit_identical(
     in_crowd = step(crowd, scheduled)[place]
     by_itself = step(alone, [(target_slots[0], target[target_cached:], len(target))])[0]
     assert torch.equal(in_crowd, by_itself)
+
+
+def test_a_decode_step_in_a_crowd_is_bit_identical_to_each_request_alone(wide_weights: LlamaWeights) -> None:
+    """One-call batch-invariant decode attention: contexts of 1 to 3 key tiles, requests in
+    an order unlike their slots, a free slot and an idle request inside the slot span."""
+    crowd = make_model(wide_weights, True)
+    lengths = [5, 64, 65, 130, 1, 190, 77]
+    slots = [crowd.allocate_slot() for _ in lengths]
+    histories = {slot: prompt_tokens(n + 1, seed=60 + n) for slot, n in zip(slots, lengths)}
+    for slot, tokens in histories.items():
+        prefill(crowd, slot, tokens[:-1], chunk=64)
+    crowd.free_slot(slots[3])
+    decoding = [slots[5], slots[0], slots[2], slots[6], slots[1]]  # slot 4 idles this step
+    rows = step(crowd, [(slot, histories[slot][-1:], len(histories[slot])) for slot in decoding])
+    for slot, in_crowd in zip(decoding, rows):
+        alone = make_model(wide_weights, True)
+        own = alone.allocate_slot()
+        by_itself = prefill(alone, own, histories[slot], chunk=len(histories[slot]))[-1:]  # the per-request tiles
+        assert torch.equal(in_crowd, by_itself)
 
 
 # ---- protocol plumbing -----------------------------------------------------------------------------

@@ -139,6 +139,14 @@ def random_weights(config: LlamaConfig, seed: int) -> LlamaWeights:
     return LlamaWeights(embed=torch.randn(config.vocab_size, H, generator=gen), layers=layers, final_norm=norm())
 
 
+@dataclass(frozen=True)
+class _DecodePlan:
+    slots: torch.Tensor  # [n] cache slot of each request, in batch order
+    span: int  # attention covers cache slots [0, span)
+    keys: int  # key positions read per slot (fast: the longest context; invariant: whole key tiles)
+    visible: torch.Tensor  # boolean mask, broadcast against the scores
+
+
 def _ceil_to(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -288,17 +296,9 @@ class LlamaModel:
         cache_rows = np.repeat(batch.slots * self.cache_len + batch.context_starts - offsets[:-1], batch.seqlens_q)
         cache_rows = torch.from_numpy(cache_rows + np.arange(total, dtype=np.int64)).to(self.device)
         layout = list(zip(offsets[:-1].tolist(), offsets[1:].tolist(), batch.slots.tolist(), batch.seqlens_k.tolist()))
-        # A pure decode step in fast mode attends for every request in one call per layer: the
-        # queries are scattered to their slots and attend to a view of the first `span` cache
-        # slots, keys padded to the longest context and masked (no per-step copy of the caches).
-        decode_keys = None
-        if not self.batch_invariant and batch.num_reqs > 1 and bool((batch.seqlens_q == 1).all()):
-            longest = int(batch.seqlens_k.max())
-            span = int(batch.slots.max()) + 1
-            lengths = np.ones(span, dtype=np.int64)  # slots outside the batch see one key; their rows are dropped
-            lengths[batch.slots] = batch.seqlens_k
-            visible = torch.arange(longest, device=self.device)[None, :] < torch.from_numpy(lengths).to(self.device)[:, None]
-            decode_keys = (torch.from_numpy(batch.slots).to(self.device), span, longest, visible[:, None, None, :])
+        # A pure decode step attends for every request in one call per layer (see
+        # `_decode_plan`); other steps attend request by request.
+        plan = self._decode_plan(batch) if bool((batch.seqlens_q == 1).all()) else None
 
         cos = self._rope_cos[positions][:, None, :]  # [rows, 1, d/2]
         sin = self._rope_sin[positions][:, None, :]
@@ -312,12 +312,10 @@ class LlamaModel:
             k = _rope(k.view(rows, kv_heads, d), cos, sin)
             k_cache.view(-1, kv_heads, d).index_copy_(0, cache_rows, k[:total])
             v_cache.view(-1, kv_heads, d).index_copy_(0, cache_rows, v.view(rows, kv_heads, d)[:total])
-            if decode_keys is not None:
-                attn[:total] = self._decode_attention(q[:total], k_cache, v_cache, *decode_keys)
-                layout_now = ()
-            else:
-                layout_now = layout
-            for start, end, slot, seqlen_k in layout_now:
+            if plan is not None:
+                attend = self._tiled_decode_attention if self.batch_invariant else self._decode_attention
+                attn[:total] = attend(q[:total], k_cache, v_cache, plan)
+            for start, end, slot, seqlen_k in layout if plan is None else ():
                 if self.batch_invariant:
                     attn[start:end] = self._tiled_attention(q[start:end], k_cache[slot], v_cache[slot], seqlen_k)
                 else:
@@ -363,24 +361,80 @@ class LlamaModel:
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible.repeat(group, 1))
         return o.reshape(kv_heads, group, q_len, d).permute(2, 0, 1, 3).reshape(q_len, heads * d)
 
-    def _decode_attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, span: int,
-        longest: int, visible: torch.Tensor,
-    ) -> torch.Tensor:
-        """Every request's single query `[n, heads, d]` against its own cache slot; returns `[n, heads * d]`.
+    def _decode_plan(self, batch: ForwardBatch) -> _DecodePlan:
+        """Masks for one-call decode attention over cache slots `[0, span)`, shared by every layer.
 
-        Attention runs over cache slots `[0, span)` as a view: each query sits at its slot's
-        index, keys are padded to the longest context and masked by `visible` `[span, 1, 1, longest]`.
+        Each request's query sits at its slot's index; slots in the span that are not in the
+        batch see one key and their rows are dropped. Keys are a view of the cache (no copy).
+        """
+        span = int(batch.slots.max()) + 1
+        lengths = np.ones(span, dtype=np.int64)
+        lengths[batch.slots] = batch.seqlens_k
+        lengths_t = torch.from_numpy(lengths).to(self.device)
+        longest = int(lengths.max())
+        if not self.batch_invariant:
+            keys = longest
+            visible = torch.arange(longest, device=self.device)[None, :] < lengths_t[:, None]  # [span, longest]
+            visible = visible[:, None, None, :]  # [span, 1, 1, longest]: over kv heads and stacked query heads
+        else:
+            # `_tiled_attention`'s masks for a one-row query at position length - 1; its
+            # padding rows borrow that position too.
+            kb = self.key_block
+            keys = _ceil_to(longest, kb)
+            key_pos = torch.arange(keys, device=self.device).view(1, keys // kb, 1, kb)
+            visible = key_pos <= (lengths_t - 1).view(span, 1, 1, 1)  # [span, kt, 1, kb]
+            visible = visible[:, None, None, None].expand(span, 1, 1, 1, keys // kb, self.row_block, kb)
+        return _DecodePlan(torch.from_numpy(batch.slots).to(self.device), span, keys, visible)
+
+    def _decode_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _DecodePlan
+    ) -> torch.Tensor:
+        """Fast mode: every request's single query `[n, heads, d]` against its own cache slot,
+        keys padded to the longest context and masked; returns `[n, heads * d]`."""
+        n, heads, d = q.shape
+        kv_heads = k_cache.shape[2]
+        group = heads // kv_heads
+        keys = k_cache[: plan.span, : plan.keys].transpose(1, 2)  # [span, kv_heads, longest, d], a view
+        values = v_cache[: plan.span, : plan.keys].transpose(1, 2)
+        queries = q.new_zeros(plan.span, kv_heads, group, d)  # query heads sharing a KV head, stacked
+        queries[plan.slots] = q.view(n, kv_heads, group, d)
+        o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.visible)  # [span, kv_heads, group, d]
+        return o[plan.slots].reshape(n, heads * d)
+
+    def _tiled_decode_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _DecodePlan
+    ) -> torch.Tensor:
+        """Batch-invariant mode: `_tiled_attention` for one-row queries `[n, heads, d]`, all
+        requests in one set of calls; returns `[n, heads * d]`.
+
+        Every request gets the tiles `_tiled_attention` would build for it alone (its query
+        in row 0 of a `[row_block, d]` tile, `[row_block, key_block]` score tiles), as items
+        of the same bmm. Key tiles past a request's own context, up to the longest one,
+        are fully masked: their probabilities are exact zeros, so they add exact zeros to
+        the in-order folds and the result is bit-identical to the request alone.
         """
         n, heads, d = q.shape
         kv_heads = k_cache.shape[2]
         group = heads // kv_heads
-        keys = k_cache[:span, :longest].transpose(1, 2)  # [span, kv_heads, longest, d], a view
-        values = v_cache[:span, :longest].transpose(1, 2)
-        queries = q.new_zeros(span, kv_heads, group, d)  # query heads sharing a KV head, stacked
-        queries[slots] = q.view(n, kv_heads, group, d)
-        o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=visible)  # [span, kv_heads, group, d]
-        return o[slots].reshape(n, heads * d)
+        qb, kb, span = self.row_block, self.key_block, plan.span
+        kt = plan.keys // kb
+        padded = q.new_zeros(span, qb, heads, d)
+        padded[plan.slots, 0] = q
+        q6 = padded.view(span, qb, kv_heads, group, d).permute(0, 2, 3, 1, 4)[:, :, :, None]  # [s, kv, g, 1, qb, d]
+        keys = k_cache[:span, : plan.keys].view(span, kt, kb, kv_heads, d).permute(0, 3, 1, 4, 2)  # [s, kv, kt, d, kb]
+        values = v_cache[:span, : plan.keys].view(span, kt, kb, kv_heads, d).permute(0, 3, 1, 2, 4)  # [s, kv, kt, kb, d]
+        tiles = (span, kv_heads, group, 1, kt)
+        q_pairs = q6[:, :, :, :, None].expand(*tiles, qb, d).reshape(-1, qb, d)
+        k_pairs = keys[:, :, None, None].expand(*tiles, d, kb).reshape(-1, d, kb)
+        scores = torch.bmm(q_pairs, k_pairs).view(*tiles, qb, kb) * (1.0 / math.sqrt(d))
+        scores = scores.masked_fill(~plan.visible, float("-inf"))
+        probs = torch.exp(scores - scores.amax(dim=(4, 6), keepdim=True))
+        v_pairs = values[:, :, None, None].expand(*tiles, kb, d).reshape(-1, kb, d)
+        partial = torch.bmm(probs.view(-1, qb, kb), v_pairs).view(*tiles, qb, d)
+        numer = partial.cumsum(dim=4)[:, :, :, :, -1]  # [s, kv, g, 1, qb, d]
+        denom = probs.sum(dim=-1).cumsum(dim=4)[:, :, :, :, -1]  # [s, kv, g, 1, qb]
+        o = (numer / denom[..., None])[:, :, :, 0, 0]  # row 0 of each query tile: [s, kv, g, d]
+        return o[plan.slots].reshape(n, heads * d)
 
     def _tiled_attention(self, q: torch.Tensor, k_slot: torch.Tensor, v_slot: torch.Tensor, k_len: int) -> torch.Tensor:
         """Batch-invariant attention of one request: q `[Lq, heads, d]` against its whole cache slot.
