@@ -377,13 +377,12 @@ class LlamaModel:
             visible = torch.arange(longest, device=self.device)[None, :] < lengths_t[:, None]  # [span, longest]
             visible = visible[:, None, None, :]  # [span, 1, 1, longest]: over kv heads and stacked query heads
         else:
-            # `_tiled_attention`'s masks for a one-row query at position length - 1; its
-            # padding rows borrow that position too.
+            # `_tiled_attention`'s mask for a one-row query at position length - 1.
             kb = self.key_block
             keys = _ceil_to(longest, kb)
             key_pos = torch.arange(keys, device=self.device).view(1, keys // kb, 1, kb)
             visible = key_pos <= (lengths_t - 1).view(span, 1, 1, 1)  # [span, kt, 1, kb]
-            visible = visible[:, None, None, None].expand(span, 1, 1, 1, keys // kb, self.row_block, kb)
+            visible = visible.view(span, 1, 1, 1, keys // kb, kb)  # the query rows' scores only
         return _DecodePlan(torch.from_numpy(batch.slots).to(self.device), span, keys, visible)
 
     def _decode_attention(
@@ -426,14 +425,18 @@ class LlamaModel:
         tiles = (span, kv_heads, group, 1, kt)
         q_pairs = q6[:, :, :, :, None].expand(*tiles, qb, d).reshape(-1, qb, d)
         k_pairs = keys[:, :, None, None].expand(*tiles, d, kb).reshape(-1, d, kb)
-        scores = torch.bmm(q_pairs, k_pairs).view(*tiles, qb, kb) * (1.0 / math.sqrt(d))
-        scores = scores.masked_fill(~plan.visible, float("-inf"))
-        probs = torch.exp(scores - scores.amax(dim=(4, 6), keepdim=True))
+        # The GEMMs run on whole tiles (their shape picks the kernel); the elementwise work and
+        # the folds only on row 0, the query (the padding rows' results are never read).
+        scores = torch.bmm(q_pairs, k_pairs).view(*tiles, qb, kb)[..., 0, :] * (1.0 / math.sqrt(d))
+        scores = scores.masked_fill(~plan.visible, float("-inf"))  # [s, kv, g, 1, kt, kb]
+        row0 = torch.exp(scores - scores.amax(dim=(4, 5), keepdim=True))
+        probs = row0.new_zeros(*tiles, qb, kb)
+        probs[..., 0, :] = row0
         v_pairs = values[:, :, None, None].expand(*tiles, kb, d).reshape(-1, kb, d)
-        partial = torch.bmm(probs.view(-1, qb, kb), v_pairs).view(*tiles, qb, d)
-        numer = partial.cumsum(dim=4)[:, :, :, :, -1]  # [s, kv, g, 1, qb, d]
-        denom = probs.sum(dim=-1).cumsum(dim=4)[:, :, :, :, -1]  # [s, kv, g, 1, qb]
-        o = (numer / denom[..., None])[:, :, :, 0, 0]  # row 0 of each query tile: [s, kv, g, d]
+        partial = torch.bmm(probs.view(-1, qb, kb), v_pairs).view(*tiles, qb, d)[..., 0, :]  # [s, kv, g, 1, kt, d]
+        numer = partial.cumsum(dim=4)[:, :, :, :, -1]  # [s, kv, g, 1, d]
+        denom = row0.sum(dim=-1).cumsum(dim=4)[:, :, :, :, -1]  # [s, kv, g, 1]
+        o = (numer / denom[..., None])[:, :, :, 0]  # [s, kv, g, d]
         return o[plan.slots].reshape(n, heads * d)
 
     def _tiled_attention(self, q: torch.Tensor, k_slot: torch.Tensor, v_slot: torch.Tensor, k_len: int) -> torch.Tensor:
