@@ -224,6 +224,33 @@ def test_a_decode_step_in_a_crowd_is_bit_identical_to_each_request_alone(wide_we
         assert torch.equal(in_crowd, by_itself)
 
 
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_uninitialised_cache_memory_never_reaches_a_result(wide_weights: LlamaWeights, batch_invariant: bool) -> None:
+    """Caches start as NaN (what uninitialised memory may hold): masked padding past each
+    context must be zeroed before attention reads it, through prefill, one-call decode,
+    prefix copies and slot reuse, and results equal those of a model whose caches start at 0."""
+    models = [make_model(wide_weights, batch_invariant) for _ in range(2)]
+    for cache in (*models[0].k_cache, *models[0].v_cache):
+        cache.fill_(float("nan"))
+    for cache in (*models[1].k_cache, *models[1].v_cache):
+        cache.zero_()
+    results = []
+    for model in models:
+        histories = [prompt_tokens(n, seed=80 + n) for n in (30, 100, 70, 300)]
+        slots = [model.allocate_slot() for _ in histories]
+        rows = [prefill(model, slots[0], histories[0], chunk=16)[-1:], prefill(model, slots[1], histories[1], chunk=100)[-1:]]
+        model.copy_prefix(slots[1], slots[2], 40)
+        rows += step(model, [(slots[2], histories[2][40:], 70), (slots[3], histories[3][:250], 250)])
+        model.free_slot(slots[0])
+        reused = model.allocate_slot()
+        rows += step(model, [(reused, histories[0][:5], 5)])
+        for j in range(3):  # one-call decodes, contexts 6 to 253
+            rows += step(model, [(reused, [7], 6 + j), (slots[1], [9], 101 + j), (slots[3], [histories[3][250 + j]], 251 + j)])
+        results.append(torch.cat(rows))
+    assert not results[0].isnan().any()
+    assert torch.equal(results[0], results[1])
+
+
 # ---- protocol plumbing -----------------------------------------------------------------------------
 
 

@@ -195,13 +195,14 @@ class LlamaModel:
         # Batch-invariant attention reads whole key tiles, so the cache is rounded up to a tile.
         self.cache_len = _ceil_to(max_context, key_block) if batch_invariant else max_context
         kv_shape = (num_slots, self.cache_len, config.num_kv_heads, config.head_dim)
-        # Uninitialised on purpose: a slot is zeroed when first handed out, so untouched slots
-        # never commit memory.
+        # Uninitialised on purpose: positions are zeroed only as attention comes to read them
+        # (`_make_finite`), so cache memory no request reaches is never committed.
         self.k_cache = [torch.empty(kv_shape, device=self.device, dtype=dtype) for _ in range(config.num_layers)]
         self.v_cache = [torch.empty(kv_shape, device=self.device, dtype=dtype) for _ in range(config.num_layers)]
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self._slot_in_use = np.zeros(num_slots, dtype=bool)
-        self._slot_zeroed = np.zeros(num_slots, dtype=bool)
+        # Positions below this hold finite values (written, copied or zeroed); see `_make_finite`.
+        self._finite_upto = np.zeros(num_slots, dtype=np.int64)
 
         half = config.head_dim // 2
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(half, dtype=torch.float64) * 2 / config.head_dim))
@@ -232,12 +233,6 @@ class LlamaModel:
         if not self._free_slots:
             raise RuntimeError(f"all {self.num_slots} KV-cache slots are in use")
         slot = self._free_slots.pop()
-        if not self._slot_zeroed[slot]:
-            # Batch-invariant attention multiplies zero probabilities with the cache tail past
-            # seqlen_k; uninitialised memory there could hold NaN, and 0 * NaN is NaN.
-            for cache in (*self.k_cache, *self.v_cache):
-                cache[slot].zero_()
-            self._slot_zeroed[slot] = True
         self._slot_in_use[slot] = True
         return slot
 
@@ -264,6 +259,31 @@ class LlamaModel:
             raise ValueError(f"copy_prefix: length={length} must be in [0, {self.max_context}]")
         for cache in (*self.k_cache, *self.v_cache):
             cache[dst_slot, :length] = cache[src_slot, :length]
+
+    _ZERO_GRAIN = 256  # positions zeroed at a time by `_make_finite`
+
+    def _make_finite(self, batch: ForwardBatch, plan: _DecodePlan | None) -> None:
+        """Zero the cache positions this step's attention reads past each request's context.
+
+        Masked padding (up to the longest context of a one-call decode, or to the end of the
+        last key tile in batch-invariant mode) gets probability 0, but uninitialised memory
+        there could hold NaN, and 0 * NaN is NaN. A slot is zeroed from its finite prefix
+        upwards in grains of `_ZERO_GRAIN` positions, so this runs rarely and untouched cache
+        memory is never committed. The zeroed range starts at or past `seqlen_k`, clear of
+        the positions this step writes."""
+        seqlens_k = batch.seqlens_k
+        if plan is not None:
+            needed = np.full_like(seqlens_k, plan.keys)
+        elif self.batch_invariant:
+            needed = -(-seqlens_k // self.key_block) * self.key_block  # whole key tiles
+        else:
+            needed = seqlens_k  # per-request attention reads only the context
+        lo = np.maximum(self._finite_upto[batch.slots], seqlens_k)
+        hi = np.minimum(-(-needed // self._ZERO_GRAIN) * self._ZERO_GRAIN, self.cache_len)
+        for slot, start, end in zip(batch.slots[lo < needed], lo[lo < needed], hi[lo < needed]):
+            for cache in (*self.k_cache, *self.v_cache):
+                cache[slot, start:end].zero_()
+        self._finite_upto[batch.slots] = np.maximum(lo, np.where(lo < needed, hi, lo))
 
     # ---- forward ------------------------------------------------------------------------------
 
@@ -299,6 +319,7 @@ class LlamaModel:
         # A pure decode step attends for every request in one call per layer (see
         # `_decode_plan`); other steps attend request by request.
         plan = self._decode_plan(batch) if bool((batch.seqlens_q == 1).all()) else None
+        self._make_finite(batch, plan)
 
         cos = self._rope_cos[positions][:, None, :]  # [rows, 1, d/2]
         sin = self._rope_sin[positions][:, None, :]
