@@ -141,8 +141,14 @@ def random_weights(config: LlamaConfig, seed: int) -> LlamaWeights:
 
 @dataclass(frozen=True)
 class _DecodePlan:
-    slots: torch.Tensor  # [n] cache slot of each request, in batch order
+    """One-call attention for a group of requests with few new tokens (see `LlamaModel._decode_plan`)."""
+
+    members: np.ndarray  # [num_reqs] bool: the batch's requests in the group
+    token_rows: torch.Tensor | None  # the group's token rows in the batch; None: every row
+    tile_rows: torch.Tensor  # per group token: its row in the [span * query rows] query tiles
+    out_rows: torch.Tensor  # per group token: its row in the [span * rows] attention output
     span: int  # attention covers cache slots [0, span)
+    rows: int  # most new tokens of a group request
     keys: int  # key positions read per slot (fast: the longest context; invariant: whole key tiles)
     visible: torch.Tensor  # boolean mask, broadcast against the scores
 
@@ -272,12 +278,12 @@ class LlamaModel:
         memory is never committed. The zeroed range starts at or past `seqlen_k`, clear of
         the positions this step writes."""
         seqlens_k = batch.seqlens_k
-        if plan is not None:
-            needed = np.full_like(seqlens_k, plan.keys)
-        elif self.batch_invariant:
+        if self.batch_invariant:
             needed = -(-seqlens_k // self.key_block) * self.key_block  # whole key tiles
         else:
-            needed = seqlens_k  # per-request attention reads only the context
+            needed = seqlens_k.copy()  # per-request attention reads only the context
+        if plan is not None:
+            needed[plan.members] = plan.keys  # padded to the group's longest context
         lo = np.maximum(self._finite_upto[batch.slots], seqlens_k)
         hi = np.minimum(-(-needed // self._ZERO_GRAIN) * self._ZERO_GRAIN, self.cache_len)
         for slot, start, end in zip(batch.slots[lo < needed], lo[lo < needed], hi[lo < needed]):
@@ -316,10 +322,13 @@ class LlamaModel:
         cache_rows = np.repeat(batch.slots * self.cache_len + batch.context_starts - offsets[:-1], batch.seqlens_q)
         cache_rows = torch.from_numpy(cache_rows + np.arange(total, dtype=np.int64)).to(self.device)
         layout = list(zip(offsets[:-1].tolist(), offsets[1:].tolist(), batch.slots.tolist(), batch.seqlens_k.tolist()))
-        # A pure decode step attends for every request in one call per layer (see
-        # `_decode_plan`); other steps attend request by request.
-        plan = self._decode_plan(batch) if bool((batch.seqlens_q == 1).all()) else None
+        # Requests with few new tokens (one in fast mode; up to a query tile in batch-invariant
+        # mode: decodes, draft verification, short chunks) attend together in one set of calls
+        # per layer (`_decode_plan`); the others request by request.
+        few = batch.seqlens_q <= (self.row_block if self.batch_invariant else 1)
+        plan = self._decode_plan(batch, few) if few.any() else None
         self._make_finite(batch, plan)
+        one_by_one = [entry for entry, grouped in zip(layout, few) if not grouped]
 
         cos = self._rope_cos[positions][:, None, :]  # [rows, 1, d/2]
         sin = self._rope_sin[positions][:, None, :]
@@ -335,8 +344,11 @@ class LlamaModel:
             v_cache.view(-1, kv_heads, d).index_copy_(0, cache_rows, v.view(rows, kv_heads, d)[:total])
             if plan is not None:
                 attend = self._tiled_decode_attention if self.batch_invariant else self._decode_attention
-                attn[:total] = attend(q[:total], k_cache, v_cache, plan)
-            for start, end, slot, seqlen_k in layout if plan is None else ():
+                if plan.token_rows is None:  # every request is in the group
+                    attn[:total] = attend(q[:total], k_cache, v_cache, plan)
+                else:
+                    attn[plan.token_rows] = attend(q[plan.token_rows], k_cache, v_cache, plan)
+            for start, end, slot, seqlen_k in one_by_one:
                 if self.batch_invariant:
                     attn[start:end] = self._tiled_attention(q[start:end], k_cache[slot], v_cache[slot], seqlen_k)
                 else:
@@ -382,29 +394,40 @@ class LlamaModel:
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible.repeat(group, 1))
         return o.reshape(kv_heads, group, q_len, d).permute(2, 0, 1, 3).reshape(q_len, heads * d)
 
-    def _decode_plan(self, batch: ForwardBatch) -> _DecodePlan:
-        """Masks for one-call decode attention over cache slots `[0, span)`, shared by every layer.
+    def _decode_plan(self, batch: ForwardBatch, members: np.ndarray) -> _DecodePlan:
+        """Masks and indices for one-call attention of the requests in `members` (each with at
+        most `rows` new tokens) over cache slots `[0, span)`, shared by every layer.
 
-        Each request's query sits at its slot's index; slots in the span that are not in the
-        batch see one key and their rows are dropped. Keys are a view of the cache (no copy).
+        Request i's queries sit at its slot's index; slots in the span outside the group see
+        one key and their rows are dropped. Keys are a view of the cache (no copy).
         """
-        span = int(batch.slots.max()) + 1
-        lengths = np.ones(span, dtype=np.int64)
-        lengths[batch.slots] = batch.seqlens_k
+        slots, seqlens_q, seqlens_k = batch.slots[members], batch.seqlens_q[members], batch.seqlens_k[members]
+        span, rows = int(slots.max()) + 1, int(seqlens_q.max())
+        lengths, new = np.ones(span, dtype=np.int64), np.ones(span, dtype=np.int64)
+        lengths[slots], new[slots] = seqlens_k, seqlens_q
         lengths_t = torch.from_numpy(lengths).to(self.device)
         longest = int(lengths.max())
-        if not self.batch_invariant:
+        # The group's tokens in batch order: their row in the batch and their query index j.
+        offsets = batch.token_offsets[:-1][members]
+        j = np.arange(int(seqlens_q.sum()), dtype=np.int64) - np.repeat(np.cumsum(seqlens_q) - seqlens_q, seqlens_q)
+        token_rows = None if members.all() else torch.from_numpy(np.repeat(offsets, seqlens_q) + j).to(self.device)
+        if not self.batch_invariant:  # rows == 1
             keys = longest
             visible = torch.arange(longest, device=self.device)[None, :] < lengths_t[:, None]  # [span, longest]
             visible = visible[:, None, None, :]  # [span, 1, 1, longest]: over kv heads and stacked query heads
+            tile_rows = torch.from_numpy(slots).to(self.device)
         else:
-            # `_tiled_attention`'s mask for a one-row query at position length - 1.
+            # `_tiled_attention`'s masks for a one-tile query: query j sits at position
+            # length - new + j; padding rows borrow the last real position.
             kb = self.key_block
             keys = _ceil_to(longest, kb)
+            query_pos = np.minimum(lengths[:, None] - new[:, None] + np.arange(rows), lengths[:, None] - 1)
             key_pos = torch.arange(keys, device=self.device).view(1, keys // kb, 1, kb)
-            visible = key_pos <= (lengths_t - 1).view(span, 1, 1, 1)  # [span, kt, 1, kb]
-            visible = visible.view(span, 1, 1, 1, keys // kb, kb)  # the query rows' scores only
-        return _DecodePlan(torch.from_numpy(batch.slots).to(self.device), span, keys, visible)
+            visible = key_pos <= torch.from_numpy(query_pos).to(self.device).view(span, 1, rows, 1)  # [span, kt, rows, kb]
+            visible = visible.view(span, 1, 1, 1, keys // kb, rows, kb)  # the query rows' scores only
+            tile_rows = torch.from_numpy(np.repeat(slots * self.row_block, seqlens_q) + j).to(self.device)
+        out_rows = torch.from_numpy(np.repeat(slots * rows, seqlens_q) + j).to(self.device)
+        return _DecodePlan(members, token_rows, tile_rows, out_rows, span, rows, keys, visible)
 
     def _decode_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _DecodePlan
@@ -417,29 +440,30 @@ class LlamaModel:
         keys = k_cache[: plan.span, : plan.keys].transpose(1, 2)  # [span, kv_heads, longest, d], a view
         values = v_cache[: plan.span, : plan.keys].transpose(1, 2)
         queries = q.new_zeros(plan.span, kv_heads, group, d)  # query heads sharing a KV head, stacked
-        queries[plan.slots] = q.view(n, kv_heads, group, d)
+        queries[plan.tile_rows] = q.view(n, kv_heads, group, d)
         o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.visible)  # [span, kv_heads, group, d]
-        return o[plan.slots].reshape(n, heads * d)
+        return o[plan.out_rows].reshape(n, heads * d)
 
     def _tiled_decode_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _DecodePlan
     ) -> torch.Tensor:
-        """Batch-invariant mode: `_tiled_attention` for one-row queries `[n, heads, d]`, all
-        requests in one set of calls; returns `[n, heads * d]`.
+        """Batch-invariant mode: `_tiled_attention` for requests with at most one query tile
+        of new tokens (`q` `[n, heads, d]`, the group's tokens in batch order), all in one set
+        of calls; returns `[n, heads * d]`.
 
-        Every request gets the tiles `_tiled_attention` would build for it alone (its query
-        in row 0 of a `[row_block, d]` tile, `[row_block, key_block]` score tiles), as items
-        of the same bmm. Key tiles past a request's own context, up to the longest one,
-        are fully masked: their probabilities are exact zeros, so they add exact zeros to
-        the in-order folds and the result is bit-identical to the request alone.
+        Every request gets the tiles `_tiled_attention` would build for it alone (its queries
+        in the first rows of a `[row_block, d]` tile, `[row_block, key_block]` score tiles),
+        as items of the same bmm. Key tiles past a request's own context, up to the longest
+        one, are fully masked: their probabilities are exact zeros, so they add exact zeros
+        to the in-order folds and the result is bit-identical to the request alone.
         """
         n, heads, d = q.shape
         kv_heads = k_cache.shape[2]
         group = heads // kv_heads
-        qb, kb, span = self.row_block, self.key_block, plan.span
+        qb, kb, span, r = self.row_block, self.key_block, plan.span, plan.rows
         kt = plan.keys // kb
-        padded = q.new_zeros(span, qb, heads, d)
-        padded[plan.slots, 0] = q
+        padded = q.new_zeros(span * qb, heads, d)
+        padded[plan.tile_rows] = q
         q6 = padded.view(span, qb, kv_heads, group, d).permute(0, 2, 3, 1, 4)[:, :, :, None]  # [s, kv, g, 1, qb, d]
         keys = k_cache[:span, : plan.keys].view(span, kt, kb, kv_heads, d).permute(0, 3, 1, 4, 2)  # [s, kv, kt, d, kb]
         values = v_cache[:span, : plan.keys].view(span, kt, kb, kv_heads, d).permute(0, 3, 1, 2, 4)  # [s, kv, kt, kb, d]
@@ -447,18 +471,18 @@ class LlamaModel:
         q_pairs = q6[:, :, :, :, None].expand(*tiles, qb, d).reshape(-1, qb, d)
         k_pairs = keys[:, :, None, None].expand(*tiles, d, kb).reshape(-1, d, kb)
         # The GEMMs run on whole tiles (their shape picks the kernel); the elementwise work and
-        # the folds only on row 0, the query (the padding rows' results are never read).
-        scores = torch.bmm(q_pairs, k_pairs).view(*tiles, qb, kb)[..., 0, :] * (1.0 / math.sqrt(d))
-        scores = scores.masked_fill(~plan.visible, float("-inf"))  # [s, kv, g, 1, kt, kb]
-        row0 = torch.exp(scores - scores.amax(dim=(4, 5), keepdim=True))
-        probs = row0.new_zeros(*tiles, qb, kb)
-        probs[..., 0, :] = row0
+        # the folds only on the first r rows, which hold every request's queries.
+        scores = torch.bmm(q_pairs, k_pairs).view(*tiles, qb, kb)[..., :r, :] * (1.0 / math.sqrt(d))
+        scores = scores.masked_fill(~plan.visible, float("-inf"))  # [s, kv, g, 1, kt, r, kb]
+        head_rows = torch.exp(scores - scores.amax(dim=(4, 6), keepdim=True))
+        probs = head_rows.new_zeros(*tiles, qb, kb)
+        probs[..., :r, :] = head_rows
         v_pairs = values[:, :, None, None].expand(*tiles, kb, d).reshape(-1, kb, d)
-        partial = torch.bmm(probs.view(-1, qb, kb), v_pairs).view(*tiles, qb, d)[..., 0, :]  # [s, kv, g, 1, kt, d]
-        numer = partial.cumsum(dim=4)[:, :, :, :, -1]  # [s, kv, g, 1, d]
-        denom = row0.sum(dim=-1).cumsum(dim=4)[:, :, :, :, -1]  # [s, kv, g, 1]
-        o = (numer / denom[..., None])[:, :, :, 0]  # [s, kv, g, d]
-        return o[plan.slots].reshape(n, heads * d)
+        partial = torch.bmm(probs.view(-1, qb, kb), v_pairs).view(*tiles, qb, d)[..., :r, :]  # [s, kv, g, 1, kt, r, d]
+        numer = partial.cumsum(dim=4)[:, :, :, :, -1]  # [s, kv, g, 1, r, d]
+        denom = head_rows.sum(dim=-1).cumsum(dim=4)[:, :, :, :, -1]  # [s, kv, g, 1, r]
+        o = (numer / denom[..., None])[:, :, :, 0]  # [s, kv, g, r, d]
+        return o.permute(0, 3, 1, 2, 4).reshape(span * r, heads * d)[plan.out_rows]
 
     def _tiled_attention(self, q: torch.Tensor, k_slot: torch.Tensor, v_slot: torch.Tensor, k_len: int) -> torch.Tensor:
         """Batch-invariant attention of one request: q `[Lq, heads, d]` against its whole cache slot.
