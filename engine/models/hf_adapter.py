@@ -6,6 +6,7 @@ the step engine). Correctness over speed: no batching across requests.
 """
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 from typing import Sequence
@@ -65,7 +66,9 @@ class HFCausalLM:
         self.stop_token_ids = tuple(int(t) for t in stops)
         self.num_slots = num_slots
         self._free_slots = list(range(num_slots - 1, -1, -1))
-        self._caches: dict[int, object] = {}  # slot -> the model's past_key_values
+        self._caches: dict[int, object] = {}  # slot -> the model's cache object
+        # transformers 5.x renamed the decoder's `past_key_values` (argument and output) to `cache`.
+        self._cache_arg = "cache" if "cache" in inspect.signature(self.decoder.forward).parameters else "past_key_values"
         self._lengths: dict[int, int] = {}  # slot -> tokens cached
 
     @classmethod
@@ -131,10 +134,10 @@ class HFCausalLM:
             result = self.decoder(
                 input_ids=token_ids[begin:end].to(device)[None],
                 position_ids=positions[begin:end].to(device)[None],
-                past_key_values=self._caches[slot],
                 use_cache=True,
+                **{self._cache_arg: self._caches[slot]},
             )
-            self._caches[slot] = result.past_key_values
+            self._caches[slot] = result[self._cache_arg]
             self._lengths[slot] = int(batch.seqlens_k[i])
             hidden[begin:end] = result.last_hidden_state[0]
         if out is None:
