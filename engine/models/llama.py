@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -81,11 +82,37 @@ class LayerWeights:
     down: torch.Tensor  # [H, I]
 
 
+class PackedWeight(NamedTuple):
+    """A projection with MKL's packed form of it for GEMMs of a fixed row count."""
+
+    weight: torch.Tensor  # [out, in]
+    packed: torch.Tensor  # opaque MKL layout
+    rows: int
+
+
 @dataclass
 class LlamaWeights:
     embed: torch.Tensor  # [V, H], also the LM head (tied)
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [H]
+    # Layers with MKL-packed projections, per GEMM row count (`packed_layers`).
+    _packed: dict[int, list[LayerWeights]] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def packed_layers(self, rows: int) -> list[LayerWeights]:
+        """The layers with every projection also packed by MKL for `rows`-row GEMMs, built
+        once per row count and shared by the models on these weights. With exactly `rows`
+        rows, `_mkl_linear` on the packed form runs SmolLM2's projections about 1.3x faster
+        than F.linear (the batch-invariant mode's fixed row blocks); other row counts gain
+        nothing. Its summation order may differ from F.linear's; for one block shape it is
+        always the same, so batch invariance holds."""
+        if rows not in self._packed:
+            pack = lambda w: PackedWeight(w, torch.ops.mkl._mkl_reorder_linear_weight(w, rows), rows)  # noqa: E731
+            self._packed[rows] = [
+                LayerWeights(**{f.name: pack(getattr(layer, f.name)) if f.name in _PROJECTIONS else getattr(layer, f.name)
+                                for f in fields(LayerWeights)})
+                for layer in self.layers
+            ]
+        return self._packed[rows]
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> LlamaWeights:
         move = lambda t: t.to(device=device, dtype=dtype).contiguous()  # noqa: E731
@@ -106,6 +133,9 @@ class LlamaWeights:
     def from_state_dict(cls, tensors: dict[str, torch.Tensor], num_layers: int) -> LlamaWeights:
         layers = [LayerWeights(**{f.name: tensors[f"layers.{n}.{f.name}"] for f in fields(LayerWeights)}) for n in range(num_layers)]
         return cls(embed=tensors["embed"], layers=layers, final_norm=tensors["final_norm"])
+
+
+_PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
 
 
 def fuse_layer(
@@ -200,6 +230,9 @@ class LlamaModel:
 
         # Batch-invariant attention reads whole key tiles, so the cache is rounded up to a tile.
         self.cache_len = _ceil_to(max_context, key_block) if batch_invariant else max_context
+        # Batch-invariant GEMMs all have row_block rows: MKL-packed weights run them faster.
+        packable = self.device.type == "cpu" and dtype == torch.float32 and torch.backends.mkl.is_available()
+        self._gemm_layers = self.weights.packed_layers(row_block) if batch_invariant and packable else self.weights.layers
         kv_shape = (num_slots, self.cache_len, config.num_kv_heads, config.head_dim)
         # Uninitialised on purpose: positions are zeroed only as attention comes to read them
         # (`_make_finite`), so cache memory no request reaches is never committed.
@@ -335,7 +368,7 @@ class LlamaModel:
         heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         x = self.weights.embed[token_ids]  # [rows, H]
         attn = torch.zeros(rows, heads * d, device=self.device, dtype=self.dtype)
-        for layer, k_cache, v_cache in zip(self.weights.layers, self.k_cache, self.v_cache):
+        for layer, k_cache, v_cache in zip(self._gemm_layers, self.k_cache, self.v_cache):
             qkv = self._linear(self._rms_norm(x, layer.attn_norm), layer.qkv)  # [rows, (heads + 2 kv) d]
             q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
             q = _rope(q.view(rows, heads, d), cos, sin)
@@ -366,12 +399,15 @@ class LlamaModel:
         variance = x.pow(2).mean(dim=-1, keepdim=True)
         return x / torch.sqrt(variance + self.config.rms_norm_eps) * weight
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor | PackedWeight) -> torch.Tensor:
         if not self.batch_invariant:
             return F.linear(x, weight)
         # One GEMM call per [row_block, K] block: identical shapes pick the identical kernel, so a
         # row's result cannot depend on how many rows share the step. (A single [rows, K] GEMM, and
         # even a bmm over the blocks, lets MKL change its blocking or threading with the row count.)
+        if isinstance(weight, PackedWeight):
+            return torch.cat([torch.ops.mkl._mkl_linear(block, weight.packed, weight.weight, None, weight.rows)
+                              for block in x.split(self.row_block)])
         return torch.cat([F.linear(block, weight) for block in x.split(self.row_block)])
 
     def _sdpa_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
