@@ -2,8 +2,9 @@
 
 Two execution modes share every weight and the cache:
 
-- fast (default): one GEMM per projection over all scheduled tokens, and
-  `scaled_dot_product_attention` per request against its cache slot.
+- fast (default): one GEMM per projection over all scheduled tokens;
+  `scaled_dot_product_attention` once for all single-token (decode) requests,
+  over a view of their cache slots, and per request for prefill chunks.
 - batch-invariant (`batch_invariant=True`): a token's hidden state is bit-identical
   whatever else shares the step and however its prompt was chunked. GEMM
   kernels pick their blocking (and so their summation order) from the matrix
@@ -11,8 +12,15 @@ Two execution modes share every weight and the cache:
   (the token rows are zero-padded up to a multiple of `row_block`). Attention works on fixed `[row_block, key_block]`
   score tiles aligned to absolute cache positions: the softmax maximum is exact in
   any order, per-tile sums have a fixed length, and tiles are folded in cache
-  order, so key tiles past a query's position add exact zeros. RMSNorm uses
-  sqrt + divide (correctly rounded in vector and scalar code alike) instead of rsqrt.
+  order, so key tiles past a query's position add exact zeros. Requests with
+  at most one query tile of new tokens run those tiles as items of shared calls.
+  RMSNorm uses sqrt + divide (correctly rounded in vector and scalar code alike)
+  instead of rsqrt.
+
+On CPU (fp32, MKL) GEMMs of the row counts that repeat (the invariant blocks; 4-16
+row decode steps padded to 8 or 16) run on MKL-packed copies of the projections.
+The KV cache starts uninitialised and is zeroed only where attention reads masked
+padding.
 
 Weights use the Hugging Face layout (RoPE on rotate-half pairs `(i, i + head_dim/2)`);
 q/k/v and gate/up are stored fused so a layer runs four GEMMs.
