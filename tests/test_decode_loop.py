@@ -196,3 +196,17 @@ def test_generate_returns_completions_in_prompt_order():
                    engine_config=EngineConfig(device="cpu"))
     assert [c.request_id for c in out] == [0, 1, 2]
     assert all(c.seed is not None for c in out)
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        (dict(max_num_reqs=0), "max_num_reqs=0"),
+        (dict(min_shared_prefix=0), "min_shared_prefix=0"),
+        (dict(prefix_sharing="yes"), "prefix_sharing='yes'"),
+        (dict(max_num_reqs=8, token_budget=8, max_draft_tokens=1), "token_budget=8"),
+    ],
+)
+def test_loop_config_errors_name_the_field(options, match):
+    with pytest.raises(ValueError, match=match):
+        LoopConfig(**options)
