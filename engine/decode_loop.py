@@ -17,7 +17,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Iterable, Sequence
 
@@ -39,10 +39,12 @@ class LoopConfig:
     max_draft_tokens: int = 0  # 0 = no speculation
     ngram_max: int = 3  # longest n-gram the drafter matches
     default_max_tokens: int = 64  # when a request's params.max_tokens is None
-    # Prefix sharing: a request whose prompt starts like one another running request has
-    # prefilled copies those keys and values instead of computing them (models with
-    # `copy_prefix`). A prefix shorter than `min_shared_prefix` is computed; for a longer one
-    # a request waits a step while the request ahead of it that shares it prefills it.
+    # Prefix sharing (models with `copy_prefix`): a request whose prompt starts with tokens
+    # whose keys and values another request's cache holds copies them instead of computing
+    # them. Donors are running requests and finished ones, whose caches stay until their slot
+    # is needed (or `run` returns), so a follow-up turn reuses the whole conversation. A prefix
+    # shorter than `min_shared_prefix` is computed; for a longer one a request waits a step
+    # while the request ahead of it that shares it prefills it.
     prefix_sharing: bool = True
     min_shared_prefix: int = 16
 
@@ -112,6 +114,13 @@ class _Running:
     def generated(self) -> list[int]:
         return self.completion.tokens
 
+    def cached_tokens(self) -> np.ndarray:
+        """The tokens whose keys and values this request's cache slot holds, in order."""
+        if self.prefilled < len(self.prompt):
+            return self.prompt[: self.prefilled]
+        # The last generated token is never fed back; rejected drafts sit past the end.
+        return np.concatenate([self.prompt, np.asarray(self.generated[:-1], dtype=np.int64)])
+
 
 @dataclass(frozen=True)
 class _Scheduled:
@@ -179,6 +188,9 @@ class DecodeLoop:
         self.table = RequestTable(cfg.max_num_reqs, seed_base=engine_config.seed_base)
         self.stop_ids = np.full((cfg.max_num_reqs, engine_config.max_stop_ids), -1, dtype=np.int64)  # per table row
         self.shares_prefixes = cfg.prefix_sharing and isinstance(model, PrefixCopy)
+        # Finished requests' caches kept as prefix donors: kv slot -> the tokens it holds,
+        # least recently used first; a slot goes back to the model when one is needed.
+        self.retained: OrderedDict[int, np.ndarray] = OrderedDict()
         self.waiting: deque[tuple[int, _Running]] = deque()  # (arrival step, request), by arrival
         self.running: list[_Running] = []
         self.finished: dict[Hashable, Completion] = {}
@@ -245,7 +257,7 @@ class DecodeLoop:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_num_reqs and self.waiting[0][0] <= self.stats.steps:
             try:
-                kv_slot = self.model.allocate_slot()
+                kv_slot = self._allocate_slot()
             except RuntimeError:
                 # The model's KV cache is full: the request waits for a finished one.
                 if not self.running:
@@ -258,6 +270,22 @@ class DecodeLoop:
             req.table_row = self.table.add(req.request_id, req.params, req.prompt, mtp_write_slot=req.draft_slot)
             self.stop_ids[req.table_row] = req.stop_ids
             self.running.append(req)
+
+    def _allocate_slot(self) -> int:
+        """A free KV-cache slot; when none is left, the least recently used retained cache gives its up."""
+        while True:
+            try:
+                return self.model.allocate_slot()
+            except RuntimeError:
+                if not self.retained:
+                    raise
+                slot, _ = self.retained.popitem(last=False)
+                self.model.free_slot(slot)
+
+    def release_retained(self) -> None:
+        """Give every retained cache's slot back to the model (`run` does this when it returns)."""
+        while self.retained:
+            self.model.free_slot(self.retained.popitem()[0])
 
     def _schedule(self) -> list[_Scheduled]:
         """This step's work in batch order: decodes first, then prefill chunks."""
@@ -293,29 +321,35 @@ class DecodeLoop:
         return batch
 
     def _share_prefix(self, req: _Running) -> bool:
-        """Before a request's first prefill chunk: copy the longest prompt prefix (at least
-        `min_shared_prefix` tokens) another running request has in its cache. Returns False
-        when none is cached yet but a request ahead of it is prefilling one: this one waits
-        a step rather than compute the same positions. Waiting only ever points ahead in
-        the running order, and budget goes out in that order, so the wait ends."""
+        """Before a request's first prefill chunk: copy the longest prefix of its prompt (at
+        least `min_shared_prefix` tokens) that another running request's or a retained
+        cache holds. Returns False when none holds one yet but a request ahead of it is
+        prefilling a longer one: this one waits a step rather than compute the same
+        positions. Waiting only ever points ahead in the running order, and budget goes out
+        in that order, so the wait ends."""
         if req.params.num_prompt_logprobs >= 0:
             return True  # its prompt logprobs need every prompt position's logits
         limit = len(req.prompt) - 1  # the last prompt token is computed: its logits give the first token
         floor = self.config.min_shared_prefix
-        best, donor, coming, ahead = 0, None, False, True
+        best, source, coming, ahead = 0, None, False, True
         for other in self.running:
             if other is req:
                 ahead = False
                 continue
-            shared = min(common_prefix_length(req.prompt, other.prompt), limit)
-            if shared < floor:
-                continue
-            cached = min(shared, other.prefilled)
-            if cached > best:
-                best, donor = cached, other
-            coming |= ahead and cached < shared
-        if best >= floor:
-            self.model.copy_prefix(donor.kv_slot, req.kv_slot, best)
+            held = other.cached_tokens()
+            cached = min(common_prefix_length(req.prompt, held), limit)
+            if cached >= floor and cached > best:
+                best, source = cached, other.kv_slot
+            if ahead and len(held) < len(other.prompt):  # still prefilling: what it will hold
+                coming |= min(common_prefix_length(req.prompt, other.prompt), limit) >= max(floor, cached + 1)
+        for slot, held in self.retained.items():
+            cached = min(common_prefix_length(req.prompt, held), limit)
+            if cached >= floor and cached > best:
+                best, source = cached, slot
+        if best:
+            if source in self.retained:
+                self.retained.move_to_end(source)
+            self.model.copy_prefix(source, req.kv_slot, best)
             req.prefilled = best
             self.stats.shared_prefix_tokens += best
             return True
@@ -390,7 +424,10 @@ class DecodeLoop:
         self.table.record_emitted(np.array([s.req.table_row for s in batch]), emitted)
         for req in [r for r in self.running if r.completion.finish_reason is not None]:
             self.running.remove(req)
-            self.model.free_slot(req.kv_slot)
+            if self.shares_prefixes:
+                self.retained[req.kv_slot] = req.cached_tokens()
+            else:
+                self.model.free_slot(req.kv_slot)
             if self.draft_slots is not None:
                 self.draft_slots.release(req.draft_slot)
             self.table.remove(req.request_id)
@@ -414,6 +451,7 @@ class DecodeLoop:
             events = self.step()
             if on_step:
                 on_step(events)
+        self.release_retained()
         return self.finished
 
 

@@ -9,7 +9,7 @@ import torch
 
 from engine import EngineConfig, SamplingParams
 from engine.decode_loop import DecodeLoop, LoopConfig, generate, propose_ngram_drafts
-from engine.models.llama import LlamaConfig, LlamaModel
+from engine.models.llama import LlamaConfig, LlamaModel, random_weights
 from engine.models.protocol import ForwardBatch
 
 CONFIG = LlamaConfig.tiny()
@@ -210,3 +210,42 @@ def test_generate_returns_completions_in_prompt_order():
 def test_loop_config_errors_name_the_field(options, match):
     with pytest.raises(ValueError, match=match):
         LoopConfig(**options)
+
+
+def _multi_turn(sharing: bool, num_slots: int = 4):
+    """Turn 1 runs to completion; turn 2 (the whole conversation plus a new message) arrives
+    after it finished, next to unrelated requests that keep the two slots busy and evict."""
+    weights = random_weights(CONFIG, seed=0)
+    weights.embed = weights.embed * 0.05  # flat logits: every logprob moves with any change to a hidden state
+    model = LlamaModel(CONFIG, weights, num_slots=num_slots, batch_invariant=True)
+    loop = DecodeLoop(model, LoopConfig(max_num_reqs=2, token_budget=64, prefix_sharing=sharing),
+                      engine_config=EngineConfig(device="cpu"))
+    first = np.random.default_rng(5).integers(3, CONFIG.vocab_size, 30).tolist()
+    loop.submit("turn1", first, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    while "turn1" not in loop.finished:
+        loop.step()
+    second = first + loop.finished["turn1"].tokens + [5, 6, 7]
+    loop.submit("turn2", second, SamplingParams(temperature=0.7, seed=3, max_tokens=6, logprobs=1),
+                arrival_step=loop.stats.steps)
+    for i in range(4):
+        loop.submit(f"other{i}", [200 + i] * 20, SamplingParams(temperature=0.0, max_tokens=4),
+                    arrival_step=loop.stats.steps + i)
+    done = loop.run()
+    return {rid: (c.tokens, c.logprobs) for rid, c in done.items()}, loop
+
+
+def test_a_follow_up_turn_reuses_the_finished_conversation_cache():
+    shared, loop = _multi_turn(True)
+    computed, off = _multi_turn(False)
+    assert shared == computed
+    assert off.stats.shared_prefix_tokens == 0
+    # turn 2 copies turn 1's prompt and 11 of its 12 tokens (the last one was never fed back)
+    assert loop.stats.shared_prefix_tokens == 30 + 11
+    assert not loop.retained and len(loop.model._free_slots) == loop.model.num_slots  # run() gave them back
+
+
+def test_retained_caches_give_their_slots_up_when_the_model_runs_out():
+    shared, loop = _multi_turn(True, num_slots=2)  # turn 1's cache is evicted by the others
+    computed, _ = _multi_turn(False, num_slots=2)
+    assert shared == computed
+    assert len(loop.model._free_slots) == 2
