@@ -252,6 +252,8 @@ class LlamaModel:
         # copy of the projections.
         self.mkl_packed = mkl_packed and self.device.type == "cpu" and dtype == torch.float32 and torch.backends.mkl.is_available()
         self._packed_rows = ((row_block,) if batch_invariant else PACKED_ROWS) if self.mkl_packed else ()
+        for rows in self._packed_rows:
+            self.weights.packed_layers(rows)  # now, not inside the first step that needs them
         kv_shape = (num_slots, self.cache_len, config.num_kv_heads, config.head_dim)
         # Uninitialised on purpose: positions are zeroed only as attention comes to read them
         # (`_make_finite`), so cache memory no request reaches is never committed.
@@ -426,6 +428,8 @@ class LlamaModel:
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor | PackedWeight) -> torch.Tensor:
         if isinstance(weight, PackedWeight):  # x has a multiple of weight.rows rows
+            if x.shape[0] == weight.rows:
+                return torch.ops.mkl._mkl_linear(x, weight.packed, weight.weight, None, weight.rows)
             return torch.cat([torch.ops.mkl._mkl_linear(block, weight.packed, weight.weight, None, weight.rows)
                               for block in x.split(weight.rows)])
         if not self.batch_invariant:
