@@ -80,6 +80,16 @@ class RunResult:
 def load_model(args: argparse.Namespace, num_slots: int):
     """(model, tokenizer, label)."""
     device = torch.device(args.device)
+    if args.model == "tiny":
+        from engine.models.llama import LlamaConfig, LlamaModel
+        from engine.models.tokenizer import ByteChatMLTokenizer
+
+        tokenizer = ByteChatMLTokenizer()
+        config = LlamaConfig(vocab_size=288, hidden_size=256, intermediate_size=704, num_layers=4, num_heads=4,
+                             num_kv_heads=2, head_dim=64, max_position=1024, eos_token_id=tokenizer.token_id("<|im_end|>"))
+        model = LlamaModel.random(config, seed=args.seed, device=device, num_slots=num_slots, max_context=1024,
+                                  batch_invariant=True)
+        return model, tokenizer, f"tiny random Llama (seed {args.seed}, byte tokenizer): noise for text, real machinery"
     if args.model:
         from engine.models.hf_adapter import HFCausalLM
 
@@ -199,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-graphs", action="store_true", help="run every step eagerly")
-    parser.add_argument("--model", metavar="PATH", help="a local Hugging Face causal-LM directory instead of SmolLM2")
+    parser.add_argument("--model", metavar="PATH",
+                        help="a local Hugging Face causal-LM directory instead of SmolLM2, or 'tiny': a seeded random "
+                             "model with a byte tokenizer (no weights to ship: for GPU machines without SmolLM2)")
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=40)
     parser.add_argument("--max-num-reqs", type=int, default=8, help="largest batch (and graph bucket)")

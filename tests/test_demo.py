@@ -48,3 +48,22 @@ def test_demo_runs_a_local_hugging_face_checkpoint(capsys, tmp_path):
     result = json.loads(capsys.readouterr().out)
     assert code == 0 and result["model"] == str(tmp_path)
     assert all(1 <= len(c["tokens"]) <= 5 for c in result["completions"])
+
+
+def test_demo_runs_the_tiny_random_model_without_any_weights(capsys):
+    code = main(["--model", "tiny", "--requests", "4", "--max-tokens", "6", "--max-num-reqs", "2", "--json",
+                 "--check-determinism", "--device", "cpu"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["model"].startswith("tiny random Llama")
+    assert result["determinism"] == {"graphs off": True, "shuffled arrivals": True}
+    assert all(1 <= len(c["tokens"]) <= 6 for c in result["completions"])
+
+
+def test_byte_chatml_tokenizer_round_trips_text_and_specials():
+    from engine.models.tokenizer import ByteChatMLTokenizer
+
+    tok = ByteChatMLTokenizer()
+    ids = tok.chat_prompt([{"role": "user", "content": "héllo"}])
+    assert ids[0] == 256 and ids.count(257) == 1 and max(ids) < tok.vocab_size
+    assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhéllo<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(ids) == "user\nhéllo\nassistant\n"

@@ -94,3 +94,37 @@ class ChatMLTokenizer:
     def from_json(cls, text: str) -> ChatMLTokenizer:
         saved = json.loads(text)
         return cls(Tokenizer.from_str(saved["tokenizer"]), saved["system_prompt"])
+
+
+class ByteChatMLTokenizer(ChatMLTokenizer):
+    """ChatML over raw UTF-8 bytes, for models without a vocabulary of their own (the demo's
+    seeded random model): ids 0-255 are bytes, 256 is `<|im_start|>`, 257 `<|im_end|>`."""
+
+    SPECIALS = ("<|im_start|>", "<|im_end|>")
+
+    def __init__(self, system_prompt: str | None = None) -> None:
+        super().__init__(None, system_prompt)  # type: ignore[arg-type]
+
+    @property
+    def vocab_size(self) -> int:
+        return 256 + len(self.SPECIALS)
+
+    def token_id(self, token: str) -> int:
+        if token not in self.SPECIALS:
+            raise ValueError(f"token {token!r} is not one of the special tokens {self.SPECIALS}")
+        return 256 + self.SPECIALS.index(token)
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for part in re.split("(" + "|".join(map(re.escape, self.SPECIALS)) + ")", text):
+            ids.extend([self.token_id(part)] if part in self.SPECIALS else part.encode())
+        return ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        out = bytearray()
+        for t in token_ids:
+            if t < 256:
+                out.append(t)
+            elif not skip_special_tokens and t < self.vocab_size:
+                out.extend(self.SPECIALS[t - 256].encode())
+        return out.decode(errors="replace")
