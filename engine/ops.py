@@ -45,6 +45,7 @@ def get_logits(
     out: torch.Tensor | None = None,
     batch_invariant: bool = False,
     block_rows: int = DEFAULT_BLOCK_ROWS,
+    packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """LM-head logits: `hidden` [rows, H] x `weight` [V, H]^T, computed in the
     weight's dtype (hidden is cast to it), returned as [rows, V] fp32 (in `out`
@@ -55,6 +56,9 @@ def get_logits(
     bit-identical whatever the row count and the row's place in the batch.
     Plain mode lets the GEMM pick its kernel by row count, which changes the
     reduction order and so the low bits.
+
+    `packed` (CPU, fp32, batch-invariant only): `weight` packed by MKL for
+    `block_rows`-row GEMMs (`pack_for_blocks`); every block then runs on it.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -77,6 +81,19 @@ def get_logits(
         n = min(block_rows, rows - start)
         block[:n].copy_(hidden[start : start + n])
         block[n:].zero_()  # the last block's padding: zeros, not the previous block's rows
-        torch.mm(block, weight_t, out=block_logits)
+        if packed is None:
+            torch.mm(block, weight_t, out=block_logits)
+        else:
+            block_logits = torch.ops.mkl._mkl_linear(block, packed, weight, None, block_rows)
         out[start : start + n].copy_(block_logits[:n])
     return out
+
+
+def pack_for_blocks(weight: torch.Tensor, block_rows: int) -> torch.Tensor | None:
+    """MKL's packed form of an fp32 CPU LM-head weight for `get_logits`' fixed blocks, or
+    None where there is none (another device or dtype, a torch without MKL). Measured at
+    H = 576, V = 49152, 16-row blocks, 2 AVX-512 cores: 8.8 ms per block against 12.6 ms
+    for the plain GEMM; one fixed block shape still gives one summation order."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkl.is_available():
+        return None
+    return torch.ops.mkl._mkl_reorder_linear_weight(weight, block_rows)

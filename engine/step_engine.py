@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from engine.ledger import SamplerInputs, prepare_sampler_inputs
-from engine.ops import gather, get_logits
+from engine.ops import gather, get_logits, pack_for_blocks
 from engine.params import SamplingParams, SeqMeta
 from engine.prompt_logprobs import DEFAULT_CHUNK_ROWS, PromptLogprob, PromptLogprobAccumulator, compute_prompt_logprobs
 from engine.sampler import SampleOutput, SamplerConfig, raw_log_normaliser, sample, sample_exact
@@ -234,6 +234,8 @@ class EngineStats:
 class StepEngine:
     """The captured tail of an inference step (SPEC §4, §6)."""
 
+    packs_lm_head = True  # subclasses whose step runs its own LM head say False
+
     def __init__(self, lm_head_weight: torch.Tensor, config: EngineConfig | None = None):
         config = config or EngineConfig()
         if lm_head_weight.dim() != 2:
@@ -246,6 +248,10 @@ class StepEngine:
                 "move the weight or set EngineConfig.device"
             )
         self.weight = lm_head_weight
+        # Batch-invariant LM-head blocks on MKL-packed weights where there are any (CPU fp32).
+        self.packed_weight = (
+            pack_for_blocks(lm_head_weight, config.block_rows) if config.batch_invariant and self.packs_lm_head else None
+        )
         self.vocab_size, self.hidden_size = lm_head_weight.shape
         if config.eos_token_id is not None and config.eos_token_id >= self.vocab_size:
             raise ValueError(f"EngineConfig.eos_token_id={config.eos_token_id}: outside the vocabulary ({self.vocab_size})")
@@ -339,6 +345,7 @@ class StepEngine:
             out=b.logits[:rows],
             batch_invariant=self.config.batch_invariant,
             block_rows=self.config.block_rows,
+            packed=self.packed_weight,
         )
         params = b.params(bucket)
         sample(b.logits[:rows], params, sampler, out=b.outputs(rows))

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine.ops import DEFAULT_BLOCK_ROWS, gather, get_logits
+from engine.ops import DEFAULT_BLOCK_ROWS, gather, get_logits, pack_for_blocks
 from graphs.capture_safety import capture_safety_check
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.int8, torch.uint8, torch.bool]
@@ -159,6 +159,22 @@ def test_batch_invariant_row_is_bit_identical_alone_and_in_any_batch(dtype, bloc
             others[position] = row[0]
             got = get_logits(others, weight, batch_invariant=True, block_rows=block_rows)
             assert torch.equal(got[position], alone[0]), (batch, position)
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch built without MKL")
+def test_mkl_packed_blocks_stay_batch_invariant_and_close_to_plain_blocks():
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(2048, 576, generator=gen)
+    packed = pack_for_blocks(weight, DEFAULT_BLOCK_ROWS)
+    assert packed is not None and pack_for_blocks(weight.bfloat16(), DEFAULT_BLOCK_ROWS) is None
+    row = torch.randn(1, 576, generator=gen)
+    alone = get_logits(row, weight, batch_invariant=True, packed=packed)
+    for batch, position in ((3, 1), (DEFAULT_BLOCK_ROWS + 1, DEFAULT_BLOCK_ROWS), (40, 17)):
+        others = torch.randn(batch, 576, generator=gen)
+        others[position] = row[0]
+        got = get_logits(others, weight, batch_invariant=True, packed=packed)
+        assert torch.equal(got[position], alone[0]), (batch, position)
+        torch.testing.assert_close(got, get_logits(others, weight, batch_invariant=True), atol=1e-4, rtol=1e-5)
 
 
 def test_get_logits_handles_zero_rows():

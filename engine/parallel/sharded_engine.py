@@ -69,6 +69,8 @@ class ShardedStepEngine(StepEngine):
     and top-k-space verification read the full logits row: use "gather").
     """
 
+    packs_lm_head = False  # the sharded step multiplies this rank's shard itself
+
     def __init__(
         self,
         lm_head_shard: torch.Tensor,
