@@ -370,11 +370,8 @@ def decide_on_candidates(
     boundary_p = torch.exp(boundary_z.to(torch.float64) - log_z)  # largest p of any non-candidate
     alive = zs > -math.inf
 
-    kept, filter_ambiguous = _filter_candidates(zs, p, alive, boundary_z, rows, cap, has_tail)
-    if has_tail:
-        reaches_tail = (kept & (p <= boundary_p[:, None])).any(-1)
-    else:
-        reaches_tail = torch.zeros_like(rows.greedy)
+    kept, filter_ambiguous, boundary_kept = _filter_candidates(zs, p, alive, boundary_z, boundary_p, rows, cap, has_tail)
+    reaches_tail = boundary_kept if has_tail else torch.zeros_like(rows.greedy)
 
     # Gumbel race over kept candidates; greedy over unsuppressed raw.
     noise = gumbel(rows.seed[:, None], rows.position[:, None], TARGET, zs_ids)  # [rows, C] f64
@@ -448,12 +445,16 @@ def sample(
 
 
 def _filter_candidates(
-    zs: torch.Tensor, p: torch.Tensor, alive: torch.Tensor, boundary_z: torch.Tensor, rows: _Rows, cap: int, has_tail: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kept mask over sorted candidates [rows, C], and rows whose top-p needs the tail.
+    zs: torch.Tensor, p: torch.Tensor, alive: torch.Tensor, boundary_z: torch.Tensor, boundary_p: torch.Tensor,
+    rows: _Rows, cap: int, has_tail: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Kept mask over sorted candidates [rows, C], rows whose top-p needs the tail, and
+    rows whose filters would keep a token at the boundary (z = boundary_z): the best a
+    token outside the candidates can be, so the kept set may reach past them.
 
-    A filter whose threshold lies past the candidates keeps every candidate;
-    the caller flags rows whose kept set then touches the boundary.
+    The boundary test runs the thresholds themselves, not "is a kept candidate at the
+    boundary": the candidate that sits there may be a suppressed stop id, never kept,
+    while an unsuppressed token of the same logit outside the candidates is kept.
     """
     # top-k: the k-th largest z, when it is a candidate.
     k_index = (rows.top_k.clamp(max=cap) - 1)[:, None]
@@ -472,8 +473,14 @@ def _filter_candidates(
     t_star = torch.where(reached.any(-1, keepdim=True), p.gather(1, first), torch.zeros_like(first, dtype=p.dtype))
     p_mask = ~rows.p_on[:, None] | (p >= t_star)
 
-    m_mask = ~rows.m_on[:, None] | (p >= (rows.min_p * p[:, 0])[:, None])
-    return alive & k_mask & p_mask & m_mask, filter_ambiguous
+    min_p_level = rows.min_p * p[:, 0]
+    m_mask = ~rows.m_on[:, None] | (p >= min_p_level[:, None])
+    boundary_kept = (
+        (~rows.k_on | (boundary_z >= kth_z))
+        & (~rows.p_on | (boundary_p >= t_star.squeeze(1)))
+        & (~rows.m_on | (boundary_p >= min_p_level))
+    )
+    return alive & k_mask & p_mask & m_mask, filter_ambiguous, boundary_kept
 
 
 def raw_log_normaliser(raw: torch.Tensor, raw_max: torch.Tensor) -> torch.Tensor:
