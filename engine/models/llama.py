@@ -297,8 +297,11 @@ class LlamaModel:
         self._slot_in_use[slot] = True
         return slot
 
+    def _is_allocated(self, slot: int) -> bool:
+        return 0 <= slot < self.num_slots and bool(self._slot_in_use[slot])
+
     def free_slot(self, slot: int) -> None:
-        if not 0 <= slot < self.num_slots or not self._slot_in_use[slot]:
+        if not self._is_allocated(slot):
             raise ValueError(f"KV-cache slot {slot} is not allocated")
         self._slot_in_use[slot] = False
         self._free_slots.append(slot)
@@ -312,7 +315,7 @@ class LlamaModel:
         the copy equals what prefilling the destination would have written.
         """
         for name, slot in (("src_slot", src_slot), ("dst_slot", dst_slot)):
-            if not 0 <= slot < self.num_slots or not self._slot_in_use[slot]:
+            if not self._is_allocated(slot):
                 raise ValueError(f"copy_prefix: {name}={slot} is not an allocated KV-cache slot")
         if src_slot == dst_slot:
             raise ValueError(f"copy_prefix: src_slot and dst_slot are both {src_slot}")
@@ -359,7 +362,7 @@ class LlamaModel:
     ) -> torch.Tensor:  # [T, H]
         check_forward_args(self, token_ids, positions, batch, out)
         for i, slot in enumerate(batch.slots.tolist()):
-            if not 0 <= slot < self.num_slots or not self._slot_in_use[slot]:
+            if not self._is_allocated(slot):
                 raise ValueError(f"request {i}: KV-cache slot {slot} is not allocated")
         cfg = self.config
         total = batch.num_tokens
@@ -470,7 +473,6 @@ class LlamaModel:
         span, rows = int(slots.max()) + 1, int(seqlens_q.max())
         lengths, new = np.ones(span, dtype=np.int64), np.ones(span, dtype=np.int64)
         lengths[slots], new[slots] = seqlens_k, seqlens_q
-        lengths_t = torch.from_numpy(lengths).to(self.device)
         longest = int(lengths.max())
         # The group's tokens in batch order: their row in the batch and their query index j.
         offsets = batch.token_offsets[:-1][members]
@@ -478,6 +480,7 @@ class LlamaModel:
         token_rows = None if members.all() else torch.from_numpy(np.repeat(offsets, seqlens_q) + j).to(self.device)
         if not self.batch_invariant:  # rows == 1
             keys = longest
+            lengths_t = torch.from_numpy(lengths).to(self.device)
             visible = torch.arange(longest, device=self.device)[None, :] < lengths_t[:, None]  # [span, longest]
             visible = visible[:, None, None, :]  # [span, 1, 1, longest]: over kv heads and stacked query heads
             tile_rows = torch.from_numpy(slots).to(self.device)
