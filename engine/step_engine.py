@@ -234,8 +234,6 @@ class EngineStats:
 class StepEngine:
     """The captured tail of an inference step (SPEC §4, §6)."""
 
-    packs_lm_head = True  # subclasses whose step runs its own LM head say False
-
     def __init__(self, lm_head_weight: torch.Tensor, config: EngineConfig | None = None):
         config = config or EngineConfig()
         if lm_head_weight.dim() != 2:
@@ -249,9 +247,7 @@ class StepEngine:
             )
         self.weight = lm_head_weight
         # Batch-invariant LM-head blocks on MKL-packed weights where there are any (CPU fp32).
-        self.packed_weight = (
-            pack_for_blocks(lm_head_weight, config.block_rows) if config.batch_invariant and self.packs_lm_head else None
-        )
+        self.packed_weight = pack_for_blocks(lm_head_weight, config.block_rows) if config.batch_invariant else None
         self.vocab_size, self.hidden_size = lm_head_weight.shape
         if config.eos_token_id is not None and config.eos_token_id >= self.vocab_size:
             raise ValueError(f"EngineConfig.eos_token_id={config.eos_token_id}: outside the vocabulary ({self.vocab_size})")

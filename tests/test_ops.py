@@ -167,6 +167,7 @@ def test_mkl_packed_blocks_stay_batch_invariant_and_close_to_plain_blocks():
     weight = torch.randn(2048, 576, generator=gen)
     packed = pack_for_blocks(weight, DEFAULT_BLOCK_ROWS)
     assert packed is not None and pack_for_blocks(weight.bfloat16(), DEFAULT_BLOCK_ROWS) is None
+    assert pack_for_blocks(weight.t().contiguous().t(), DEFAULT_BLOCK_ROWS) is None  # strided: nothing to pack
     row = torch.randn(1, 576, generator=gen)
     alone = get_logits(row, weight, batch_invariant=True, packed=packed)
     for batch, position in ((3, 1), (DEFAULT_BLOCK_ROWS + 1, DEFAULT_BLOCK_ROWS), (40, 17)):

@@ -69,8 +69,6 @@ class ShardedStepEngine(StepEngine):
     and top-k-space verification read the full logits row: use "gather").
     """
 
-    packs_lm_head = False  # the sharded step multiplies this rank's shard itself
-
     def __init__(
         self,
         lm_head_shard: torch.Tensor,
@@ -101,7 +99,8 @@ class ShardedStepEngine(StepEngine):
                 )
         # StepEngine sizes its static buffers (full-vocabulary logits: the
         # gather strategy's target) from the head's shape: hand it a
-        # zero-stride [V, H] stand-in, then keep only this rank's shard.
+        # zero-stride [V, H] stand-in (which nothing packs or reads), then keep
+        # only this rank's shard.
         full_shape = torch.empty((), dtype=lm_head_shard.dtype, device=lm_head_shard.device).expand(
             vocab_size, lm_head_shard.shape[1]
         )
