@@ -44,17 +44,43 @@ def default_system_prompt(chat_template: str | None) -> str | None:
     return found.group(1) if found else None
 
 
-class ChatMLTokenizer:
-    """Implements `engine.models.protocol.ChatTokenizer` for ChatML models (SmolLM2-Instruct).
+class ChatMLFormat:
+    """The ChatML conversation format over any `encode`.
 
     A conversation renders as `<|im_start|>{role}\\n{content}<|im_end|>\\n` per message,
-    preceded by the template's default system message when the first message is not a
-    system one, and followed by `<|im_start|>assistant\\n` when a reply is wanted.
+    preceded by the default system message when the first message is not a system one,
+    and followed by `<|im_start|>assistant\\n` when a reply is wanted.
     """
 
-    def __init__(self, tokenizer: Tokenizer, system_prompt: str | None = None) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, system_prompt: str | None = None) -> None:
         self.system_prompt = system_prompt
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def chat_text(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        parts = []
+        if self.system_prompt is not None and (not messages or messages[0].get("role") != "system"):
+            parts.append(f"<|im_start|>system\n{self.system_prompt}<|im_end|>\n")
+        for n, message in enumerate(messages):
+            if "role" not in message or "content" not in message:
+                raise ValueError(f"chat message {n} needs 'role' and 'content', got keys {sorted(message)}")
+            parts.append(f"<|im_start|>{message['role']}\n{message['content']}<|im_end|>\n")
+        if add_generation_prompt:
+            parts.append("<|im_start|>assistant\n")
+        return "".join(parts)
+
+    def chat_prompt(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.chat_text(messages, add_generation_prompt))
+
+
+class ChatMLTokenizer(ChatMLFormat):
+    """Implements `engine.models.protocol.ChatTokenizer` for ChatML models (SmolLM2-Instruct):
+    a `tokenizers` BPE plus the template's default system message."""
+
+    def __init__(self, tokenizer: Tokenizer, system_prompt: str | None = None) -> None:
+        super().__init__(system_prompt)
+        self.tokenizer = tokenizer
 
     @property
     def vocab_size(self) -> int:
@@ -72,21 +98,6 @@ class ChatMLTokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def chat_text(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        parts = []
-        if self.system_prompt is not None and (not messages or messages[0].get("role") != "system"):
-            parts.append(f"<|im_start|>system\n{self.system_prompt}<|im_end|>\n")
-        for n, message in enumerate(messages):
-            if "role" not in message or "content" not in message:
-                raise ValueError(f"chat message {n} needs 'role' and 'content', got keys {sorted(message)}")
-            parts.append(f"<|im_start|>{message['role']}\n{message['content']}<|im_end|>\n")
-        if add_generation_prompt:
-            parts.append("<|im_start|>assistant\n")
-        return "".join(parts)
-
-    def chat_prompt(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.chat_text(messages, add_generation_prompt))
-
     def to_json(self) -> str:
         return json.dumps({"tokenizer": self.tokenizer.to_str(), "system_prompt": self.system_prompt})
 
@@ -96,14 +107,11 @@ class ChatMLTokenizer:
         return cls(Tokenizer.from_str(saved["tokenizer"]), saved["system_prompt"])
 
 
-class ByteChatMLTokenizer(ChatMLTokenizer):
+class ByteChatMLTokenizer(ChatMLFormat):
     """ChatML over raw UTF-8 bytes, for models without a vocabulary of their own (the demo's
     seeded random model): ids 0-255 are bytes, 256 is `<|im_start|>`, 257 `<|im_end|>`."""
 
     SPECIALS = ("<|im_start|>", "<|im_end|>")
-
-    def __init__(self, system_prompt: str | None = None) -> None:
-        super().__init__(None, system_prompt)  # type: ignore[arg-type]
 
     @property
     def vocab_size(self) -> int:
