@@ -32,9 +32,6 @@ from engine.ops import BLOCK_KERNELS, BlockGemm, block_gemm
 # wastes fewer padding rows), then single rows: a one-row call has no position and no
 # neighbours, so only a kernel that is not deterministic can fail it.
 FALLBACK_BLOCK_ROWS = (16, 8, 32, 4, 64, 2, 1)
-# (items in the bmm call, index of the probed item): the attention tiles run as items of
-# bmm calls whose item count changes with the batch.
-_BMM_LAYOUTS = ((1, 0), (2, 1), (7, 3), (64, 63), (257, 128))
 
 _verdicts: dict[tuple, bool] = {}
 _warned: set[str] = set()
@@ -61,9 +58,7 @@ def rows_invariant(gemms: Sequence[Gemm], rows: int, in_features: int, dtype: to
             if not _same_bits(gemm(probe.roll(shift, 0)), reference.roll(shift, 0)):
                 return False
         for position in range(rows):
-            alone = torch.zeros_like(probe)
-            alone[position] = probe[position]
-            if not _same_bits(gemm(alone)[position], reference[position]):
+            if not _same_bits(gemm(_alone(probe, position))[position], reference[position]):
                 return False
     return True
 
@@ -85,25 +80,38 @@ def gemm_invariant(gemm: BlockGemm) -> bool:
 
 def bmm_tiles_invariant(rows: int, inner: int, outer: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a `[rows, inner] x [inner, outer]` item of `torch.bmm` gets the same bits at
-    every row position, whatever the item count of the call and the item's index in it."""
+    every row position, alone and among random rows, whatever the item count of the call
+    and the item's index in it. Items are cheap, so the probe's variants of one block (its
+    R cyclic shifts and R rows alone) ride in a few calls of several item counts, at
+    several offsets among random items, against the block as the only item of a call."""
     key = ("bmm", rows, inner, outer, *_context(dtype, device))
     if key not in _verdicts:
         gen = torch.Generator().manual_seed(1)
-        count = max(n for n, _ in _BMM_LAYOUTS)
-        others = torch.randn(count, rows, inner, generator=gen).to(device=device, dtype=dtype)
-        rights = torch.randn(count, inner, outer, generator=gen).to(device=device, dtype=dtype)
-        right = torch.randn(inner, outer, generator=gen).to(device=device, dtype=dtype)
-
-        def item_of(n: int, index: int) -> Gemm:
-            def gemm(block: torch.Tensor) -> torch.Tensor:
-                left, b = others[:n].clone(), rights[:n].clone()
-                left[index], b[index] = block, right
-                return torch.bmm(left, b)[index]
-            return gemm
-
+        draw = lambda *shape: torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)  # noqa: E731
+        block, right = draw(rows, inner), draw(inner, outer)
+        variants = torch.stack([block.roll(s, 0) for s in range(rows)] + [_alone(block, p) for p in range(rows)])
         with torch.no_grad():
-            _verdicts[key] = rows_invariant([item_of(n, i) for n, i in _BMM_LAYOUTS], rows, inner, dtype, device)
+            reference = torch.bmm(block[None], right[None])[0]  # [rows, outer]
+            expected = torch.stack([reference.roll(s, 0) for s in range(rows)] + [_alone(reference, p) for p in range(rows)])
+            holds = True
+            for count, offset in ((2, 1), (2 * rows, 0), (2 * rows + 1, 1), (64 + 2 * rows, 64), (257, 200)):
+                placed = min(len(variants), count - offset)
+                lefts, rights = draw(count, rows, inner), draw(count, inner, outer)
+                lefts[offset : offset + placed], rights[offset : offset + placed] = variants[:placed], right
+                got = torch.bmm(lefts, rights)[offset : offset + placed]
+                for v in range(placed):
+                    p = v - rows
+                    want, have = (expected[v], got[v]) if p < 0 else (expected[v][p], got[v][p])
+                    holds = holds and _same_bits(have, want)
+            _verdicts[key] = holds
     return _verdicts[key]
+
+
+def _alone(block: torch.Tensor, position: int) -> torch.Tensor:
+    """`block` with every row but `position` zeroed."""
+    alone = torch.zeros_like(block)
+    alone[position] = block[position]
+    return alone
 
 
 def choose_block_gemm(candidates: Iterable[BlockGemm | None]) -> tuple[BlockGemm, bool]:

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import EngineConfig, StepEngine
+from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine
 from engine import invariance
 from engine.models.llama import LlamaConfig, LlamaModel
 from engine.models.protocol import ForwardBatch
@@ -195,6 +195,30 @@ def test_engine_falls_back_from_a_planted_kernel(planted):
     first_kernel = "mkl_packed" if torch.backends.mkl.is_available() else "mm"
     assert engine.batch_invariant_verified and engine.stats.logits_kernel == f"{first_kernel}[8]"
     assert_rows_invariant(weight, engine.logits_kernel, [1, 16, 17, 40], seed=0)
+
+
+def test_engine_steps_run_on_the_fallback_kernel(planted):
+    """With the 16-row kernels planted to scale a block's last row, a request's logprob
+    alone and as the 16th of 16 requests (the last row of a 16-row block) must agree: the
+    step runs the verified 8-row fallback, not the configured block."""
+    def scale_last_row(kernel):
+        def bad(gemm: BlockGemm, block: torch.Tensor) -> torch.Tensor:
+            out = kernel(gemm, block)
+            if gemm.block_rows == 16:
+                out[-1] = out[-1] * 1.5
+            return out
+        return bad
+
+    planted(scale_last_row)
+    gen = torch.Generator().manual_seed(4)
+    weight, hidden = torch.randn(300, 32, generator=gen), torch.randn(16, 32, generator=gen)
+    engine = StepEngine(weight, EngineConfig(max_num_reqs=16, logits_block_rows=16, small_candidate_cap=0))
+    assert engine.logits_kernel.block_rows == 8
+    params = SamplingParams(temperature=0.0, logprobs=0)
+    seqs = [SeqMeta(i, True, 1, 1, 1, prompt_tokens=[3], params=params) for i in range(16)]
+    crowd = engine.step(hidden, seqs)
+    alone = engine.step(hidden[15:], seqs[15:])
+    assert crowd.logprobs[15] == alone.logprobs[0]
 
 
 def test_engine_falls_back_to_single_rows_when_every_block_breaks(planted):
