@@ -15,8 +15,14 @@ The probe (`rows_invariant`) runs a call shape of R rows on R random rows x_0..x
 the reference is one call on them in order; then the R cyclic shifts (every x_i at every
 position, among random rows; shift 0 repeats the reference call, so a kernel that is not
 deterministic fails too) and R calls with x_p alone at position p (the other rows zero,
-as in the zero-padded last block) must each give x_i its reference bits. 2R + 1 calls;
-at SmolLM2's LM head (V = 49152, H = 576, fp32, 16-row blocks) about 0.3 s on 2 cores.
+as in the zero-padded last block) must each give x_i its reference bits. 2R + 1 calls: at
+SmolLM2's LM head (V = 49152, H = 576, fp32, 16-row blocks) 33 block GEMMs, about 0.3 s
+where one takes 9 ms. The shifts keep each row's cyclic neighbours; a kernel whose rows
+depend on the other rows' values (not only on whether they are zero) could pass, but GEMM
+kernels branch on shapes, not values.
+
+A verdict holds for the thread count it was probed at: the engine and the model probe at
+construction, so build them at the thread count they will run at.
 """
 from __future__ import annotations
 

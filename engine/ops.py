@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-# Rows per GEMM call in batch-invariant mode. Every call sees exactly this many
-# rows, so the kernel (and its reduction order) is the same for every row.
+# Rows per GEMM call in batch-invariant mode when no verified kernel is given (the
+# prompt-logprob chunks). Every call sees exactly this many rows; that this gives every
+# row one reduction order is what `engine.invariance` probes for the kernels it picks.
 DEFAULT_BLOCK_ROWS = 32
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
