@@ -133,7 +133,8 @@ def get_logits(
         )
     if block_rows < 1:
         raise ValueError(f"block_rows={block_rows}: must be >= 1")
-    if kernel is not None and kernel.weight is not weight:
+    if kernel is not None and (kernel.weight.data_ptr(), kernel.weight.shape, kernel.weight.dtype) != (
+            weight.data_ptr(), weight.shape, weight.dtype):
         raise ValueError(f"kernel: a {kernel.name} BlockGemm of another weight than the one given")
     rows, vocab = hidden.shape[0], weight.shape[0]
     if out is None:

@@ -252,10 +252,10 @@ class StepEngine:
         # MKL-packed weights where there are any (CPU fp32), else the first that holds. A
         # zero-stride stand-in (the sharded engine's) is never read: nothing to probe.
         self.logits_kernel, self.batch_invariant_verified = None, False
-        if config.batch_invariant and 0 not in lm_head_weight.stride():
-            self.logits_kernel, self.batch_invariant_verified = choose_block_gemm(lm_head_candidates(lm_head_weight, config.block_rows))
+        if config.batch_invariant and 0 not in self.weight.stride():
+            self.logits_kernel, self.batch_invariant_verified = choose_block_gemm(lm_head_candidates(self.weight, config.block_rows))
             if not self.batch_invariant_verified:
-                warn_not_invariant(f"the LM head {tuple(lm_head_weight.shape)} {lm_head_weight.dtype} on {self.device}")
+                warn_not_invariant(f"the LM head {tuple(self.weight.shape)} {self.weight.dtype} on {self.device}")
         self.vocab_size, self.hidden_size = lm_head_weight.shape
         if config.eos_token_id is not None and config.eos_token_id >= self.vocab_size:
             raise ValueError(f"EngineConfig.eos_token_id={config.eos_token_id}: outside the vocabulary ({self.vocab_size})")
@@ -295,8 +295,9 @@ class StepEngine:
             if config.small_candidate_cap else None
         )
         self.prompt_logprobs = PromptLogprobAccumulator()
-        self.stats = EngineStats(logits_kernel="plain" if self.logits_kernel is None else self.logits_kernel.name)
+        self.stats = EngineStats()
         self._last_draft_layout: _DraftLayout | None = None
+        self.stats.logits_kernel = "plain" if self.logits_kernel is None else self.logits_kernel.name
 
     # -- the hidden-state source ------------------------------------------------
 
