@@ -5,10 +5,14 @@ depend on tensor values. The same code runs on CPU and CUDA.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
-# Rows per GEMM call in batch-invariant mode. Every call sees exactly this many
-# rows, so the kernel (and its reduction order) is the same for every row.
+# Rows per GEMM call in batch-invariant mode when no verified kernel is given (the
+# prompt-logprob chunks). Every call sees exactly this many rows; that this gives every
+# row one reduction order is what `engine.invariance` probes for the kernels it picks.
 DEFAULT_BLOCK_ROWS = 32
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -39,26 +43,89 @@ def gather(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None
     return out.masked_fill_(~in_range.unsqueeze(1), 0)
 
 
+@dataclass(frozen=True, eq=False)
+class BlockGemm:
+    """`x @ weight.T` as one GEMM call per block of exactly `block_rows` rows: the unit of
+    work the batch-invariant modes rely on. Whether one call shape really gives every row of
+    the block one summation order, whatever its position and its neighbours, depends on the
+    GEMM library, the CPU and the thread count; `engine.invariance` checks it where the code
+    runs and picks a `BlockGemm` that holds.
+
+    `kernel` names an entry of `BLOCK_KERNELS`; `packed` is its prepared form of `weight`
+    (MKL's packed layout for `mkl_packed`, None for `mm`). Lives on the weight's device.
+    """
+
+    kernel: str
+    weight: torch.Tensor  # [N, K]
+    block_rows: int
+    packed: torch.Tensor | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.kernel}[{self.block_rows}]"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[n * block_rows, K]` in the weight's dtype -> `[n * block_rows, N]`, one kernel call per block."""
+        run = BLOCK_KERNELS[self.kernel]
+        if x.shape[0] == self.block_rows:
+            return run(self, x)
+        return torch.cat([run(self, block) for block in x.split(self.block_rows)])
+
+
+def _mm_block(gemm: BlockGemm, block: torch.Tensor) -> torch.Tensor:
+    return torch.mm(block, gemm.weight.t())
+
+
+def _mkl_packed_block(gemm: BlockGemm, block: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkl._mkl_linear(block, gemm.packed, gemm.weight, None, gemm.block_rows)
+
+
+# The block kernels by name: `[block_rows, K]` block -> `[block_rows, N]`. A registry (not a
+# branch) so the invariance tests can plant a kernel that breaks the promise and watch the
+# probe refuse it.
+BLOCK_KERNELS: dict[str, Callable[[BlockGemm, torch.Tensor], torch.Tensor]] = {
+    "mkl_packed": _mkl_packed_block,
+    "mm": _mm_block,
+}
+
+
+def block_gemm(weight: torch.Tensor, kernel: str, block_rows: int) -> BlockGemm | None:
+    """`weight` [N, K] prepared for `kernel` at `block_rows`-row blocks, or None where the
+    kernel does not apply. `mkl_packed` needs a dense fp32 CPU weight and a torch with MKL
+    (so not the sharded engine's zero-stride stand-in); measured at H = 576, V = 49152,
+    16-row blocks, 2 AVX-512 cores: 8.8 ms per block against 12.6 ms for `mm`."""
+    if block_rows < 1:
+        raise ValueError(f"block_rows={block_rows}: must be >= 1")
+    if kernel == "mkl_packed":
+        if (weight.device.type != "cpu" or weight.dtype != torch.float32 or not weight.is_contiguous()
+                or not torch.backends.mkl.is_available()):
+            return None
+        return BlockGemm(kernel, weight, block_rows, torch.ops.mkl._mkl_reorder_linear_weight(weight, block_rows))
+    if kernel not in BLOCK_KERNELS:
+        raise ValueError(f"kernel={kernel!r}: must be one of {tuple(BLOCK_KERNELS)}")
+    return BlockGemm(kernel, weight, block_rows)
+
+
 def get_logits(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     out: torch.Tensor | None = None,
     batch_invariant: bool = False,
     block_rows: int = DEFAULT_BLOCK_ROWS,
-    packed: torch.Tensor | None = None,
+    kernel: BlockGemm | None = None,
 ) -> torch.Tensor:
     """LM-head logits: `hidden` [rows, H] x `weight` [V, H]^T, computed in the
     weight's dtype (hidden is cast to it), returned as [rows, V] fp32 (in `out`
     when given).
 
-    `batch_invariant=True` runs fixed blocks of `block_rows` rows, the last one
-    zero-padded, so every GEMM call has the same shape and a row's logits are
-    bit-identical whatever the row count and the row's place in the batch.
+    `batch_invariant=True` runs fixed blocks of rows, the last one zero-padded,
+    so every GEMM call has the same shape and a row's logits are bit-identical
+    whatever the row count and the row's place in the batch, provided the block
+    kernel keeps that promise on this machine: `kernel` is a `BlockGemm` of
+    `weight` that `engine.invariance` has verified (its block size then replaces
+    `block_rows`); without one, `mm` blocks of `block_rows` rows, unchecked.
     Plain mode lets the GEMM pick its kernel by row count, which changes the
     reduction order and so the low bits.
-
-    `packed` (CPU, fp32, batch-invariant only): `weight` packed by MKL for
-    `block_rows`-row GEMMs (`pack_for_blocks`); every block then runs on it.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -66,36 +133,23 @@ def get_logits(
         )
     if block_rows < 1:
         raise ValueError(f"block_rows={block_rows}: must be >= 1")
+    if kernel is not None and (kernel.weight.data_ptr(), kernel.weight.shape, kernel.weight.dtype) != (
+            weight.data_ptr(), weight.shape, weight.dtype):
+        raise ValueError(f"kernel: a {kernel.name} BlockGemm of another weight than the one given")
     rows, vocab = hidden.shape[0], weight.shape[0]
     if out is None:
         out = torch.empty((rows, vocab), dtype=torch.float32, device=weight.device)
     elif tuple(out.shape) != (rows, vocab) or out.dtype != torch.float32:
         raise ValueError(f"out: shape {tuple(out.shape)} dtype {out.dtype}, expected {(rows, vocab)} torch.float32")
-    weight_t = weight.t()  # [H, V] view
     if not batch_invariant:
-        out.copy_(torch.mm(hidden.to(weight.dtype), weight_t))
+        out.copy_(torch.mm(hidden.to(weight.dtype), weight.t()))
         return out
+    gemm = kernel or BlockGemm("mm", weight, block_rows)
+    block_rows = gemm.block_rows
     block = torch.zeros((block_rows, weight.shape[1]), dtype=weight.dtype, device=weight.device)  # [block, H]
-    block_logits = torch.empty((block_rows, vocab), dtype=weight.dtype, device=weight.device)  # [block, V]
     for start in range(0, rows, block_rows):
         n = min(block_rows, rows - start)
         block[:n].copy_(hidden[start : start + n])
         block[n:].zero_()  # the last block's padding: zeros, not the previous block's rows
-        if packed is None:
-            torch.mm(block, weight_t, out=block_logits)
-        else:
-            block_logits = torch.ops.mkl._mkl_linear(block, packed, weight, None, block_rows)
-        out[start : start + n].copy_(block_logits[:n])
+        out[start : start + n].copy_(gemm(block)[:n])  # [block, V] in the weight's dtype
     return out
-
-
-def pack_for_blocks(weight: torch.Tensor, block_rows: int) -> torch.Tensor | None:
-    """MKL's packed form of a dense fp32 CPU LM-head weight for `get_logits`' fixed blocks,
-    or None where there is none (another device or dtype, a strided view such as the
-    sharded engine's zero-stride stand-in, a torch without MKL). Measured at
-    H = 576, V = 49152, 16-row blocks, 2 AVX-512 cores: 8.8 ms per block against 12.6 ms
-    for the plain GEMM; one fixed block shape still gives one summation order."""
-    if (weight.device.type != "cpu" or weight.dtype != torch.float32 or not weight.is_contiguous()
-            or not torch.backends.mkl.is_available()):
-        return None
-    return torch.ops.mkl._mkl_reorder_linear_weight(weight, block_rows)

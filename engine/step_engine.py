@@ -40,7 +40,8 @@ import numpy as np
 import torch
 
 from engine.ledger import SamplerInputs, prepare_sampler_inputs
-from engine.ops import gather, get_logits, pack_for_blocks
+from engine.invariance import choose_block_gemm, lm_head_candidates, warn_not_invariant
+from engine.ops import gather, get_logits
 from engine.params import SamplingParams, SeqMeta
 from engine.prompt_logprobs import (
     DEFAULT_CHUNK_ROWS,
@@ -259,6 +260,7 @@ class EngineStats:
     small_candidate_steps: int = 0  # steps sampled with EngineConfig.small_candidate_cap candidates
     bucket_histogram: dict[int, int] = field(default_factory=dict)
     host_seconds: float = 0.0  # ledger + validation + staging, summed
+    logits_kernel: str = "plain"  # the LM head's verified block GEMM, e.g. "mkl_packed[16]"; "plain": one GEMM
 
 
 @dataclass(frozen=True)
@@ -291,8 +293,14 @@ class StepEngine:
         # The engine only reads the head: an nn.Parameter's autograd must not
         # record every step (nor refuse `.numpy()` on what comes out).
         self.weight = lm_head_weight.detach()
-        # Batch-invariant LM-head blocks on MKL-packed weights where there are any (CPU fp32).
-        self.packed_weight = pack_for_blocks(self.weight, config.block_rows) if config.batch_invariant else None
+        # The LM head's block GEMM, probed here (engine.invariance): the configured block on
+        # MKL-packed weights where there are any (CPU fp32), else the first that holds. A
+        # zero-stride stand-in (the sharded engine's) is never read: nothing to probe.
+        self.logits_kernel, self.batch_invariant_verified = None, False
+        if config.batch_invariant and 0 not in self.weight.stride():
+            self.logits_kernel, self.batch_invariant_verified = choose_block_gemm(lm_head_candidates(self.weight, config.block_rows))
+            if not self.batch_invariant_verified:
+                warn_not_invariant(f"the LM head {tuple(self.weight.shape)} {self.weight.dtype} on {self.device}")
         self.vocab_size, self.hidden_size = lm_head_weight.shape
         if config.eos_token_id is not None and config.eos_token_id >= self.vocab_size:
             raise ValueError(f"EngineConfig.eos_token_id={config.eos_token_id}: outside the vocabulary ({self.vocab_size})")
@@ -337,6 +345,7 @@ class StepEngine:
         self.stats_attributes: tuple[str, ...] = ("stats",)
         self.all_replayers: list[GraphReplayer] = [r for r in (self.replayer, self.small_replayer) if r is not None]
         self._last_draft_layout: _DraftLayout | None = None
+        self.stats.logits_kernel = "plain" if self.logits_kernel is None else self.logits_kernel.name
 
     # -- undoing a step ---------------------------------------------------------
 
@@ -384,7 +393,7 @@ class StepEngine:
     def capture(self, progress: bool = False) -> CaptureReport:
         """Capture one graph per bucket (largest first); on CPU, run each once
         under the capture safety check. Reports buckets, seconds, pool bytes."""
-        report = self.replayer.capture(progress=progress)
+        report = dataclasses.replace(self.replayer.capture(progress=progress), logits_kernel=self.stats.logits_kernel)
         if self.small_replayer is None:
             return report
         small = self.small_replayer.capture(progress=progress)
@@ -413,7 +422,7 @@ class StepEngine:
             out=b.logits[:rows],
             batch_invariant=self.config.batch_invariant,
             block_rows=self.config.block_rows,
-            packed=self.packed_weight,
+            kernel=self.logits_kernel,
         )
         params = b.params(bucket)
         sample(b.logits[:rows], params, sampler, out=b.outputs(rows))

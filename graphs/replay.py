@@ -37,11 +37,13 @@ class CaptureReport:
     # each capture, so warm-up scratch is released again.
     pool_bytes: int | None
     graphs_per_bucket: int = 1  # the step engine captures a second sampler variant per bucket
+    logits_kernel: str | None = None  # the step engine's verified LM-head block GEMM, e.g. "mkl_packed[16]"
 
     def __str__(self) -> str:
         pool = "" if self.pool_bytes is None else f", {self.pool_bytes / 2**20:.1f} MiB pool"
         per = "" if self.graphs_per_bucket == 1 else f" ({self.graphs_per_bucket} graphs each)"
-        return f"captured {len(self.buckets)} buckets{per} on {self.device} in {self.seconds:.2f} s{pool}"
+        kernel = "" if self.logits_kernel is None else f", LM head {self.logits_kernel}"
+        return f"captured {len(self.buckets)} buckets{per} on {self.device} in {self.seconds:.2f} s{pool}{kernel}"
 
 
 def _show_progress(done: int, total: int, bucket: int) -> None:

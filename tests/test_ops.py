@@ -1,5 +1,6 @@
-"""gather and get_logits (SPEC §3) against plain references: a Python loop over
-rows for gather, a row-alone computation for batch-invariant logits."""
+"""gather and get_logits (docs/contract.md §3) against plain references: a Python loop
+over rows for gather, a row-alone computation for batch-invariant logits (on the block
+kernels the invariance probe verified: see also tests/test_invariance.py)."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine.ops import DEFAULT_BLOCK_ROWS, gather, get_logits, pack_for_blocks
+from engine.invariance import choose_block_gemm, lm_head_candidates
+from engine.ops import DEFAULT_BLOCK_ROWS, block_gemm, gather, get_logits
 from graphs.capture_safety import capture_safety_check
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.int8, torch.uint8, torch.bool]
@@ -143,39 +145,61 @@ def test_get_logits_writes_into_out_and_casts_hidden_to_weight_dtype():
         get_logits(hidden, weight, batch_invariant=True, block_rows=0)
 
 
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request: pytest.FixtureRequest) -> int:
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    try:
+        yield request.param
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_rows", [DEFAULT_BLOCK_ROWS, 5])
-def test_batch_invariant_row_is_bit_identical_alone_and_in_any_batch(dtype, block_rows):
-    """The same hidden row, alone and at several positions inside batches of
-    several sizes (other rows random), must give the same bits."""
+@pytest.mark.parametrize("block_rows", [DEFAULT_BLOCK_ROWS, 16, 5])
+def test_batch_invariant_row_is_bit_identical_alone_and_in_any_batch(threads, dtype, block_rows):
+    """The same hidden row, alone and at several positions inside batches of several sizes
+    (other rows random), gives the same bits on the block kernel the probe picks for the
+    configured block. That a fixed block shape gives every row one summation order is not
+    believed: 5-row blocks fail at 2 threads on AMD EPYC, and the probe then picks another."""
     gen = torch.Generator().manual_seed(2)
     hidden_size, vocab = 576, 2048
     weight = torch.randn(vocab, hidden_size, generator=gen).to(dtype)
+    kernel, verified = choose_block_gemm(lm_head_candidates(weight, block_rows))
+    assert verified, kernel.name
+    rows = kernel.block_rows
     row = torch.randn(1, hidden_size, generator=gen)
-    alone = get_logits(row, weight, batch_invariant=True, block_rows=block_rows)
-    for batch in (2, 3, block_rows, block_rows + 1, 2 * block_rows + 3, 70):
+    alone = get_logits(row, weight, batch_invariant=True, kernel=kernel)
+    for batch in (2, 3, rows, rows + 1, 2 * rows + 3, 70):
         for position in sorted({0, 1, batch // 2, batch - 1}):
             others = torch.randn(batch, hidden_size, generator=gen)
             others[position] = row[0]
-            got = get_logits(others, weight, batch_invariant=True, block_rows=block_rows)
-            assert torch.equal(got[position], alone[0]), (batch, position)
+            got = get_logits(others, weight, batch_invariant=True, kernel=kernel)
+            assert torch.equal(got[position], alone[0]), (kernel.name, batch, position)
 
 
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch built without MKL")
-def test_mkl_packed_blocks_stay_batch_invariant_and_close_to_plain_blocks():
+def test_mkl_packed_blocks_are_close_to_plain_blocks():
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn(2048, 576, generator=gen)
-    packed = pack_for_blocks(weight, DEFAULT_BLOCK_ROWS)
-    assert packed is not None and pack_for_blocks(weight.bfloat16(), DEFAULT_BLOCK_ROWS) is None
-    assert pack_for_blocks(weight.t().contiguous().t(), DEFAULT_BLOCK_ROWS) is None  # strided: nothing to pack
-    row = torch.randn(1, 576, generator=gen)
-    alone = get_logits(row, weight, batch_invariant=True, packed=packed)
-    for batch, position in ((3, 1), (DEFAULT_BLOCK_ROWS + 1, DEFAULT_BLOCK_ROWS), (40, 17)):
+    packed = block_gemm(weight, "mkl_packed", 16)
+    assert packed is not None and packed.name == "mkl_packed[16]"
+    assert block_gemm(weight.bfloat16(), "mkl_packed", 16) is None
+    assert block_gemm(weight.t().contiguous().t(), "mkl_packed", 16) is None  # strided: nothing to pack
+    for batch in (3, 17, 40):
         others = torch.randn(batch, 576, generator=gen)
-        others[position] = row[0]
-        got = get_logits(others, weight, batch_invariant=True, packed=packed)
-        assert torch.equal(got[position], alone[0]), (batch, position)
-        torch.testing.assert_close(got, get_logits(others, weight, batch_invariant=True), atol=1e-4, rtol=1e-5)
+        got = get_logits(others, weight, batch_invariant=True, kernel=packed)
+        torch.testing.assert_close(got, get_logits(others, weight, batch_invariant=True, block_rows=16), atol=1e-4, rtol=1e-5)
+
+
+def test_get_logits_rejects_a_kernel_of_another_weight():
+    weight = torch.randn(30, 16)
+    with pytest.raises(ValueError, match="kernel: a mm\\[4\\] BlockGemm of another weight"):
+        get_logits(torch.randn(2, 16), weight, batch_invariant=True, kernel=block_gemm(weight.clone(), "mm", 4))
+    with pytest.raises(ValueError, match="kernel='fast'"):
+        block_gemm(weight, "fast", 4)
+    with pytest.raises(ValueError, match="block_rows=0"):
+        block_gemm(weight, "mm", 0)
 
 
 def test_get_logits_handles_zero_rows():

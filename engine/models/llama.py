@@ -9,7 +9,11 @@ Two execution modes share every weight and the cache:
   whatever else shares the step and however its prompt was chunked. GEMM
   kernels pick their blocking (and so their summation order) from the matrix
   shape, so every linear layer runs one GEMM per fixed `[row_block, K]` row block
-  (the token rows are zero-padded up to a multiple of `row_block`). Attention works on fixed `[row_block, key_block]`
+  (the token rows are zero-padded up to a multiple of `row_block`). That one call shape
+  gives every row one summation order is probed when the model is built
+  (`engine.invariance`); a projection whose kernel fails falls back to another kernel or
+  to a block size dividing `row_block`, and `batch_invariant_verified` says whether the
+  whole promise (projections and attention tiles) holds. Attention works on fixed `[row_block, key_block]`
   score tiles aligned to absolute cache positions: the softmax maximum is exact in
   any order, per-tile sums have a fixed length, and tiles are folded in cache
   order, so key tiles past a query's position add exact zeros. Requests with
@@ -29,13 +33,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine.invariance import bmm_tiles_invariant, choose_block_gemm, warn_not_invariant
 from engine.models.protocol import ForwardBatch, check_forward_args
+from engine.ops import BlockGemm, block_gemm
 
 
 @dataclass(frozen=True)
@@ -90,14 +95,6 @@ class LayerWeights:
     down: torch.Tensor  # [H, I]
 
 
-class PackedWeight(NamedTuple):
-    """A projection with MKL's packed form of it for GEMMs of a fixed row count."""
-
-    weight: torch.Tensor  # [out, in]
-    packed: torch.Tensor  # opaque MKL layout
-    rows: int
-
-
 @dataclass
 class LlamaWeights:
     embed: torch.Tensor  # [V, H], also the LM head (tied)
@@ -107,14 +104,15 @@ class LlamaWeights:
     _packed: dict[int, list[LayerWeights]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def packed_layers(self, rows: int) -> list[LayerWeights]:
-        """The layers with every projection also packed by MKL for `rows`-row GEMMs, built
-        once per row count and shared by the models on these weights. With exactly `rows`
-        rows, `_mkl_linear` on the packed form runs SmolLM2's projections about 1.3x faster
-        than F.linear (the batch-invariant mode's fixed row blocks); other row counts gain
-        nothing. Its summation order may differ from F.linear's; for one block shape it is
-        always the same, so batch invariance holds."""
+        """The layers with every projection as an MKL-packed `BlockGemm` of `rows`-row blocks,
+        built once per row count and shared by the models on these weights. With exactly
+        `rows` rows, `_mkl_linear` on the packed form runs SmolLM2's projections about 1.3x
+        faster than F.linear (fast mode's padded steps, the batch-invariant mode's row
+        blocks); other row counts gain nothing. Its summation order may differ from
+        F.linear's; whether it is one order for every row of a block is probed
+        (`engine.invariance`) before the batch-invariant mode relies on it."""
         if rows not in self._packed:
-            pack = lambda w: PackedWeight(w, torch.ops.mkl._mkl_reorder_linear_weight(w, rows), rows)  # noqa: E731
+            pack = lambda w: block_gemm(w, "mkl_packed", rows)  # noqa: E731
             self._packed[rows] = [
                 LayerWeights(**{f.name: pack(getattr(layer, f.name)) if f.name in _PROJECTIONS else getattr(layer, f.name)
                                 for f in fields(LayerWeights)})
@@ -246,14 +244,18 @@ class LlamaModel:
 
         # Batch-invariant attention reads whole key tiles, so the cache is rounded up to a tile.
         self.cache_len = _ceil_to(max_context, key_block) if batch_invariant else max_context
-        # MKL-packed weights (see `LlamaWeights.packed_layers`): the batch-invariant mode's GEMMs
-        # all have row_block rows; in fast mode a step of n rows, PACKED_ROWS[i] / 2 <= n <=
-        # PACKED_ROWS[i], runs padded to PACKED_ROWS[i] rows. Each row count holds one more
-        # copy of the projections.
+        # MKL-packed weights (see `LlamaWeights.packed_layers`): in fast mode a step of n rows,
+        # PACKED_ROWS[i] / 2 <= n <= PACKED_ROWS[i], runs padded to PACKED_ROWS[i] rows; the
+        # batch-invariant mode tries them first for its row blocks. Each row count holds one
+        # more copy of the projections.
         self.mkl_packed = mkl_packed and self.device.type == "cpu" and dtype == torch.float32 and torch.backends.mkl.is_available()
-        self._packed_rows = ((row_block,) if batch_invariant else PACKED_ROWS) if self.mkl_packed else ()
+        self._packed_rows = PACKED_ROWS if self.mkl_packed and not batch_invariant else ()
         for rows in self._packed_rows:
             self.weights.packed_layers(rows)  # now, not inside the first step that needs them
+        # Batch-invariant mode: each projection's verified block GEMM, e.g. {"qkv": "mkl_packed[16]"}.
+        self.gemm_kernels: dict[str, str] = {}
+        self._invariant_layers: list[LayerWeights] = []
+        self.batch_invariant_verified = batch_invariant and self._probe_invariant_kernels()
         kv_shape = (num_slots, self.cache_len, config.num_kv_heads, config.head_dim)
         # Uninitialised on purpose: positions are zeroed only as attention comes to read them
         # (`_make_finite`), so cache memory no request reaches is never committed.
@@ -269,6 +271,42 @@ class LlamaModel:
         angles = torch.arange(self.cache_len, dtype=torch.float64)[:, None] * inv_freq[None, :]  # [cache_len, d/2]
         self._rope_cos = angles.cos().to(device=self.device, dtype=dtype)
         self._rope_sin = angles.sin().to(device=self.device, dtype=dtype)
+
+    def _probe_invariant_kernels(self) -> bool:
+        """Pick every projection's block GEMM (`engine.invariance`): the first of MKL-packed
+        (when `mkl_packed`) and plain `mm`, at `row_block` rows and then at each smaller
+        divisor of it (the forward pads to whole `row_block` blocks, which they split
+        evenly), that is batch-invariant here; probe the attention tiles' two bmm shapes.
+        Builds `_invariant_layers` and `gemm_kernels`; warns and returns False when a
+        projection or a tile shape has nothing that holds."""
+        kernels = ("mkl_packed", "mm") if self.mkl_packed else ("mm",)
+        sizes = [rows for rows in range(self.row_block, 0, -1) if self.row_block % rows == 0]
+
+        def gemm_of(layer: int, name: str, kernel: str, rows: int) -> BlockGemm | None:
+            if kernel == "mkl_packed":
+                return getattr(self.weights.packed_layers(rows)[layer], name)
+            return block_gemm(getattr(self.weights.layers[layer], name), kernel, rows)
+
+        failed = []
+        chosen: dict[str, tuple[str, int]] = {}
+        for name in _PROJECTIONS:  # every layer has layer 0's shapes: one probe per projection
+            gemm, holds = choose_block_gemm(gemm_of(0, name, kernel, rows) for rows in sizes for kernel in kernels)
+            chosen[name] = (gemm.kernel, gemm.block_rows)
+            self.gemm_kernels[name] = gemm.name
+            if not holds:
+                failed.append(f"{name} {tuple(gemm.weight.shape)}")
+        self._invariant_layers = [
+            LayerWeights(**{f.name: gemm_of(n, f.name, *chosen[f.name]) if f.name in _PROJECTIONS else getattr(layer, f.name)
+                            for f in fields(LayerWeights)})
+            for n, layer in enumerate(self.weights.layers)
+        ]
+        qb, kb, d = self.row_block, self.key_block, self.config.head_dim
+        for shape in ((qb, d, kb), (qb, kb, d)):  # scores q k^T, then probabilities x values
+            if not bmm_tiles_invariant(*shape, self.dtype, self.device):
+                failed.append(f"attention tiles bmm [{shape[0]}, {shape[1]}] x [{shape[1]}, {shape[2]}]")
+        if failed:
+            warn_not_invariant(f"the Llama model ({self.dtype} on {self.device}): " + ", ".join(failed))
+        return not failed
 
     @classmethod
     def random(cls, config: LlamaConfig, seed: int, **kwargs: object) -> LlamaModel:
@@ -368,7 +406,7 @@ class LlamaModel:
         total = batch.num_tokens
         if self.batch_invariant:
             rows = _ceil_to(total, self.row_block)
-            layers = self.weights.packed_layers(self.row_block) if self._packed_rows else self.weights.layers
+            layers = self._invariant_layers
         else:
             rows = next((n for n in self._packed_rows if n // 2 <= total <= n), total)
             layers = self.weights.packed_layers(rows) if rows in self._packed_rows else self.weights.layers
@@ -429,18 +467,14 @@ class LlamaModel:
         variance = x.pow(2).mean(dim=-1, keepdim=True)
         return x / torch.sqrt(variance + self.config.rms_norm_eps) * weight
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor | PackedWeight) -> torch.Tensor:
-        if isinstance(weight, PackedWeight):  # x has a multiple of weight.rows rows
-            if x.shape[0] == weight.rows:
-                return torch.ops.mkl._mkl_linear(x, weight.packed, weight.weight, None, weight.rows)
-            return torch.cat([torch.ops.mkl._mkl_linear(block, weight.packed, weight.weight, None, weight.rows)
-                              for block in x.split(weight.rows)])
-        if not self.batch_invariant:
-            return F.linear(x, weight)
-        # One GEMM call per [row_block, K] block: identical shapes pick the identical kernel, so a
-        # row's result cannot depend on how many rows share the step. (A single [rows, K] GEMM, and
-        # even a bmm over the blocks, lets MKL change its blocking or threading with the row count.)
-        return torch.cat([F.linear(block, weight) for block in x.split(self.row_block)])
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor | BlockGemm) -> torch.Tensor:
+        if isinstance(weight, BlockGemm):
+            # x has a multiple of weight.block_rows rows. In batch-invariant mode: one GEMM call
+            # per block of a shape probed to give every row one summation order, so a row's
+            # result cannot depend on how many rows share the step. (A single [rows, K] GEMM,
+            # and even a bmm over the blocks, lets MKL change its blocking with the row count.)
+            return weight(x)
+        return F.linear(x, weight)
 
     def _sdpa_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """One request: q `[Lq, heads, d]` against its cached `[Lk, kv_heads, d]`; returns `[Lq, heads * d]`."""
