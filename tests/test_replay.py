@@ -351,14 +351,17 @@ def assert_step_matches_reference(out, expected) -> int:
 
 
 @pytest.mark.filterwarnings("ignore:a step with 9 requests exceeds:RuntimeWarning")
-@pytest.mark.parametrize("use_graphs", [True, False])
-def test_engine_replay_on_garbage_buffers_matches_the_numpy_reference(use_graphs: bool) -> None:
+@pytest.mark.parametrize(
+    "device, use_graphs",
+    [("cpu", True), ("cpu", False), pytest.param("cuda", True, marks=[pytest.mark.cuda, requires_cuda])],
+)
+def test_engine_replay_on_garbage_buffers_matches_the_numpy_reference(device: str, use_graphs: bool) -> None:
     """A fresh engine, static buffers scribbled over before every step, one
     batch size around every bucket and above the largest: each request's
     tokens and logprobs equal the independent reference's."""
     weight = integer_lm_head()
-    engine = StepEngine(torch.from_numpy(weight).float(),
-                        EngineConfig(max_num_reqs=8, max_draft_tokens=2, device="cpu", eos_token_id=EOS,
+    engine = StepEngine(torch.from_numpy(weight).float().to(device),
+                        EngineConfig(max_num_reqs=8, max_draft_tokens=2, device=device, eos_token_id=EOS,
                                      use_graphs=use_graphs, small_candidate_cap=8,
                                      # 16 candidates: rows whose kept set is wider take the exact path.
                                      sampler=SamplerConfig(candidate_cap=16, max_logprobs=4)))
@@ -368,8 +371,8 @@ def test_engine_replay_on_garbage_buffers_matches_the_numpy_reference(use_graphs
     for n in (1, 2, 3, 4, 5, 7, 8, 9):
         seqs, hidden, drafts = integer_batch(n, seed=n, max_drafts=2)
         drafts = right_drafts(weight, hidden, seqs, drafts, np.random.default_rng(n))
-        engine.buffers.fill_garbage(torch.Generator().manual_seed(n))
-        out = engine.step(torch.from_numpy(hidden).float(), seqs, drafts)
+        engine.buffers.fill_garbage(torch.Generator(device=device).manual_seed(n))
+        out = engine.step(torch.from_numpy(hidden).float().to(device), seqs, drafts)
         assert out.replayed == (use_graphs and n <= 8)
         expected = reference_step(weight, hidden, seqs, drafts)
         compared += assert_step_matches_reference(out, expected)
