@@ -97,10 +97,6 @@ class RowResult:
     decided: bool  # False: some decision sits within rounding of its threshold
 
 
-def _as_f32(x: float) -> np.float32:
-    return np.float32(x)
-
-
 def sample_row(raw: np.ndarray, spec: RowSpec, *, num_top: int = 0, mode: str = "raw") -> RowResult:
     """One row of logits [V] (float32 values) under `spec`."""
     raw = np.asarray(raw, dtype=np.float32)
@@ -110,7 +106,7 @@ def sample_row(raw: np.ndarray, spec: RowSpec, *, num_top: int = 0, mode: str = 
     alive[list(spec.suppressed)] = False
     top = raw[alive].max()
     greedy = float(spec.temperature) == 0.0
-    temperature = np.float32(1.0) if greedy else _as_f32(spec.temperature)
+    temperature = np.float32(1.0) if greedy else np.float32(spec.temperature)
     z = np.full(vocab, -np.inf, dtype=np.float32)
     z[alive] = (raw[alive] - top) / temperature  # float32, as the contract defines z
     z64 = z.astype(np.float64)
@@ -123,7 +119,8 @@ def sample_row(raw: np.ndarray, spec: RowSpec, *, num_top: int = 0, mode: str = 
     if k_on:
         kth = z64[order[spec.top_k - 1]]
         kept &= z64 >= kth
-    top_p = float(_as_f32(spec.top_p))
+    # Parameters travel as float32 (the ledger's dtypes): compare against those values.
+    top_p = float(np.float32(spec.top_p))
     if top_p < 1.0:
         mass_k = p[kept].sum() if k_on else 1.0
         level = top_p * mass_k
@@ -141,7 +138,7 @@ def sample_row(raw: np.ndarray, spec: RowSpec, *, num_top: int = 0, mode: str = 
                 break
         if threshold is not None:
             kept &= p >= threshold
-    min_p = float(_as_f32(spec.min_p))
+    min_p = float(np.float32(spec.min_p))
     if min_p > 0.0:
         ratio = np.exp(z64)  # p / max p, since the largest z is 0
         near = np.abs(ratio - min_p) <= MIN_P_TOL * min_p
