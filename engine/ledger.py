@@ -253,7 +253,12 @@ def build_ledger(
     local_step = _arange(num_sample_rows) - sample_offsets[row_to_req]
     selected_token_indices = first_sample_row[row_to_req] + local_step
 
-    eos_suppression_rows = suppression_rows(local_step, row_to_req, cols.min_tokens - cols.num_generated)
+    tokens_short = cols.min_tokens - cols.num_generated
+    if any_prompt:
+        # A non-last chunk's sample row produces no token (it is discarded), so
+        # it never counts towards min_tokens and needs no suppression.
+        tokens_short = np.where(is_last_chunk | ~is_prompt, tokens_short, 0)
+    eos_suppression_rows = suppression_rows(local_step, row_to_req, tokens_short)
 
     if any_prompt:
         selected_prompt_indices, prompt_token_targets, prompt_row_counts = _prompt_rows(

@@ -29,8 +29,10 @@ def reference_ledger(seqs: list[SeqMeta], *, max_draft_tokens: int = 0, compacti
         else:
             rows = [out_cursor + j for j in range(s.seqlen_q)]
             positions.append(s.seqlen_k - s.seqlen_q + 1)
+        # A non-last chunk's row produces no token, so it never needs EOS suppression.
+        produces_token = not s.is_prompt or last_chunk
         for j, r in enumerate(rows):
-            if s.num_generated + j < p.min_tokens:
+            if produces_token and s.num_generated + j < p.min_tokens:
                 eos_rows.append(len(sel))
             sel.append(r)
             row_to_req.append(i)

@@ -245,6 +245,29 @@ def test_eos_suppression_rows_follow_min_tokens():
     assert got.eos_suppression_rows.tolist() == [0, 1]
 
 
+def test_eos_suppression_only_on_a_last_prefill_chunk():
+    """A non-last chunk's sample row produces no token (it is discarded), so it
+    never counts towards min_tokens and gets no suppression row; the last
+    chunk's row produces generated token 0 and does."""
+    p = SamplingParams(min_tokens=2)
+    tokens = list(range(10))
+    seqs = [
+        SeqMeta("mid", True, 4, 4, 10, tokens, params=p),  # chunk 0..3 of 10: not last
+        SeqMeta("end", True, 6, 10, 10, tokens, params=p),  # chunk 4..9: last
+        SeqMeta("dec", False, 1, 12, 10, num_generated=1, params=p),
+    ]
+    got = assert_matches_reference(seqs)
+    assert got.eos_suppression_rows.tolist() == [1, 2]
+    assert prepare_sampler_inputs(seqs[:1]).eos_suppression_rows.tolist() == []
+    # The persistent request-table path keeps the same rule.
+    table = RequestTable(4)
+    rows = np.array([table.add(s.request_id, p, tokens) for s in seqs])
+    table.record_emitted(rows[2:], np.array([1]))
+    via_table = table.ledger(rows, np.array([True, True, False]), np.array([4, 6, 1], np.int32), np.array([4, 10, 12], np.int32))
+    assert via_table.eos_suppression_rows.tolist() == [1, 2]
+    assert via_table == got
+
+
 def test_compaction_shifts_later_requests():
     # keep the last 3 tokens of each sequence: a 10-token one-shot prefill keeps rows for 7..9
     seqs = [SeqMeta("long", True, 10, 10, 10), SeqMeta("short", True, 2, 2, 2), SeqMeta("dec", False, 1, 6, 4, num_generated=2)]

@@ -1,16 +1,23 @@
 """GraphReplayer on a toy step over static buffers: replay equals eager bit for
 bit at every bucket, replays really read the static buffers, capture rejects
-an unsafe step, counters and errors. CUDA tests run when a GPU is present."""
+an unsafe step, counters and errors. The StepEngine's replay, on a fresh
+engine whose static buffers hold garbage, against a reference that shares no
+code with it (integer logits + the numpy sampler). CUDA tests run when a GPU
+is present."""
 from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
+from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine
+from engine.sampler import SamplerConfig
 from graphs.buckets import BucketTable
 from graphs.capture_safety import CaptureSafetyError
 from graphs.replay import GraphReplayer
+from tests import numpy_sampler_reference as ref
 
 MAX_REQS, HIDDEN, VOCAB = 20, 16, 48
 SOURCE_ROWS = 2 * MAX_REQS
@@ -217,3 +224,159 @@ def test_cuda_capture_report() -> None:
     report = make_replayer(step, "cuda").capture(progress=False)
     assert report.pool_bytes is not None and report.pool_bytes >= 0
     assert report.buckets == (20, 16, 8, 4, 2, 1)
+
+
+# --- the engine's replay against an independent reference ----------------------
+# On CPU "replay" runs the same step function as eager, so replay == eager alone
+# proves little. Here the LM head and hidden states hold small integers: every
+# logit is an exact integer in float32 whatever the GEMM's summation order, so
+# the reference computes them in numpy and samples with the numpy reference,
+# following the ledger rules of docs/contract.md §1 written out below.
+
+ENGINE_VOCAB, ENGINE_HIDDEN, EOS = 96, 12, 5
+
+
+def integer_lm_head(seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(-2, 3, (ENGINE_VOCAB, ENGINE_HIDDEN))
+
+
+def integer_batch(n: int, seed: int, *, max_drafts: int = 0):
+    """n requests with explicit seeds: prefill chunks (last and not) and decodes
+    with up to max_drafts drafts; greedy and filtered; min_tokens with EOS."""
+    rng = np.random.default_rng(seed)
+    seqs = []
+    for i in range(n):
+        params = SamplingParams(
+            temperature=float(rng.choice([0.0, 0.5, 1.0, 1.6])),
+            top_k=int(rng.choice([0, 1, 3, 20])),
+            top_p=float(rng.choice([1.0, 0.9, 0.4])),
+            min_p=float(rng.choice([0.0, 0.1, 1.0])),
+            seed=int(rng.integers(2**64, dtype=np.uint64)),
+            logprobs=int(rng.choice([0, 2])) if rng.random() < 0.6 else None,
+            min_tokens=int(rng.integers(3)),
+            stop_token_ids=(int(rng.integers(ENGINE_VOCAB)),) if rng.random() < 0.5 else (),
+        )
+        prompt_len = int(rng.integers(1, 10))
+        tokens = rng.integers(0, ENGINE_VOCAB, prompt_len)
+        if rng.random() < 0.35:
+            k = int(rng.integers(1, prompt_len + 1))
+            seqs.append(SeqMeta(f"r{i}", True, int(rng.integers(1, k + 1)), k, prompt_len, tokens, params=params))
+        else:
+            drafts = int(rng.integers(max_drafts + 1))
+            gen = int(rng.integers(0, 4))
+            seqs.append(SeqMeta(f"r{i}", False, 1 + drafts, prompt_len + gen + drafts, prompt_len, tokens,
+                                num_generated=gen, params=params, mtp_write_slot=i + 1))
+    hidden = rng.integers(-2, 3, (sum(s.seqlen_q for s in seqs), ENGINE_HIDDEN))
+    drafts = [None if s.is_prompt else rng.integers(0, ENGINE_VOCAB, s.seqlen_q - 1).tolist() for s in seqs]
+    return seqs, hidden, drafts
+
+
+def reference_rows(weight: np.ndarray, hidden: np.ndarray, seqs) -> list[tuple[bool, list[ref.RowResult]]]:
+    """Per request: whether its step emits tokens, and the numpy reference's
+    result for each of its sample rows."""
+    logits = (hidden @ weight.T).astype(np.float32)  # exact small integers
+    requests, out_offset = [], 0
+    for s in seqs:
+        p = s.params
+        if s.is_prompt:
+            rows, first_position = [out_offset + s.seqlen_q - 1], s.seqlen_k
+        else:
+            rows, first_position = [out_offset + j for j in range(s.seqlen_q)], s.seqlen_k - s.seqlen_q + 1
+        out_offset += s.seqlen_q
+        emits = not s.is_prompt or s.seqlen_k == s.prompt_len
+        stop = tuple(([EOS] if not p.ignore_eos else []) + list(p.stop_token_ids))
+        row_results = []
+        for j, row in enumerate(rows):
+            spec = ref.RowSpec(p.temperature, p.top_k, p.top_p, p.min_p, p.seed, first_position + j,
+                               suppressed=stop if emits and s.num_generated + j < p.min_tokens else ())
+            row_results.append(ref.sample_row(logits[row], spec, num_top=max(p.num_logprobs, 0)))
+        requests.append((emits, row_results))
+    return requests
+
+
+def reference_step(weight: np.ndarray, hidden: np.ndarray, seqs, drafts) -> list[tuple[list[int], list | None] | None]:
+    """Per request: (emitted tokens, their (token, logprob, rank, top) tuples or
+    None), or None where the numpy reference calls a row undecided. Strict
+    verification: drafts are accepted while they equal the row's own draw."""
+    results = []
+    for s, proposal, (emits, row_results) in zip(seqs, drafts, reference_rows(weight, hidden, seqs)):
+        wants_logprobs = s.params.num_logprobs >= 0
+        if not all(r.decided for r in row_results):
+            results.append(None)
+            continue
+        if not emits:
+            results.append(([], [] if wants_logprobs else None))
+            continue
+        accepted = 0
+        while proposal is not None and accepted < len(proposal) and proposal[accepted] == row_results[accepted].token:
+            accepted += 1
+        emitted = row_results[: accepted + 1]
+        logprobs = [(r.token, r.logprob, r.rank, tuple(zip(r.top_ids, r.top_logprobs))) for r in emitted]
+        results.append(([r.token for r in emitted], logprobs if wants_logprobs else None))
+    return results
+
+
+def right_drafts(weight: np.ndarray, hidden: np.ndarray, seqs, drafts, rng: np.random.Generator) -> list:
+    """The drafts with about half of them replaced by the reference's own draws
+    (so they are accepted), some of those wrong from a random index on."""
+    out = []
+    for s, proposal, (_, rows) in zip(seqs, drafts, reference_rows(weight, hidden, seqs)):
+        if proposal and rng.random() < 0.5:
+            proposal = [r.token for r in rows[:-1]]
+            if rng.random() < 0.3:
+                proposal[-1] = (proposal[-1] + 1) % ENGINE_VOCAB
+        out.append(proposal)
+    return out
+
+
+def assert_step_matches_reference(out, expected) -> int:
+    """Exact tokens, ranks and top ids; logprobs within ref.LOGPROB_ATOL. Returns the requests compared."""
+    compared = 0
+    for i, want in enumerate(expected):
+        if want is None:
+            continue
+        compared += 1
+        tokens, logprobs = want
+        assert out.tokens[i] == tokens, (i, out.tokens[i], tokens)
+        if logprobs is None:
+            assert out.logprobs[i] is None
+            continue
+        assert len(out.logprobs[i]) == len(logprobs)
+        for got, (token, logprob, rank, top) in zip(out.logprobs[i], logprobs):
+            assert (got.token, got.rank) == (token, rank)
+            assert abs(got.logprob - logprob) <= ref.LOGPROB_ATOL
+            assert [t for t, _ in got.top] == [t for t, _ in top]
+            assert np.allclose([v for _, v in got.top], [v for _, v in top], atol=ref.LOGPROB_ATOL, rtol=0)
+    return compared
+
+
+@pytest.mark.filterwarnings("ignore:a step with 9 requests exceeds:RuntimeWarning")
+@pytest.mark.parametrize(
+    "device, use_graphs",
+    [("cpu", True), ("cpu", False), pytest.param("cuda", True, marks=[pytest.mark.cuda, requires_cuda])],
+)
+def test_engine_replay_on_garbage_buffers_matches_the_numpy_reference(device: str, use_graphs: bool) -> None:
+    """A fresh engine, static buffers scribbled over before every step, one
+    batch size around every bucket and above the largest: each request's
+    tokens and logprobs equal the independent reference's."""
+    weight = integer_lm_head()
+    engine = StepEngine(torch.from_numpy(weight).float().to(device),
+                        EngineConfig(max_num_reqs=8, max_draft_tokens=2, device=device, eos_token_id=EOS,
+                                     use_graphs=use_graphs, small_candidate_cap=8,
+                                     # 16 candidates: rows whose kept set is wider take the exact path.
+                                     sampler=SamplerConfig(candidate_cap=16, max_logprobs=4)))
+    if use_graphs:
+        engine.capture()
+    total = compared = accepted = 0
+    for n in (1, 2, 3, 4, 5, 7, 8, 9):
+        seqs, hidden, drafts = integer_batch(n, seed=n, max_drafts=2)
+        drafts = right_drafts(weight, hidden, seqs, drafts, np.random.default_rng(n))
+        engine.buffers.fill_garbage(torch.Generator(device=device).manual_seed(n))
+        out = engine.step(torch.from_numpy(hidden).float().to(device), seqs, drafts)
+        assert out.replayed == (use_graphs and n <= 8)
+        expected = reference_step(weight, hidden, seqs, drafts)
+        compared += assert_step_matches_reference(out, expected)
+        total += n
+        accepted += sum(out.num_accepted)
+    assert accepted > 0  # some drafts were right and verified
+    assert compared >= total - 3, (compared, total)  # a few requests may sit within rounding of a threshold

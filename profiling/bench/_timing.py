@@ -22,6 +22,13 @@ def median_us(fn: Callable[[], object], *, repeats: int = 50, warmup: int = 5, s
     return statistics.median(samples)
 
 
+def ratio(numerator: float, denominator: float) -> str:
+    """A ratio of two measurements as "1.23x": two decimals, and two significant
+    digits below 0.1, so a positive ratio never prints as 0 (tests parse it)."""
+    value = numerator / denominator
+    return f"{value:,.2f}x" if value >= 0.1 else f"{value:.2g}x"
+
+
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
     cells = [[str(h) for h in headers]] + [[c if isinstance(c, str) else f"{c:,.1f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from profiling.bench._timing import median_us, print_table
+from profiling.bench._timing import median_us, print_table, ratio
 
 
 def _decode_step(model, slots: list[int], context: int):
@@ -73,6 +73,6 @@ def main(argv: list[str] | None = None) -> int:
                 reps = max(2, repeats // 4) if phase == "prefill" and batch_size > 1 else repeats
                 us = median_us(fn, repeats=reps, warmup=1)
                 fast_us = us if mode == "fast" else fast_us
-                rows.append([phase, batch_size, mode, tokens, us / 1e3, tokens / (us / 1e6), f"{us / fast_us:.2f}x"])
+                rows.append([phase, batch_size, mode, tokens, us / 1e3, tokens / (us / 1e6), ratio(us, fast_us)])
     print_table(["phase", "batch", "mode", "tokens/call", "median ms", "tokens/s", "vs fast"], rows)
     return 0

@@ -15,7 +15,7 @@ import numpy as np
 
 from engine.params import SamplingParams, SeqMeta
 from engine.request_table import DraftSlots, RequestTable
-from profiling.bench._timing import median_us, print_table
+from profiling.bench._timing import median_us, print_table, ratio
 
 try:
     from tests.ledger_reference import reference_ledger
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             t_ours = median_us(ours, repeats=repeats, warmup=10)
             t_ref = median_us(reference, repeats=max(5, repeats // 10), warmup=2)
             ours_at[n, drafts] = t_ours
-            rows.append([n, drafts, t_ours, t_ref, f"{t_ref / t_ours:.1f}x"])
+            rows.append([n, drafts, t_ours, t_ref, ratio(t_ref, t_ours)])
     print("Ledger + parameter arrays, one decode step (host, µs, median)")
     print_table(["requests", "drafts", "ours µs", "reference µs", "speed-up"], rows)
     if (256, 3) in ours_at:

@@ -11,7 +11,7 @@ import argparse
 import torch
 
 from engine.ops import DEFAULT_BLOCK_ROWS, get_logits
-from profiling.bench._timing import median_us, print_table
+from profiling.bench._timing import median_us, print_table, ratio
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,6 +47,6 @@ def main(argv: list[str] | None = None) -> int:
                 warmup=2,
                 sync=sync,
             )
-            table.append([str(dtype).removeprefix("torch."), rows, plain, invariant, f"{invariant / plain:.2f}x"])
+            table.append([str(dtype).removeprefix("torch."), rows, plain, invariant, ratio(invariant, plain)])
     print_table(["dtype", "rows", "plain us", "invariant us", "invariant/plain"], table)
     return 0

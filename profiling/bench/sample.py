@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from engine.sampler import RowParams, SampleOutput, SamplerConfig, kept_sets, sample, sample_exact
-from profiling.bench._timing import median_us, print_table
+from profiling.bench._timing import median_us, print_table, ratio
 
 CASES = {
     "top-k50+top-p0.9": dict(temperature=0.8, top_k=50, top_p=0.9),
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                     assert bool(ours_kept.gather(1, tokens[:, None]).all()), "draw outside the kept set"
                     counts = ours_kept.sum(-1)
                     sizes = f"{int(counts.min())}..{int(counts.max())}"
-                table.append([case, batch, vocab, t_ours, t_lp, t_sort, t_warp, t_sort / t_ours, t_warp / t_ours,
+                table.append([case, batch, vocab, t_ours, t_lp, t_sort, t_warp, ratio(t_sort, t_ours), ratio(t_warp, t_ours),
                               flagged, sizes, same])
     print_table(["case", "B", "V", "ours us", "ours+lp us", "sort us", "warp+mult us", "x sort", "x warp",
                  "exact rows", "kept sizes", "same kept"], table)

@@ -21,7 +21,7 @@ import torch
 from engine.params import SamplingParams
 from engine.request_table import DraftSlots, RequestTable
 from engine.step_engine import EngineConfig, StepEngine
-from profiling.bench._timing import median_us, print_table
+from profiling.bench._timing import median_us, print_table, ratio
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         t_host = median_us(host_only, repeats=repeats * 4, warmup=3, sync=sync)
         t_eager = median_us(full(eager), repeats=repeats, warmup=2, sync=sync)
         t_replay = median_us(full(replayed), repeats=repeats, warmup=2, sync=sync)
-        rows.append([bucket, bucket * (1 + args.drafts), t_host, t_eager, t_replay, f"{t_eager / t_replay:.2f}x"])
+        rows.append([bucket, bucket * (1 + args.drafts), t_host, t_eager, t_replay, ratio(t_eager, t_replay)])
     print_table(["bucket", "rows", "host µs", "eager µs", "replay µs", "speed-up"], rows)
 
     if cuda:

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from engine import EngineConfig, SamplingParams, SeqMeta
 from engine.parallel import ParallelConfig, ShardedStepEngine, VocabShards
-from profiling.bench._timing import median_us, print_table
+from profiling.bench._timing import median_us, print_table, ratio
 
 
 def _rank_main(rank: int, tp: int, port: int, out_dir: str, args: argparse.Namespace) -> None:
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         gather_bytes, gather_us, _ = results["gather"]
         for strategy, (nbytes, time_us, fallbacks) in results.items():
             table.append([tp, strategy, f"{nbytes / 2**10:,.1f}", time_us / 1e3,
-                          f"{gather_bytes / nbytes:,.0f}x", f"{time_us / gather_us:.2f}", fallbacks])
+                          ratio(gather_bytes, nbytes), ratio(time_us, gather_us), fallbacks])
         bars.append(gather_bytes / results["candidates"][0])
     print_table(["tp", "strategy", "KiB/step/rank", "step ms", "bytes: gather/this", "time: this/gather", "fallbacks"], table)
     print(f"candidate exchange moves {min(bars):,.0f}x fewer bytes than the full gather (bar: >= 100x)")

@@ -21,7 +21,7 @@ import torch
 from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine
 from engine.sampler import RowParams, SampleOutput, SamplerConfig, sample
 from engine.verify import accept_strict, target_probs, verify_rejection
-from profiling.bench._timing import median_us, print_table
+from profiling.bench._timing import median_us, print_table, ratio
 
 MAX_DRAFTS = 3
 
@@ -58,7 +58,7 @@ def _engine_table(
         for drafts in (1, 3):
             seqs, draft_tokens = _decode_batch(num_reqs, drafts, vocab, rng)
             verify = median_us(lambda: engine.step(hidden, seqs, draft_tokens=draft_tokens), repeats=repeats, warmup=warmup, sync=sync)
-            table.append([num_reqs, drafts, num_reqs * (1 + drafts), plain, verify, f"{verify / plain:.2f}x"])
+            table.append([num_reqs, drafts, num_reqs * (1 + drafts), plain, verify, ratio(verify, plain)])
     return table
 
 
@@ -111,7 +111,7 @@ def _ops_table(vocab: int, batch_sizes: tuple[int, ...], repeats: int, warmup: i
             strict_us = median_us(strict, repeats=repeats, warmup=warmup, sync=sync)
             rejection_us = median_us(rejection, repeats=repeats, warmup=warmup, sync=sync)
             table.append(
-                [num_reqs, drafts, rows, plain, strict_us, f"{strict_us / plain:.2f}x", rejection_us, f"{rejection_us / plain:.2f}x"]
+                [num_reqs, drafts, rows, plain, strict_us, ratio(strict_us, plain), rejection_us, ratio(rejection_us, plain)]
             )
     return table
 
