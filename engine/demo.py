@@ -20,6 +20,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -29,6 +30,10 @@ from engine.params import SamplingParams
 from engine.step_engine import EngineConfig
 from profiling import ranges
 from profiling.telemetry import Telemetry, TelemetrySummary
+
+if TYPE_CHECKING:
+    from engine.models.llama import LlamaModel
+    from engine.models.tokenizer import ByteChatMLTokenizer
 
 # Per-request seeds are `seed * 1000 + i` (see `workload`): this bound keeps them far below 2**64.
 MAX_SEED = 2**32
@@ -88,13 +93,13 @@ class RunResult:
     loop: DecodeLoop
 
 
-def tiny_model(seed: int, device: torch.device, num_slots: int):
+def tiny_model(seed: int, device: torch.device, num_slots: int) -> tuple[LlamaModel, ByteChatMLTokenizer]:
     """(model, tokenizer): a seeded random Llama over the byte tokenizer, needing no weights.
 
     Its embedding is also its LM head. Plain random rows give logits so peaked that every
-    request emits the same control byte (a newline) forever, so the rows are scaled down (softer
-    logits, so sampled requests differ) and the printable-ASCII rows and `<|im_end|>` kept three
-    times larger than the rest: the answers are noise, but noise a terminal shows.
+    request emits the same control byte (a newline) forever. So the rows are scaled down (softer
+    logits: sampled requests differ), the printable-ASCII rows and `<|im_end|>` to 0.1 and the
+    rest to 0.03: the answers are noise, but mostly noise a terminal shows.
     """
     from engine.models.llama import LlamaConfig, LlamaModel, random_weights
     from engine.models.tokenizer import ByteChatMLTokenizer
@@ -294,15 +299,15 @@ def summary_rows(figures: dict, drafts_on: bool) -> list[tuple[str, str]]:
     ]
 
 
-def _number(x: float) -> float | None:
+def _finite_or_none(x: float) -> float | None:
     # JSON has no infinity: a -inf logprob (a token outside the top-k space) is written as null.
     return x if math.isfinite(x) else None
 
 
 def completion_json(c: Completion) -> dict:
     def logprob(lp) -> dict:
-        return {"token": lp.token, "logprob": _number(lp.logprob), "rank": lp.rank,
-                "top": [{"token": t, "logprob": _number(v)} for t, v in lp.top]}
+        return {"token": lp.token, "logprob": _finite_or_none(lp.logprob), "rank": lp.rank,
+                "top": [{"token": t, "logprob": _finite_or_none(v)} for t, v in lp.top]}
 
     return {
         "request_id": c.request_id,
