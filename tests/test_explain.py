@@ -14,7 +14,7 @@ def test_parse_request_defaults_follow_spec():
     pre = parse_request("prefill:a:len=12,q=8")
     assert (pre.is_prompt, pre.seqlen_q, pre.seqlen_k, pre.prompt_len) == (True, 8, 8, 12)
     dec = parse_request("decode:b:len=5,gen=3,drafts=2,read=1,write=2,top_k=50")
-    # seqlen_k == prompt_len + num_generated + drafts (SPEC §6)
+    # seqlen_k == prompt_len + num_generated + drafts (docs/contract.md §6)
     assert (dec.seqlen_q, dec.seqlen_k, dec.mtp_read_slot, dec.mtp_write_slot) == (3, 10, 1, 2)
     assert dec.params.top_k == 50
 
