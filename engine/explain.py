@@ -16,17 +16,19 @@ Keys: len (prompt_len), q (seqlen_q), k (seqlen_k), gen (num_generated),
 drafts (decode: seqlen_q = 1 + drafts), read / write (draft-info slots),
 plp (prompt_logprobs: 0 = target only, N = with top-N), and any
 SamplingParams field (temperature, top_k, top_p, min_p, seed, min_tokens,
-logprobs). Defaults: a prefill covers the whole prompt (q = k = len); a
+logprobs, stop_token_ids: one id or several joined by '/', as 5/6). Defaults: a prefill covers the whole prompt (q = k = len); a
 decode has k = len + gen + drafts. Prompt tokens, when needed, are
 synthetic (1000 + position) unless a JSON batch gives them.
 
-JSON batch (`--json FILE`): {"max_draft_tokens": 3, "compaction_keep_tokens":
-null, "requests": [{"request_id": "a", "is_prompt": true, "seqlen_q": 8,
-"seqlen_k": 8, "prompt_len": 12, "params": {"prompt_logprobs": 2}}, ...]}
+JSON batch (`--json FILE`, keys are SeqMeta's field names; docs/examples/batch.json
+is one): {"max_draft_tokens": 3, "compaction_keep_tokens": null, "requests":
+[{"request_id": "a", "is_prompt": true, "seqlen_q": 8, "seqlen_k": 8,
+"prompt_len": 12, "params": {"prompt_logprobs": 2}}, ...]}
 """
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import fields
 from typing import Any, Sequence
 
@@ -36,7 +38,11 @@ from engine.ledger import SamplerInputs, prepare_sampler_inputs
 from engine.params import SamplingParams, SeqMeta
 
 _PARAM_FIELDS = {f.name for f in fields(SamplingParams)}
-_SEQ_KEYS = {"len", "q", "k", "gen", "drafts", "read", "write", "plp"}
+_TUPLE_FIELDS = {f.name for f in fields(SamplingParams) if isinstance(f.default, tuple)}  # stop_token_ids
+# The command-line key of each SeqMeta field it sets, so that errors speak the user's words.
+_KEY_OF_FIELD = {"prompt_len": "len", "seqlen_q": "q", "seqlen_k": "k", "num_generated": "gen",
+                 "mtp_read_slot": "read", "mtp_write_slot": "write"}
+_SEQ_KEYS = {*_KEY_OF_FIELD.values(), "drafts", "plp"}
 
 EXAMPLE_BATCH = [
     "prefill:chat-1:len=12,q=8,plp=2",  # first chunk of a long prompt, with prompt logprobs
@@ -74,7 +80,10 @@ def parse_request(spec: str) -> SeqMeta:
                     f"request {request_id!r}: unknown item {item!r}; keys are "
                     f"{sorted(_SEQ_KEYS)} or SamplingParams fields {sorted(_PARAM_FIELDS)}"
                 )
-            values[key] = _number(value)
+            if key in _TUPLE_FIELDS:
+                values[key] = tuple(_number(v) for v in value.split("/") if v)
+            else:
+                values[key] = _number(value)
     if "len" not in values:
         raise ValueError(f"request {request_id!r}: len= (prompt_len) is required")
     prompt_len = values.pop("len")
@@ -91,7 +100,10 @@ def parse_request(spec: str) -> SeqMeta:
         seqlen_q = values.pop("q", 1 + drafts)
         seqlen_k = values.pop("k", prompt_len + gen + seqlen_q - 1)
     read, write = values.pop("read", 0), values.pop("write", 0)
-    params = SamplingParams(**values)
+    try:
+        params = SamplingParams(**values)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"request {request_id!r}: {err}") from None
     tokens = 1000 + np.arange(prompt_len) if isinstance(prompt_len, int) and prompt_len > 0 else None
     return SeqMeta(
         request_id,
@@ -107,17 +119,31 @@ def parse_request(spec: str) -> SeqMeta:
     )
 
 
+def in_spec_words(err: ValueError) -> ValueError:
+    """The same error with SeqMeta's field names replaced by the `KIND:ID:key=value` keys that set them
+    (`mtp_write_slot=0` -> `write=0`)."""
+    message = str(err)
+    for name, key in _KEY_OF_FIELD.items():
+        message = re.sub(rf"\b{name}=", f"{key}=", message)
+    return ValueError(message)
+
+
 def load_json_batch(path: str) -> tuple[list[SeqMeta], int, int | None]:
+    """A JSON batch file -> (seqs, max_draft_tokens, compaction_keep_tokens); ValueError names the
+    request (its id, or #index) and what is wrong with it."""
     with open(path) as f:
         doc = json.load(f)
     seqs = []
     for i, req in enumerate(doc.get("requests", [])):
         req = dict(req)
         req.setdefault("request_id", f"#{i}")
-        params = SamplingParams(**req.pop("params", {}))
-        if req.get("prompt_tokens") is None and params.num_prompt_logprobs >= 0:
-            req["prompt_tokens"] = 1000 + np.arange(req["prompt_len"])
-        seqs.append(SeqMeta(params=params, **req))
+        try:
+            params = SamplingParams(**req.pop("params", {}))
+            if req.get("prompt_tokens") is None and params.num_prompt_logprobs >= 0 and "prompt_len" in req:
+                req["prompt_tokens"] = 1000 + np.arange(req["prompt_len"])
+            seqs.append(SeqMeta(params=params, **req))
+        except TypeError as err:  # a missing or unknown key
+            raise ValueError(f"{path}: request {req['request_id']!r}: {err}") from None
     return seqs, int(doc.get("max_draft_tokens", 0)), doc.get("compaction_keep_tokens")
 
 
@@ -133,6 +159,19 @@ def _ranges(rows: np.ndarray) -> str:
         prev = r
     out.append(f"{start}" if start == prev else f"{start}-{prev}")
     return ", ".join(out)
+
+
+LEGEND = """\
+  q, k         query tokens this step (seqlen_q); context length after them (seqlen_k)
+  out rows     the model-output rows the request owns, in batch order
+  sample rows  the rows whose logits are sampled (prefill: one, the last; decode: all of them)
+  positions    absolute position of the token each sample row produces, one per sample row
+               (prefill: k, the first generated token; decode: k - q + 1 onward)
+  eos-         sample rows where EOS and the stop ids are masked (fewer than min_tokens
+               generated yet), out of the request's sample rows; - = none
+  prompt rows  row->target: the row whose logits score that prompt token (prompt logprobs)
+  draft info   rows of the draft-info pool read by each sample row (0 = padding), and the
+               slot this step writes"""
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -187,7 +226,7 @@ def render(seqs: Sequence[SeqMeta], inputs: SamplerInputs, *, max_draft_tokens: 
     headers = ["#", "request", "kind", "q", "k", "out rows", "sample rows", "positions", "eos-", "prompt rows->target", "draft info"]
     parts = [f"Ledger: {n} requests, {inputs.num_output_rows} output rows, "
              f"{inputs.num_sample_rows} sample rows, {inputs.num_prompt_rows} prompt rows",
-             _table(headers, per_request)]
+             _table(headers, per_request), LEGEND]
 
     # Flat row map: owner of each output row and what it feeds.
     role = np.full(inputs.num_output_rows, "", dtype=object)

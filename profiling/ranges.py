@@ -1,16 +1,21 @@
-"""Named ranges around every stage of a step, for Nsight Systems and torch.profiler.
+"""Named ranges around every stage of a step, for Nsight Systems, torch.profiler and `--trace`.
 
 `stage("replay")` opens an NVTX range (domain "step-engine") when an NVTX
 tool is attached (Nsight Systems sets NVTX_INJECTION64_PATH in the profiled
-process) and a torch.profiler `record_function` range while a torch.profiler
-trace is recording, so `--trace` files carry the same names. With neither,
-it is one shared no-op context: nothing is paid on the hot path.
+process), a torch.profiler `record_function` range while a torch.profiler
+trace is recording, and a span in the `record_stages()` recorder while one is
+open (the demo's `--trace`: the stages alone, a few hundred bytes per step,
+where torch.profiler also records every op). With none of them, it is one
+shared no-op context: nothing is paid on the hot path.
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import os
-from typing import ContextManager
+import threading
+import time
+from typing import ContextManager, Iterator
 
 import torch
 
@@ -27,14 +32,56 @@ if os.environ.get("NVTX_INJECTION64_PATH") or os.environ.get("NVTX_INJECTION32_P
         _nvtx = None
 
 
+class StageRecorder:
+    """Host-side spans of every `stage()` while open, as Chrome trace "complete" events."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, object]] = []
+
+    @contextlib.contextmanager
+    def span(self, name: str) -> Iterator[None]:
+        start = time.perf_counter_ns()
+        try:
+            yield
+        finally:
+            end = time.perf_counter_ns()
+            self.events.append({"name": name, "cat": DOMAIN, "ph": "X", "ts": start / 1e3,
+                                "dur": (end - start) / 1e3, "pid": os.getpid(), "tid": threading.get_ident()})
+
+    def export_chrome_trace(self, path: str) -> None:
+        """Write the spans as a Chrome/Perfetto JSON trace (timestamps in µs)."""
+        meta = {"name": "process_name", "ph": "M", "pid": os.getpid(), "args": {"name": DOMAIN}}
+        with open(path, "w") as f:
+            json.dump({"traceEvents": [meta, *self.events], "displayTimeUnit": "ms"}, f)
+
+
+_recorder: StageRecorder | None = None
+
+
+@contextlib.contextmanager
+def record_stages() -> Iterator[StageRecorder]:
+    """Record every `stage()` span until the block exits; only one recorder at a time."""
+    global _recorder
+    if _recorder is not None:
+        raise RuntimeError("record_stages() is already recording")
+    _recorder = StageRecorder()
+    try:
+        yield _recorder
+    finally:
+        _recorder = None
+
+
 def stage(name: str) -> ContextManager[None]:
     """A context naming one stage of the step (see STAGES)."""
     tracing = torch.autograd.profiler._is_profiler_enabled
-    if _nvtx is None and not tracing:
+    recorder = _recorder
+    if _nvtx is None and not tracing and recorder is None:
         return _NULL
     stack = contextlib.ExitStack()
     if _nvtx is not None:
         stack.enter_context(_nvtx.annotate(name, domain=DOMAIN))
     if tracing:
         stack.enter_context(torch.profiler.record_function(name))
+    if recorder is not None:
+        stack.enter_context(recorder.span(name))
     return stack

@@ -5,6 +5,7 @@ notice instead and the summary says so; nothing else changes.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -18,6 +19,10 @@ class TelemetrySummary:
     memory_used_mib: float = 0.0  # peak
     sm_clock_mhz: float = 0.0  # mean
     power_w: float = 0.0  # mean
+
+    def as_dict(self) -> dict[str, object]:
+        """The fields by name, numbers as numbers (the demo's `--json`)."""
+        return dataclasses.asdict(self)
 
     def rows(self) -> list[tuple[str, str]]:
         if self.notice:
@@ -42,7 +47,7 @@ class Telemetry:
 
     def start(self) -> Telemetry:
         try:
-            import pynvml
+            import pynvml  # the module of the nvidia-ml-py package
 
             pynvml.nvmlInit()
             handle = pynvml.nvmlDeviceGetHandleByIndex(self.device_index)

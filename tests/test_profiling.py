@@ -33,3 +33,39 @@ def test_telemetry_without_a_driver_reports_one_line():
             assert "no NVIDIA driver" in summary.notice or "no samples" in summary.notice
     else:
         assert any(key.startswith("GPU utilisation") for key, _ in rows)
+
+
+def test_record_stages_writes_only_the_stage_spans(tmp_path):
+    import json
+
+    with ranges.record_stages() as recorder:
+        with ranges.stage("model forward"):
+            with ranges.stage("replay"):
+                torch.ones(4).sum()
+        with ranges.stage("ledger"):
+            pass
+    assert ranges.stage("replay") is ranges.stage("ledger") or ranges._nvtx is not None  # off again
+    path = tmp_path / "trace.json"
+    recorder.export_chrome_trace(str(path))
+    spans = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert [e["name"] for e in spans] == ["replay", "model forward", "ledger"]  # in closing order
+    inner, outer = spans[0], spans[1]
+    assert outer["ts"] <= inner["ts"] and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"]
+
+
+def test_record_stages_does_not_nest():
+    import pytest
+
+    with ranges.record_stages():
+        with pytest.raises(RuntimeError, match="already recording"):
+            with ranges.record_stages():
+                pass
+    with ranges.record_stages():  # free again after the first one closed
+        pass
+
+
+def test_telemetry_summary_as_numbers():
+    from profiling.telemetry import TelemetrySummary
+
+    figures = TelemetrySummary(samples=3, gpu_util_pct=50.0, memory_used_mib=1024.0).as_dict()
+    assert figures["samples"] == 3 and figures["gpu_util_pct"] == 50.0 and figures["notice"] is None

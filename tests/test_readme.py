@@ -20,3 +20,40 @@ def test_embedding_example_runs():
     out = namespace["out"]
     assert len(out.tokens) == 2 and all(len(t) == 1 for t in out.tokens)
     assert out.seeds[1] == 1234
+
+
+ROOT = README.parent
+DOCS = ROOT / "docs"
+
+
+def test_readme_links_resolve_and_the_contract_lives_in_the_repo():
+    text = README.read_text()
+    links = re.findall(r"\]\(([^)#]+)\)", text)
+    assert {"docs/contract.md", "docs/api.md", "docs/coming-from-vllm.md", "docs/architecture.md"} <= set(links)
+    for link in links:
+        assert (ROOT / link).is_file(), link
+    for doc in [README, *DOCS.glob("*.md")]:
+        body = doc.read_text()
+        assert "../shared" not in body and "SPEC §" not in body, doc.name
+        for link in re.findall(r"\]\(([^)#:]+)\)", body):  # relative links between docs
+            assert (doc.parent / link).exists(), f"{doc.name}: {link}"
+
+
+def test_contract_keeps_the_section_numbers_code_comments_cite():
+    headings = re.findall(r"^#{2,3} (\d+(?:\.\d+)?)\.? ", (DOCS / "contract.md").read_text(), re.M)
+    assert headings == ["1", "1.1", "1.2", "1.3", "1.4", "1.5", "2", "2.1", "3", "4", "5", "6"]
+
+
+def test_api_reference_names_every_public_name():
+    import engine.ops
+    import graphs
+    import engine
+
+    api = (DOCS / "api.md").read_text()
+    public_ops = [n for n, v in vars(engine.ops).items()
+                  if callable(v) and not n.startswith("_") and getattr(v, "__module__", "") == "engine.ops"]
+    readme_imports = re.findall(r"from engine[\w.]* import ([\w, ]+)", README.read_text())
+    names = {*engine.__all__, *graphs.__all__, *public_ops,
+             *(n.strip() for group in readme_imports for n in group.split(","))}
+    missing = sorted(n for n in names if f"`{n}" not in api)
+    assert not missing, missing
