@@ -254,7 +254,7 @@ def test_eos_suppression_only_on_a_last_prefill_chunk():
     seqs = [
         SeqMeta("mid", True, 4, 4, 10, tokens, params=p),  # chunk 0..3 of 10: not last
         SeqMeta("end", True, 6, 10, 10, tokens, params=p),  # chunk 4..9: last
-        SeqMeta("dec", False, 1, 12, 10, num_generated=1, params=p),
+        SeqMeta("dec", False, 1, 11, 10, num_generated=1, params=p),
     ]
     got = assert_matches_reference(seqs)
     assert got.eos_suppression_rows.tolist() == [1, 2]
@@ -263,7 +263,7 @@ def test_eos_suppression_only_on_a_last_prefill_chunk():
     table = RequestTable(4)
     rows = np.array([table.add(s.request_id, p, tokens) for s in seqs])
     table.record_emitted(rows[2:], np.array([1]))
-    via_table = table.ledger(rows, np.array([True, True, False]), np.array([4, 6, 1], np.int32), np.array([4, 10, 12], np.int32))
+    via_table = table.ledger(rows, np.array([True, True, False]), np.array([4, 6, 1], np.int32), np.array([4, 10, 11], np.int32))
     assert via_table.eos_suppression_rows.tolist() == [1, 2]
     assert via_table == got
 
