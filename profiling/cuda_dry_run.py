@@ -1,0 +1,307 @@
+"""The CUDA path, run without a GPU: capture and steps on a fake CUDA device.
+
+    python -m profiling.cuda_dry_run                      # H=7168, V=129280, bf16
+    python -m profiling.cuda_dry_run --hidden 256 --vocab 4096 --max-num-reqs 8
+
+Every object is built with device="cuda" inside `profiling.fake_cuda.FakeCuda`
+(tensors with shapes and no memory, so the full-size LM head costs nothing),
+and every replayer inside `graphs.replay.simulated_cuda_capture`: "capture"
+runs each bucket's step once under the capture-safety check with its CUDA
+rules (no host sync, no CPU tensor in a device op, no pageable host-to-device
+copy, every output on the device, static addresses stable), since
+torch.cuda.graph itself cannot run here. Then each scenario runs a few whole
+steps (ledger, staging copy, replay, collection); host reads of device values
+see zeros and are counted per call site.
+
+Scenarios: the StepEngine (both candidate graph sets, the source-copy path,
+prompt logprobs, an eager fallback), drafts verified in strict and rejection
+mode, one rank's step of the vocab-sharded engine (a fake process group), and
+the batch-invariant Llama model's decode step, checked under the same rules
+with its KV cache as the static buffers.
+
+Prints the ops checked per bucket; exits 1 naming the op, the reason and the
+call site on a violation. On a GPU, the real capture runs the same check in
+its first warm-up (graphs/replay.py), so `profiling/gpu_check.sh` is the twin.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from engine.models.llama import LayerWeights, LlamaConfig, LlamaModel, LlamaWeights
+from engine.models.protocol import ForwardBatch
+from engine.params import SamplingParams, SeqMeta
+from engine.parallel.sharded_engine import ParallelConfig, ShardedStepEngine
+from engine.parallel.vocab_parallel import VocabShards
+from engine.step_engine import EngineConfig, StepEngine
+from graphs.capture_safety import CaptureSafetyError, capture_safety_check
+from graphs.replay import CaptureReport, GraphReplayer, simulated_cuda_capture
+from profiling.fake_cuda import FakeCuda
+
+
+@dataclass(frozen=True)
+class DryRunConfig:
+    hidden: int = 7168
+    vocab: int = 129280
+    dtype: torch.dtype = torch.bfloat16
+    max_num_reqs: int = 64
+    max_draft_tokens: int = 3
+    tp: int = 2  # ranks of the sharded engine (this process plays rank 0)
+    model: LlamaConfig = field(default_factory=lambda: LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+        num_kv_heads=3, head_dim=64, max_position=2048))  # SmolLM2-135M's shape
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "vocab", "max_num_reqs", "tp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"DryRunConfig.{name}={value!r}: must be an int >= 1")
+        if self.max_draft_tokens < 1:
+            raise ValueError(f"DryRunConfig.max_draft_tokens={self.max_draft_tokens!r}: must be >= 1 (drafts are a scenario)")
+
+
+@dataclass
+class DryRunReport:
+    """What the dry run checked: ops per bucket of every captured graph set, steps run,
+    and the device-to-host reads the steps made outside their graphs."""
+
+    graphs: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)  # set -> ((bucket, ops), ...)
+    steps: Counter[str] = field(default_factory=Counter)  # scenario -> steps run
+    host_reads: Counter[str] = field(default_factory=Counter)  # call site -> reads
+    seconds: float = 0.0
+
+    def add_capture(self, name: str, report: CaptureReport) -> None:
+        self.graphs[name] = tuple(zip(report.buckets, report.ops_checked))
+
+    def lines(self) -> Iterator[str]:
+        yield "ops checked per bucket (capture under the CUDA rules):"
+        for name, buckets in self.graphs.items():
+            yield f"  {name:<28} " + "  ".join(f"{bucket}:{ops}" for bucket, ops in sorted(buckets))
+        yield "steps run: " + ", ".join(f"{name} {count}" for name, count in self.steps.items())
+        total = sum(self.host_reads.values())
+        yield f"device-to-host reads outside the graphs ({total} in all; legal, each one a host sync):"
+        for site, count in sorted(self.host_reads.items()):
+            yield f"  {count:4d}  {site}"
+        yield f"dry run passed in {self.seconds:.1f} s"
+
+
+class DryRunFailure(RuntimeError):
+    """A capture-safety violation, with the call site that made it."""
+
+
+def _call_site(err: BaseException) -> str:
+    """The innermost frame of this project's code in the error's traceback."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if "/torch/" not in f.filename and not f.filename.endswith(("capture_safety.py", "fake_cuda.py"))]
+    if not frames:
+        return "unknown"
+    f = frames[-1]
+    return f"{'/'.join(f.filename.rsplit('/', 2)[-2:])}:{f.lineno} ({f.line})"
+
+
+@contextmanager
+def _scenario(name: str) -> Iterator[None]:
+    try:
+        yield
+    except CaptureSafetyError as err:
+        raise DryRunFailure(f"{name}: {err}\n  at {_call_site(err)}") from err
+
+
+def _requests(n: int, *, start: int = 0, prompt: int = 6, decode: bool = False, drafts: int = 0,
+              params: Callable[[int], SamplingParams] | None = None) -> list[SeqMeta]:
+    """n requests: prefills of `prompt` tokens, or decodes verifying `drafts` drafts."""
+    seqs = []
+    for i in range(start, start + n):
+        p = params(i) if params is not None else SamplingParams(temperature=0.8, top_p=0.9, seed=i)
+        if decode:
+            generated = 3
+            seqs.append(SeqMeta(i, False, 1 + drafts, prompt + generated + drafts, prompt, prompt_tokens=list(range(prompt)),
+                                num_generated=generated, params=p, mtp_read_slot=i + 1 if drafts else 0,
+                                mtp_write_slot=i + 1 if drafts else 0))
+        else:
+            seqs.append(SeqMeta(i, True, prompt, prompt, prompt, prompt_tokens=list(range(prompt)), params=p))
+    return seqs
+
+
+def _mixed(i: int) -> SamplingParams:
+    """Every filter and output across a batch: greedy, top-k, top-p, min-p, logprobs, min_tokens."""
+    kinds = (
+        SamplingParams(temperature=0.0, seed=i, logprobs=3),
+        SamplingParams(temperature=0.7, top_k=40, seed=i),
+        SamplingParams(temperature=1.0, top_p=0.9, min_p=0.05, seed=i, logprobs=0),
+        SamplingParams(temperature=1.0, seed=i, min_tokens=4, stop_token_ids=(7,)),
+    )
+    return kinds[i % len(kinds)]
+
+
+def _capture(report: DryRunReport, name: str, replayer: GraphReplayer | None) -> None:
+    if replayer is not None:
+        report.add_capture(name, replayer.capture(progress=False))
+
+
+def _engine(cfg: DryRunConfig, report: DryRunReport, cuda: FakeCuda) -> None:
+    weight = torch.empty(cfg.vocab, cfg.hidden, dtype=cfg.dtype, device="cuda")
+    engine = StepEngine(weight, EngineConfig(device="cuda", max_num_reqs=cfg.max_num_reqs, eos_token_id=2))
+    _capture(report, "engine", engine.replayer)
+    _capture(report, "engine small-candidate", engine.small_replayer)
+    n = min(5, cfg.max_num_reqs)
+    engine.step(engine.source, _requests(n, params=_mixed))  # zero-copy source
+    hidden = torch.empty(n * 6, cfg.hidden, dtype=cfg.dtype, device="cuda")
+    engine.step(hidden, _requests(n, decode=True, prompt=6, params=_mixed)[: n])  # source copy
+    greedy = lambda i: SamplingParams(temperature=0.0, seed=i)  # noqa: E731
+    engine.step(engine.source, _requests(n, decode=True, params=greedy))  # small-candidate graphs
+    with_prompt_logprobs = lambda i: SamplingParams(temperature=0.5, seed=i, prompt_logprobs=True, logprobs=2)  # noqa: E731
+    engine.step(engine.source, _requests(n, prompt=9, params=with_prompt_logprobs))
+    engine.step(engine.source, _requests(cfg.max_num_reqs + 1, decode=True))  # above the largest bucket: eager
+    report.steps["engine"] += 5
+
+
+def _drafts(cfg: DryRunConfig, report: DryRunReport, mode: str) -> None:
+    k = cfg.max_draft_tokens
+    weight = torch.empty(cfg.vocab, cfg.hidden, dtype=cfg.dtype, device="cuda")
+    engine = StepEngine(weight, EngineConfig(device="cuda", max_num_reqs=cfg.max_num_reqs, max_draft_tokens=k,
+                                             verify_mode=mode))
+    _capture(report, f"drafts {mode}", engine.replayer)
+    _capture(report, f"drafts {mode} small-candidate", engine.small_replayer)
+    n = min(4, cfg.max_num_reqs)
+    drafts = [list(range(10 + i, 10 + i + k)) for i in range(n)]
+    draft_logprobs = None
+    if mode == "rejection":
+        q = np.full((k, cfg.vocab), -np.log(cfg.vocab), dtype=np.float32)
+        draft_logprobs = [q] * n
+    next_drafts = [list(range(20, 20 + k))] * n
+    engine.step(engine.source, _requests(n, params=_mixed))
+    engine.step(engine.source, _requests(n, decode=True, drafts=k, params=_mixed), drafts, draft_logprobs,
+                next_drafts=next_drafts)
+    engine.step(engine.source, _requests(n, decode=True, drafts=k, params=_mixed))  # drafts from the pool
+    report.steps[f"drafts {mode}"] += 3
+
+
+@contextmanager
+def _fake_process_group(world: int) -> Iterator[None]:
+    """A `world`-rank group of which this process is rank 0; its collectives move nothing."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _sharded(cfg: DryRunConfig, report: DryRunReport) -> None:
+    shards = VocabShards.split(cfg.vocab, cfg.tp)
+    shard = torch.empty(shards.sizes[0], cfg.hidden, dtype=cfg.dtype, device="cuda")
+    with _fake_process_group(cfg.tp):
+        engine = ShardedStepEngine(shard, cfg.vocab, EngineConfig(device="cuda", max_num_reqs=cfg.max_num_reqs),
+                                   ParallelConfig(strategy="candidates"))
+        for strategy, replayer in engine.replayers.items():
+            _capture(report, f"sharded tp={cfg.tp} {strategy}", replayer)
+        n = min(4, cfg.max_num_reqs)
+        top_k = lambda i: SamplingParams(temperature=0.8, top_k=20, seed=i)  # noqa: E731
+        engine.step(engine.source, _requests(n, params=top_k))  # candidates
+        engine.step(engine.source, _requests(n, decode=True))  # top-p: falls back to gather
+        report.steps[f"sharded rank 0 of {cfg.tp}"] += 2
+
+
+def _device_weights(config: LlamaConfig, dtype: torch.dtype) -> LlamaWeights:
+    """Llama weights of the config's shapes on the (fake) device."""
+    H, I, d = config.hidden_size, config.intermediate_size, config.head_dim
+    qkv = (config.num_heads + 2 * config.num_kv_heads) * d
+
+    def empty(*shape: int) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device="cuda")
+
+    layers = [LayerWeights(attn_norm=empty(H), qkv=empty(qkv, H), o_proj=empty(H, config.num_heads * d),
+                           mlp_norm=empty(H), gate_up=empty(2 * I, H), down=empty(H, I))
+              for _ in range(config.num_layers)]
+    return LlamaWeights(embed=empty(config.vocab_size, H), layers=layers, final_norm=empty(H))
+
+
+def _model(cfg: DryRunConfig, report: DryRunReport, cuda: FakeCuda) -> None:
+    model = LlamaModel(cfg.model, _device_weights(cfg.model, cfg.dtype), num_slots=8, max_context=256,
+                       device="cuda", dtype=cfg.dtype, batch_invariant=True)
+    static = {f"{kind}_cache.{i}": cache for kind, caches in (("k", model.k_cache), ("v", model.v_cache))
+              for i, cache in enumerate(caches)}
+    slots = [model.allocate_slot() for _ in range(4)]
+    prompt = np.array([5, 9, 3, 12])
+    prefill = ForwardBatch.of(slots, prompt, prompt)
+    tokens = torch.zeros(prefill.num_tokens, dtype=torch.int64, device="cuda")
+    model.forward(tokens, prefill.positions().to("cuda"), prefill)
+    decode = ForwardBatch.of(slots, [1, 1, 1, 1], prompt + 1)
+    token_ids = torch.zeros(decode.num_tokens, dtype=torch.int64, device="cuda")
+    positions = torch.zeros(decode.num_tokens, dtype=torch.int64, device="cuda")
+    out = torch.empty(decode.num_tokens, cfg.model.hidden_size, dtype=cfg.dtype, device="cuda")
+    static["out"] = out
+    # An eager step (its shapes follow the batch): host-side planning is allowed, waiting
+    # for the device is not.
+    with capture_safety_check(static, device="cuda:0", is_pinned=cuda.is_pinned, host_work=True) as stats:
+        model.forward(token_ids, positions, decode, out=out)
+    report.graphs["model decode (invariant)"] = ((decode.num_reqs, stats.ops),)
+    report.steps["model"] += 2
+
+
+def run(cfg: DryRunConfig) -> DryRunReport:
+    """All scenarios; raises DryRunFailure on the first violation."""
+    report = DryRunReport()
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        # FakeTensor data pointers read 0 (the checks use storage identities instead).
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        warnings.filterwarnings("ignore", message="a step with .* requests exceeds the largest graph bucket")
+        with FakeCuda() as cuda, simulated_cuda_capture(cuda.is_pinned):
+            with _scenario("StepEngine"):
+                _engine(cfg, report, cuda)
+            for mode in ("strict", "rejection"):
+                with _scenario(f"drafts ({mode})"):
+                    _drafts(cfg, report, mode)
+            with _scenario("sharded engine"):
+                _sharded(cfg, report)
+            with _scenario("model decode step"):
+                _model(cfg, report, cuda)
+            report.host_reads.update(cuda.host_reads)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m profiling.cuda_dry_run", description=__doc__.split("\n")[0])
+    parser.add_argument("--hidden", type=int, default=DryRunConfig.hidden)
+    parser.add_argument("--vocab", type=int, default=DryRunConfig.vocab)
+    parser.add_argument("--dtype", choices=tuple(_DTYPES), default="bf16")
+    parser.add_argument("--max-num-reqs", type=int, default=DryRunConfig.max_num_reqs)
+    parser.add_argument("--drafts", type=int, default=DryRunConfig.max_draft_tokens)
+    parser.add_argument("--tp", type=int, default=DryRunConfig.tp)
+    parser.add_argument("--tiny-model", action="store_true", help="LlamaConfig.tiny() instead of SmolLM2-135M's shape")
+    args = parser.parse_args(argv)
+    cfg = DryRunConfig(hidden=args.hidden, vocab=args.vocab, dtype=_DTYPES[args.dtype], max_num_reqs=args.max_num_reqs,
+                       max_draft_tokens=args.drafts, tp=args.tp,
+                       **({"model": LlamaConfig.tiny()} if args.tiny_model else {}))
+    print(f"fake-CUDA dry run: H={cfg.hidden}, V={cfg.vocab}, {args.dtype}, max_num_reqs={cfg.max_num_reqs}, "
+          f"drafts={cfg.max_draft_tokens}, tp={cfg.tp}, model {cfg.model.num_layers}x{cfg.model.hidden_size}")
+    try:
+        report = run(cfg)
+    except DryRunFailure as err:
+        print(f"FAILED: {err}", file=sys.stderr)
+        return 1
+    for line in report.lines():
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
