@@ -13,7 +13,8 @@ What the CPU-only build lacks is patched for the duration, and nothing else:
   stand for (slice, select, unsqueeze, index, index_put_, copy_, _to_copy);
 - `pin_memory=True` and `Tensor.pin_memory()` allocate a plain host tensor
   and remember it as pinned (`is_pinned`);
-- `torch.cuda.Event` is a stand-in whose record and synchronize do nothing.
+- `torch.cuda.Event` is a stand-in whose record and synchronize do nothing;
+- `torch.from_numpy` shares the array's memory, as outside the fake mode.
 
 A host read of device data (`.cpu()`, `.item()`, `.numpy()`, `bool()`, a
 device-to-host copy) cannot see values that do not exist: it returns zeros
@@ -107,6 +108,7 @@ class FakeCuda:
         stack = ExitStack()
         try:
             stack.enter_context(_patched(torch.cuda, "Event", _Event))
+            stack.enter_context(_patched(torch, "from_numpy", _host_from_numpy))
             stack.enter_context(self.mode)
             stack.enter_context(_FakeCudaFunctions(self))
         except BaseException:
@@ -119,6 +121,16 @@ class FakeCuda:
         stack, self._stack = self._stack, None
         if stack is not None:
             stack.close()
+
+
+def _host_from_numpy(array: Any) -> torch.Tensor:
+    # torch.from_numpy has no torch-function hook, and under FakeTensorMode its
+    # result would be lifted to a fake host tensor: host memory stays real.
+    with unset_fake_temporarily():
+        return _FROM_NUMPY(array)
+
+
+_FROM_NUMPY = torch.from_numpy
 
 
 @contextmanager
