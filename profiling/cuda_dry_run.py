@@ -32,7 +32,7 @@ import traceback
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -79,6 +79,7 @@ class DryRunReport:
     graphs: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)  # set -> ((bucket, ops), ...)
     steps: Counter[str] = field(default_factory=Counter)  # scenario -> steps run
     host_reads: Counter[str] = field(default_factory=Counter)  # call site -> reads
+    pageable_copies: Counter[str] = field(default_factory=Counter)  # call site -> copies
     seconds: float = 0.0
 
     def add_capture(self, name: str, report: CaptureReport) -> None:
@@ -92,6 +93,10 @@ class DryRunReport:
         total = sum(self.host_reads.values())
         yield f"device-to-host reads outside the graphs ({total} in all; legal, each one a host sync):"
         for site, count in sorted(self.host_reads.items()):
+            yield f"  {count:4d}  {site}"
+        total = sum(self.pageable_copies.values())
+        yield f"pageable host-to-device copies outside the graphs ({total} in all; each one a host wait):"
+        for site, count in sorted(self.pageable_copies.items()):
             yield f"  {count:4d}  {site}"
         yield f"dry run passed in {self.seconds:.1f} s"
 
@@ -145,47 +150,69 @@ def _mixed(i: int) -> SamplingParams:
     return kinds[i % len(kinds)]
 
 
-def _capture(report: DryRunReport, name: str, replayer: GraphReplayer | None) -> None:
-    if replayer is not None:
-        report.add_capture(name, replayer.capture(progress=False))
+@dataclass
+class _Run:
+    """One dry run's settings and findings; `cuda` is None on a real GPU (the twin)."""
+
+    cfg: DryRunConfig
+    report: DryRunReport
+    cuda: FakeCuda | None
+
+    def weight(self, *shape: int) -> torch.Tensor:
+        # Small finite values: on a real GPU uninitialised memory could hold NaN.
+        return torch.empty(shape, dtype=self.cfg.dtype, device="cuda").normal_(0.0, 0.02)
+
+    def capture(self, name: str, replayer: GraphReplayer | None) -> None:
+        if replayer is not None:
+            self.report.add_capture(name, replayer.capture(progress=False))
+
+    @contextmanager
+    def steps(self, name: str, count: int) -> Iterator[None]:
+        """Count `count` steps of scenario `name` and the host traffic they cause (not
+        the one-time copies of construction and capture)."""
+        if self.cuda is not None:
+            reads, copies = Counter(self.cuda.host_reads), Counter(self.cuda.pageable_copies)
+        yield
+        self.report.steps[name] += count
+        if self.cuda is not None:
+            self.report.host_reads.update(self.cuda.host_reads - reads)
+            self.report.pageable_copies.update(self.cuda.pageable_copies - copies)
 
 
-def _engine(cfg: DryRunConfig, report: DryRunReport, cuda: FakeCuda) -> None:
-    weight = torch.empty(cfg.vocab, cfg.hidden, dtype=cfg.dtype, device="cuda")
-    engine = StepEngine(weight, EngineConfig(device="cuda", max_num_reqs=cfg.max_num_reqs, eos_token_id=2))
-    _capture(report, "engine", engine.replayer)
-    _capture(report, "engine small-candidate", engine.small_replayer)
+def _engine(run: _Run) -> None:
+    cfg = run.cfg
+    engine = StepEngine(run.weight(cfg.vocab, cfg.hidden),
+                        EngineConfig(device="cuda", max_num_reqs=cfg.max_num_reqs, eos_token_id=2))
+    run.capture("engine", engine.replayer)
+    run.capture("engine small-candidate", engine.small_replayer)
     n = min(5, cfg.max_num_reqs)
-    engine.step(engine.source, _requests(n, params=_mixed))  # zero-copy source
-    hidden = torch.empty(n * 6, cfg.hidden, dtype=cfg.dtype, device="cuda")
-    engine.step(hidden, _requests(n, decode=True, prompt=6, params=_mixed)[: n])  # source copy
     greedy = lambda i: SamplingParams(temperature=0.0, seed=i)  # noqa: E731
-    engine.step(engine.source, _requests(n, decode=True, params=greedy))  # small-candidate graphs
     with_prompt_logprobs = lambda i: SamplingParams(temperature=0.5, seed=i, prompt_logprobs=True, logprobs=2)  # noqa: E731
-    engine.step(engine.source, _requests(n, prompt=9, params=with_prompt_logprobs))
-    engine.step(engine.source, _requests(cfg.max_num_reqs + 1, decode=True))  # above the largest bucket: eager
-    report.steps["engine"] += 5
+    hidden = run.weight(n * 6, cfg.hidden)
+    with run.steps("engine", 5):
+        engine.step(engine.source, _requests(n, params=_mixed))  # zero-copy source
+        engine.step(hidden, _requests(n, decode=True, params=_mixed))  # rows copied into the source
+        engine.step(engine.source, _requests(n, decode=True, params=greedy))  # small-candidate graphs
+        engine.step(engine.source, _requests(n, prompt=9, params=with_prompt_logprobs))
+        engine.step(engine.source, _requests(cfg.max_num_reqs + 1, decode=True))  # above the largest bucket: eager
 
 
-def _drafts(cfg: DryRunConfig, report: DryRunReport, mode: str) -> None:
-    k = cfg.max_draft_tokens
-    weight = torch.empty(cfg.vocab, cfg.hidden, dtype=cfg.dtype, device="cuda")
-    engine = StepEngine(weight, EngineConfig(device="cuda", max_num_reqs=cfg.max_num_reqs, max_draft_tokens=k,
-                                             verify_mode=mode))
-    _capture(report, f"drafts {mode}", engine.replayer)
-    _capture(report, f"drafts {mode} small-candidate", engine.small_replayer)
+def _drafts(run: _Run, mode: str) -> None:
+    cfg, k = run.cfg, run.cfg.max_draft_tokens
+    engine = StepEngine(run.weight(cfg.vocab, cfg.hidden), EngineConfig(
+        device="cuda", max_num_reqs=cfg.max_num_reqs, max_draft_tokens=k, verify_mode=mode))
+    run.capture(f"drafts {mode}", engine.replayer)
+    run.capture(f"drafts {mode} small-candidate", engine.small_replayer)
     n = min(4, cfg.max_num_reqs)
     drafts = [list(range(10 + i, 10 + i + k)) for i in range(n)]
     draft_logprobs = None
     if mode == "rejection":
-        q = np.full((k, cfg.vocab), -np.log(cfg.vocab), dtype=np.float32)
-        draft_logprobs = [q] * n
-    next_drafts = [list(range(20, 20 + k))] * n
-    engine.step(engine.source, _requests(n, params=_mixed))
-    engine.step(engine.source, _requests(n, decode=True, drafts=k, params=_mixed), drafts, draft_logprobs,
-                next_drafts=next_drafts)
-    engine.step(engine.source, _requests(n, decode=True, drafts=k, params=_mixed))  # drafts from the pool
-    report.steps[f"drafts {mode}"] += 3
+        draft_logprobs = [np.full((k, cfg.vocab), -np.log(cfg.vocab), dtype=np.float32)] * n
+    with run.steps(f"drafts {mode}", 3):
+        engine.step(engine.source, _requests(n, params=_mixed))
+        engine.step(engine.source, _requests(n, decode=True, drafts=k, params=_mixed), drafts, draft_logprobs,
+                    next_drafts=[list(range(20, 20 + k))] * n)
+        engine.step(engine.source, _requests(n, decode=True, drafts=k, params=_mixed))  # drafts from the pool
 
 
 @contextmanager
@@ -200,77 +227,79 @@ def _fake_process_group(world: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _sharded(cfg: DryRunConfig, report: DryRunReport) -> None:
+def _sharded(run: _Run) -> None:
+    cfg = run.cfg
     shards = VocabShards.split(cfg.vocab, cfg.tp)
-    shard = torch.empty(shards.sizes[0], cfg.hidden, dtype=cfg.dtype, device="cuda")
     with _fake_process_group(cfg.tp):
-        engine = ShardedStepEngine(shard, cfg.vocab, EngineConfig(device="cuda", max_num_reqs=cfg.max_num_reqs),
+        engine = ShardedStepEngine(run.weight(shards.sizes[0], cfg.hidden), cfg.vocab,
+                                   EngineConfig(device="cuda", max_num_reqs=cfg.max_num_reqs),
                                    ParallelConfig(strategy="candidates"))
         for strategy, replayer in engine.replayers.items():
-            _capture(report, f"sharded tp={cfg.tp} {strategy}", replayer)
+            run.capture(f"sharded tp={cfg.tp} {strategy}", replayer)
         n = min(4, cfg.max_num_reqs)
         top_k = lambda i: SamplingParams(temperature=0.8, top_k=20, seed=i)  # noqa: E731
-        engine.step(engine.source, _requests(n, params=top_k))  # candidates
-        engine.step(engine.source, _requests(n, decode=True))  # top-p: falls back to gather
-        report.steps[f"sharded rank 0 of {cfg.tp}"] += 2
+        with run.steps(f"sharded rank 0 of {cfg.tp}", 2):
+            engine.step(engine.source, _requests(n, params=top_k))  # candidates
+            engine.step(engine.source, _requests(n, decode=True))  # top-p: falls back to gather
 
 
-def _device_weights(config: LlamaConfig, dtype: torch.dtype) -> LlamaWeights:
-    """Llama weights of the config's shapes on the (fake) device."""
+def _model_weights(run: _Run, config: LlamaConfig) -> LlamaWeights:
+    """Llama weights of the config's shapes on the device."""
     H, I, d = config.hidden_size, config.intermediate_size, config.head_dim
     qkv = (config.num_heads + 2 * config.num_kv_heads) * d
-
-    def empty(*shape: int) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, device="cuda")
-
-    layers = [LayerWeights(attn_norm=empty(H), qkv=empty(qkv, H), o_proj=empty(H, config.num_heads * d),
-                           mlp_norm=empty(H), gate_up=empty(2 * I, H), down=empty(H, I))
+    layers = [LayerWeights(attn_norm=run.weight(H), qkv=run.weight(qkv, H), o_proj=run.weight(H, config.num_heads * d),
+                           mlp_norm=run.weight(H), gate_up=run.weight(2 * I, H), down=run.weight(H, I))
               for _ in range(config.num_layers)]
-    return LlamaWeights(embed=empty(config.vocab_size, H), layers=layers, final_norm=empty(H))
+    return LlamaWeights(embed=run.weight(config.vocab_size, H), layers=layers, final_norm=run.weight(H))
 
 
-def _model(cfg: DryRunConfig, report: DryRunReport, cuda: FakeCuda) -> None:
-    model = LlamaModel(cfg.model, _device_weights(cfg.model, cfg.dtype), num_slots=8, max_context=256,
+def _model(run: _Run) -> None:
+    cfg = run.cfg
+    model = LlamaModel(cfg.model, _model_weights(run, cfg.model), num_slots=8, max_context=256,
                        device="cuda", dtype=cfg.dtype, batch_invariant=True)
     static = {f"{kind}_cache.{i}": cache for kind, caches in (("k", model.k_cache), ("v", model.v_cache))
               for i, cache in enumerate(caches)}
     slots = [model.allocate_slot() for _ in range(4)]
     prompt = np.array([5, 9, 3, 12])
     prefill = ForwardBatch.of(slots, prompt, prompt)
-    tokens = torch.zeros(prefill.num_tokens, dtype=torch.int64, device="cuda")
-    model.forward(tokens, prefill.positions().to("cuda"), prefill)
     decode = ForwardBatch.of(slots, [1, 1, 1, 1], prompt + 1)
-    token_ids = torch.zeros(decode.num_tokens, dtype=torch.int64, device="cuda")
-    positions = torch.zeros(decode.num_tokens, dtype=torch.int64, device="cuda")
-    out = torch.empty(decode.num_tokens, cfg.model.hidden_size, dtype=cfg.dtype, device="cuda")
-    static["out"] = out
-    # An eager step (its shapes follow the batch): host-side planning is allowed, waiting
-    # for the device is not.
-    with capture_safety_check(static, device="cuda:0", is_pinned=cuda.is_pinned, host_work=True) as stats:
-        model.forward(token_ids, positions, decode, out=out)
-    report.graphs["model decode (invariant)"] = ((decode.num_reqs, stats.ops),)
-    report.steps["model"] += 2
+    static["out"] = out = torch.empty(decode.num_tokens, cfg.model.hidden_size, dtype=cfg.dtype, device="cuda")
+    # Token ids and positions arrive on the device, as a decode loop keeps them.
+    ids = torch.zeros(prefill.num_tokens, dtype=torch.int64, device="cuda")
+    positions = torch.arange(prefill.num_tokens, device="cuda") % int(prompt.min())
+    with run.steps("model", 2):
+        model.forward(ids, positions, prefill)
+        # An eager step (its shapes follow the batch): host-side planning is allowed,
+        # waiting for the device is not.
+        with capture_safety_check(static, device=out.device, is_pinned=run.cuda.is_pinned if run.cuda else None,
+                                  host_work=True) as stats:
+            model.forward(ids[:4], positions[:4], decode, out=out)
+    run.report.graphs["model decode (invariant)"] = ((decode.num_reqs, stats.ops),)
 
 
-def run(cfg: DryRunConfig) -> DryRunReport:
-    """All scenarios; raises DryRunFailure on the first violation."""
+def run(cfg: DryRunConfig, *, real_cuda: bool = False) -> DryRunReport:
+    """All scenarios on the fake device (or, `real_cuda=True`, on this machine's GPU with real
+    graph capture); raises DryRunFailure on the first violation."""
     report = DryRunReport()
     start = time.perf_counter()
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), ExitStack() as stack:
         # FakeTensor data pointers read 0 (the checks use storage identities instead).
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         warnings.filterwarnings("ignore", message="a step with .* requests exceeds the largest graph bucket")
-        with FakeCuda() as cuda, simulated_cuda_capture(cuda.is_pinned):
-            with _scenario("StepEngine"):
-                _engine(cfg, report, cuda)
-            for mode in ("strict", "rejection"):
-                with _scenario(f"drafts ({mode})"):
-                    _drafts(cfg, report, mode)
-            with _scenario("sharded engine"):
-                _sharded(cfg, report)
-            with _scenario("model decode step"):
-                _model(cfg, report, cuda)
-            report.host_reads.update(cuda.host_reads)
+        cuda = None
+        if not real_cuda:
+            cuda = stack.enter_context(FakeCuda())
+            stack.enter_context(simulated_cuda_capture(cuda.is_pinned))
+        state = _Run(cfg, report, cuda)
+        with _scenario("StepEngine"):
+            _engine(state)
+        for mode in ("strict", "rejection"):
+            with _scenario(f"drafts ({mode})"):
+                _drafts(state, mode)
+        with _scenario("sharded engine"):
+            _sharded(state)
+        with _scenario("model decode step"):
+            _model(state)
     report.seconds = time.perf_counter() - start
     return report
 
@@ -287,14 +316,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drafts", type=int, default=DryRunConfig.max_draft_tokens)
     parser.add_argument("--tp", type=int, default=DryRunConfig.tp)
     parser.add_argument("--tiny-model", action="store_true", help="LlamaConfig.tiny() instead of SmolLM2-135M's shape")
+    parser.add_argument("--real-cuda", action="store_true",
+                        help="the twin: the same scenarios on this machine's GPU, capturing real CUDA graphs")
     args = parser.parse_args(argv)
+    if args.real_cuda and not torch.cuda.is_available():
+        parser.error("--real-cuda: no CUDA device here")
     cfg = DryRunConfig(hidden=args.hidden, vocab=args.vocab, dtype=_DTYPES[args.dtype], max_num_reqs=args.max_num_reqs,
                        max_draft_tokens=args.drafts, tp=args.tp,
                        **({"model": LlamaConfig.tiny()} if args.tiny_model else {}))
-    print(f"fake-CUDA dry run: H={cfg.hidden}, V={cfg.vocab}, {args.dtype}, max_num_reqs={cfg.max_num_reqs}, "
+    print(f"{'real' if args.real_cuda else 'fake'}-CUDA dry run: H={cfg.hidden}, V={cfg.vocab}, {args.dtype}, max_num_reqs={cfg.max_num_reqs}, "
           f"drafts={cfg.max_draft_tokens}, tp={cfg.tp}, model {cfg.model.num_layers}x{cfg.model.hidden_size}")
     try:
-        report = run(cfg)
+        report = run(cfg, real_cuda=args.real_cuda)
     except DryRunFailure as err:
         print(f"FAILED: {err}", file=sys.stderr)
         return 1

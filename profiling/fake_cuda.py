@@ -14,12 +14,16 @@ What the CPU-only build lacks is patched for the duration, and nothing else:
 - `pin_memory=True` and `Tensor.pin_memory()` allocate a plain host tensor
   and remember it as pinned (`is_pinned`);
 - `torch.cuda.Event` is a stand-in whose record and synchronize do nothing;
-- `torch.from_numpy` shares the array's memory, as outside the fake mode.
+- `torch.from_numpy` shares the array's memory, as outside the fake mode;
+- a fake tensor's `data_ptr()` is its storage's identity plus its offset, so
+  pointer comparisons tell buffers apart (the fake mode's own reads 0).
 
 A host read of device data (`.cpu()`, `.item()`, `.numpy()`, `bool()`, a
 device-to-host copy) cannot see values that do not exist: it returns zeros
 and is counted in `host_reads`, by call site, so a run reports how many
-device-to-host syncs each step pays outside its graphs.
+device-to-host syncs each step pays outside its graphs. Host-to-device copies
+that are not pinned and non-blocking (each one a host wait on CUDA) are
+counted in `pageable_copies` the same way.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 _HOST_READS = {
@@ -39,7 +44,7 @@ _HOST_READS = {
     torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.__array__, torch.Tensor.__repr__,
     torch.Tensor.__format__, torch.Tensor.cpu,
 }
-_NO_DATA_FUNCS = {torch.Tensor.is_pinned, torch.Tensor.data_ptr}
+_NO_DATA_FUNCS = {torch.Tensor.is_pinned}
 
 
 def _is_fake(value: Any) -> bool:
@@ -72,6 +77,7 @@ class FakeCuda:
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         self._pinned: set[int] = set()  # data pointers of host storages allocated pinned
         self.host_reads: Counter[str] = Counter()  # call site -> device-to-host reads
+        self.pageable_copies: Counter[str] = Counter()  # call site -> host-to-device copies not pinned + non_blocking
         self._stack: ExitStack | None = None
 
     # -- what the patched functions need -------------------------------------------
@@ -81,11 +87,12 @@ class FakeCuda:
         return not _is_fake(tensor) and tensor.untyped_storage().data_ptr() in self._pinned
 
     def _count_host_read(self) -> None:
-        # The innermost frame outside torch and this module names the reader.
-        for frame in reversed(traceback.extract_stack()[:-1]):
-            if "/torch/" not in frame.filename and not frame.filename.endswith("fake_cuda.py"):
-                self.host_reads[f"{frame.filename.rsplit('/', 2)[-2]}/{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}"] += 1
-                return
+        self.host_reads[_call_site()] += 1
+
+    def count_copy(self, source: torch.Tensor, non_blocking: bool) -> None:
+        """Record a host-to-device copy: pageable (or blocking) ones by call site."""
+        if not (non_blocking and self.is_pinned(source)):
+            self.pageable_copies[_call_site()] += 1
 
     def host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """What a device-to-host copy of a fake tensor delivers: zeros (counted)."""
@@ -110,6 +117,7 @@ class FakeCuda:
             stack.enter_context(_patched(torch.cuda, "Event", _Event))
             stack.enter_context(_patched(torch, "from_numpy", _host_from_numpy))
             stack.enter_context(self.mode)
+            stack.enter_context(_CopyWatch(self))
             stack.enter_context(_FakeCudaFunctions(self))
         except BaseException:
             stack.close()
@@ -121,6 +129,32 @@ class FakeCuda:
         stack, self._stack = self._stack, None
         if stack is not None:
             stack.close()
+
+
+def _call_site() -> str:
+    """The innermost frame outside torch and this module, as folder/file:line."""
+    for frame in reversed(traceback.extract_stack()[:-1]):
+        if "/torch/" not in frame.filename and not frame.filename.endswith("fake_cuda.py"):
+            return f"{'/'.join(frame.filename.rsplit('/', 2)[-2:])}:{frame.lineno}"
+    return "unknown"
+
+
+class _CopyWatch(TorchDispatchMode):
+    """Sees every host-to-device copy, wherever it comes from (copy_, .to, torch.as_tensor)."""
+
+    def __init__(self, cuda: FakeCuda) -> None:
+        super().__init__()
+        self.cuda = cuda
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and args[0].device.type == "cpu":
+            device = kwargs.get("device")
+            if device is not None and torch.device(device).type != "cpu":
+                self.cuda.count_copy(args[0], bool(kwargs.get("non_blocking", False)))
+        elif func is torch.ops.aten.copy_.default and args[1].device.type == "cpu" and args[0].device.type != "cpu":
+            self.cuda.count_copy(args[1], bool(args[2]) if len(args) > 2 else bool(kwargs.get("non_blocking", False)))
+        return func(*args, **kwargs)
 
 
 def _host_from_numpy(array: Any) -> torch.Tensor:
@@ -193,6 +227,17 @@ class _FakeCudaFunctions(TorchFunctionMode):
             host = self.cuda.host_copy(args[0])
             with unset_fake_temporarily():
                 return func(host, *args[1:], **kwargs)
+        if func in (torch.tensor, torch.as_tensor) and not isinstance(args[0] if args else kwargs.get("data"), torch.Tensor):
+            device = kwargs.get("device")
+            if device is not None and torch.device(device).type != "cpu":
+                # Host data straight onto the device: a pageable copy (the fake mode
+                # builds the tensor without dispatching one).
+                self.cuda.pageable_copies[_call_site()] += 1
+        if func is torch.Tensor.data_ptr and _is_fake(args[0]):
+            # Every fake data pointer reads 0; code that compares pointers (is this the
+            # static source?) needs distinct ones: the storage's identity plus the offset.
+            t = args[0]
+            return t.untyped_storage()._cdata + t.storage_offset() * t.element_size()
         if func in _NO_DATA_FUNCS:
             return func(*args, **kwargs)
         if not _touches_device(args, kwargs):
