@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
 _HOST_READS = {
@@ -95,9 +95,10 @@ class FakeCuda:
             self.pageable_copies[_call_site()] += 1
 
     def host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        """What a device-to-host copy of a fake tensor delivers: zeros (counted)."""
+        """What a device-to-host copy of a fake tensor delivers: zeros (counted). Made with
+        every dispatch mode off: a check watching the caller sees the copy, not this."""
         self._count_host_read()
-        with unset_fake_temporarily():
+        with _disable_current_modes():
             return torch.zeros(tensor.shape, dtype=tensor.dtype)
 
     def host_allocate(self, func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -248,8 +249,11 @@ class _FakeCudaFunctions(TorchFunctionMode):
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
         if not _is_fake(dst) and _is_fake(src):
+            # Dispatched for whoever watches (it leaves the host tensor as it was), then
+            # the zeros a copy of no data delivers.
+            torch.ops.aten.copy_.default(dst, src, non_blocking)
             host = self.cuda.host_copy(src)
-            with unset_fake_temporarily():
+            with _disable_current_modes():
                 return dst.copy_(host)
         if not _is_fake(dst):
             return dst.copy_(src, non_blocking=non_blocking)
@@ -263,8 +267,9 @@ class _FakeCudaFunctions(TorchFunctionMode):
             device = torch.device("cuda", 0)
         dtype = tensor.dtype if dtype is None else dtype
         if device.type == "cpu" and _is_fake(tensor):
+            torch.ops.aten._to_copy.default(tensor, dtype=dtype, device=device, non_blocking=non_blocking)
             host = self.cuda.host_copy(tensor)
-            with unset_fake_temporarily():
+            with _disable_current_modes():
                 return host.to(dtype)
         if device == tensor.device and dtype == tensor.dtype and not copy:
             return tensor
