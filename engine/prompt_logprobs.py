@@ -237,6 +237,13 @@ class PromptLogprobAccumulator:
                 self._partial[request_id] = updates[request_id]
         return handed_over
 
+    def snapshot(self) -> dict[Hashable, list[PromptLogprob]]:
+        """The partial values, for `restore` (a step's commit replaces lists, never extends them)."""
+        return dict(self._partial)
+
+    def restore(self, snapshot: dict[Hashable, list[PromptLogprob]]) -> None:
+        self._partial = dict(snapshot)
+
     def discard(self, request_id: Hashable) -> None:
         """Forget a request's partial values (aborted mid-prefill)."""
         self._partial.pop(request_id, None)

@@ -20,6 +20,7 @@ per row.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from engine.prompt_logprobs import DEFAULT_CHUNK_ROWS, PromptLogprob, PromptLogp
 from engine.sampler import SampleOutput, SamplerConfig, raw_log_normaliser, sample, sample_exact
 from engine.verify import accept_strict, draft_in_top_k, target_probs, verify_rejection
 from graphs.buckets import BucketTable
-from graphs.replay import CaptureReport, GraphReplayer
+from graphs.replay import CaptureReport, GraphReplayer, ReplayCounts
 from graphs.static_buffers import READ_FROM_POOL, StepBuffers
 from profiling.ranges import stage
 
@@ -216,6 +217,12 @@ class StepOutput:
     num_accepted: list[int]  # drafts accepted per request (0 without drafts)
     bucket: int | None  # graph bucket used, None for an eager fallback
     replayed: bool  # True when a captured graph ran
+    # None, or "request {id!r}: <cause>" for a request that failed this step
+    # (non-finite hidden state or logits, no token left after the sampling
+    # controls, non-finite prompt logprobs). A failed request emits nothing:
+    # tokens [], logprobs [] (None when not requested), prompt_logprobs None,
+    # num_accepted 0, and its accumulated prompt logprobs are dropped.
+    errors: list[str | None] = field(default_factory=list)
 
 
 @dataclass
@@ -229,6 +236,15 @@ class EngineStats:
     small_candidate_steps: int = 0  # steps sampled with EngineConfig.small_candidate_cap candidates
     bucket_histogram: dict[int, int] = field(default_factory=dict)
     host_seconds: float = 0.0  # ledger + validation + staging, summed
+
+
+@dataclass(frozen=True)
+class EngineCheckpoint:
+    """The host state of a StepEngine that spans steps (see `StepEngine.checkpoint`)."""
+
+    partial_prompt_logprobs: dict[Hashable, list[PromptLogprob]]
+    stats: dict[str, object]  # deep copies of the engine's `stats_attributes`
+    replayer_counts: tuple[ReplayCounts, ...]  # one per replayer, in `all_replayers` order
 
 
 class StepEngine:
@@ -288,7 +304,34 @@ class StepEngine:
         )
         self.prompt_logprobs = PromptLogprobAccumulator()
         self.stats = EngineStats()
+        # What checkpoint() / rollback() save and restore besides the accumulator.
+        self.stats_attributes: tuple[str, ...] = ("stats",)
+        self.all_replayers: list[GraphReplayer] = [r for r in (self.replayer, self.small_replayer) if r is not None]
         self._last_draft_layout: _DraftLayout | None = None
+
+    # -- undoing a step ---------------------------------------------------------
+
+    def checkpoint(self) -> EngineCheckpoint:
+        """The host state that spans steps: the prompt-logprob accumulator
+        (partial prompt logprobs of requests between prompt chunks), the
+        engine stats and the replayers' counters. `rollback` restores it, so
+        a caller whose own code failed after `run`/`step` returned can undo
+        the step. Not covered: device state, i.e. the static buffers (every
+        step rewrites what it reads) and the draft-info pool, whose slots the
+        caller's take-once bookkeeping owns."""
+        return EngineCheckpoint(
+            partial_prompt_logprobs=self.prompt_logprobs.snapshot(),
+            stats={name: copy.deepcopy(getattr(self, name)) for name in self.stats_attributes},
+            replayer_counts=tuple(r.counts() for r in self.all_replayers),
+        )
+
+    def rollback(self, checkpoint: EngineCheckpoint) -> None:
+        """Restore the state `checkpoint()` returned (see there)."""
+        self.prompt_logprobs.restore(checkpoint.partial_prompt_logprobs)
+        for name, value in checkpoint.stats.items():
+            setattr(self, name, copy.deepcopy(value))
+        for replayer, counts in zip(self.all_replayers, checkpoint.replayer_counts):
+            replayer.restore_counts(counts)
 
     # -- the hidden-state source ------------------------------------------------
 
@@ -791,6 +834,7 @@ class StepEngine:
             num_accepted=num_accepted,
             bucket=bucket,
             replayed=replayed,
+            errors=[None] * inputs.num_reqs,
         )
 
 

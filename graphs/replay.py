@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -78,6 +79,12 @@ def _show_progress(done: int, total: int, bucket: int) -> None:
     end = "\n" if done == total else ""
     print(f"\rcapturing step graphs [{bar}] {done}/{total} (bucket {bucket})",
           end=end, file=sys.stderr, flush=True)
+
+
+class ReplayCounts(NamedTuple):
+    replays: tuple[tuple[int, int], ...]  # (bucket, replays)
+    eager_runs: int
+    eager_fallbacks: int
 
 
 class GraphReplayer:
@@ -141,6 +148,14 @@ class GraphReplayer:
     def eager_fallbacks(self) -> int:
         """Steps with more requests than the largest bucket (run eagerly by the caller)."""
         return self._eager_fallbacks
+
+    def counts(self) -> ReplayCounts:
+        """The counters, for `restore_counts` (a caller undoing a step)."""
+        return ReplayCounts(tuple(self._replays.items()), self._eager_runs, self._eager_fallbacks)
+
+    def restore_counts(self, counts: ReplayCounts) -> None:
+        self._replays = dict(counts.replays)
+        self._eager_runs, self._eager_fallbacks = counts.eager_runs, counts.eager_fallbacks
 
     def capture(self, progress: bool = True) -> CaptureReport:
         """Capture every bucket, largest first; on CPU run each once under the safety check."""

@@ -135,6 +135,8 @@ class ShardedStepEngine(StepEngine):
         self.broadcaster = LedgerBroadcaster(group, src=parallel.src)
         self.config_fingerprint = config_fingerprint(vocab_size, tp, self.hidden_size, config, parallel)
         self.parallel_stats = ParallelStats()
+        self.stats_attributes = (*self.stats_attributes, "parallel_stats")
+        self.all_replayers = [self.replayers[s] for s in STRATEGIES]
 
     def capture(self, progress: bool = False) -> list[CaptureReport]:
         """Capture both strategies' graphs, gather first (every rank must
