@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
 
 from engine.models.llama import LayerWeights, LlamaConfig, LlamaModel, LlamaWeights
 from engine.models.protocol import ForwardBatch
@@ -121,6 +122,9 @@ def _scenario(name: str) -> Iterator[None]:
         yield
     except CaptureSafetyError as err:
         raise DryRunFailure(f"{name}: {err}\n  at {_call_site(err)}") from err
+    except FakeTensorDeviceMismatchError as err:
+        # Outside the graphs too: a host tensor in a device op is an error on CUDA.
+        raise DryRunFailure(f"{name}: {err.func} {err}\n  at {_call_site(err)}") from err
 
 
 def _requests(n: int, *, start: int = 0, prompt: int = 6, decode: bool = False, drafts: int = 0,

@@ -61,6 +61,21 @@ def _host_factory(e: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     return e + torch.zeros(e.shape[1])  # no device=: a host tensor made during the step
 
 
+def test_a_host_tensor_in_a_device_op_outside_the_graphs_fails_the_dry_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eager code after the replay (here the output collection) is held to CUDA's device rules."""
+    import engine.step_engine as step_engine_module
+
+    original = step_engine_module._host_results
+
+    def planted(out, *, want_top):
+        out.tokens + torch.ones(out.tokens.shape[0], dtype=torch.int64)  # a host vector in a device op
+        return original(out, want_top=want_top)
+
+    monkeypatch.setattr(step_engine_module, "_host_results", planted)
+    with pytest.raises(DryRunFailure, match=r"StepEngine: aten.add.Tensor .*devices(?s:.*)test_cuda_dry_run.py"):
+        run(SMALL)
+
+
 @pytest.mark.parametrize(("hazard", "op", "reason", "line"), [
     (_cpu_constant, "aten.maximum.default", "reads a CPU tensor in a device op", "torch.maximum(e, NEG_INF)"),
     (_item, "Tensor.item()", "a host sync", "if shift.max().item() > 1e30:"),
@@ -73,7 +88,7 @@ def test_a_hazard_inside_the_step_fails_the_dry_run(monkeypatch: pytest.MonkeyPa
         run(SMALL)
     message = str(info.value)
     assert message.startswith("StepEngine: ") and op in message and reason in message, message
-    assert f"tests/test_cuda_dry_run.py:" in message and line in message, message
+    assert "tests/test_cuda_dry_run.py:" in message and line in message, message
 
 
 def test_cpu_capture_check_cannot_see_the_cpu_constant(monkeypatch: pytest.MonkeyPatch) -> None:
