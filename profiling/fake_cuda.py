@@ -44,7 +44,6 @@ _HOST_READS = {
     torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.__array__, torch.Tensor.__repr__,
     torch.Tensor.__format__, torch.Tensor.cpu,
 }
-_NO_DATA_FUNCS = {torch.Tensor.is_pinned}
 
 
 def _is_fake(value: Any) -> bool:
@@ -75,7 +74,9 @@ class FakeCuda:
 
     def __init__(self) -> None:
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
-        self._pinned: set[int] = set()  # data pointers of host storages allocated pinned
+        # Data pointers of host storages allocated pinned (a pointer freed and reused by a
+        # pageable tensor would pass as pinned: the staging areas live as long as their engines).
+        self._pinned: set[int] = set()
         self.host_reads: Counter[str] = Counter()  # call site -> device-to-host reads
         self.pageable_copies: Counter[str] = Counter()  # call site -> host-to-device copies not pinned + non_blocking
         self._stack: ExitStack | None = None
@@ -101,8 +102,8 @@ class FakeCuda:
         with _disable_current_modes():
             return torch.zeros(tensor.shape, dtype=tensor.dtype)
 
-    def host_allocate(self, func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
-        """A real host tensor; pin_memory=True is remembered instead of honoured."""
+    def host_call(self, func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+        """Host work on real tensors; pin_memory=True is remembered instead of honoured."""
         pinned = bool(kwargs.pop("pin_memory", False))
         with unset_fake_temporarily():
             result = func(*args, **kwargs)
@@ -221,7 +222,7 @@ class _FakeCudaFunctions(TorchFunctionMode):
         if func is torch.Tensor.cuda:
             return self._to(args[0], "cuda", **kwargs)
         if func is torch.Tensor.pin_memory and not _is_fake(args[0]):
-            return self.cuda.host_allocate(torch.Tensor.clone, (args[0],), {"pin_memory": True})
+            return self.cuda.host_call(torch.Tensor.clone, (args[0],), {"pin_memory": True})
         if func is torch.Tensor.is_pinned and not _is_fake(args[0]):
             return self.cuda.is_pinned(args[0])
         if func in _HOST_READS and _is_fake(args[0]):
@@ -239,11 +240,9 @@ class _FakeCudaFunctions(TorchFunctionMode):
             # static source?) needs distinct ones: the storage's identity plus the offset.
             t = args[0]
             return t.untyped_storage()._cdata + t.storage_offset() * t.element_size()
-        if func in _NO_DATA_FUNCS:
-            return func(*args, **kwargs)
         if not _touches_device(args, kwargs):
             # Host work: real tensors, real values.
-            return self.cuda.host_allocate(func, args, kwargs)
+            return self.cuda.host_call(func, args, kwargs)
         kwargs.pop("pin_memory", None)
         return func(*args, **kwargs)
 
@@ -255,8 +254,8 @@ class _FakeCudaFunctions(TorchFunctionMode):
             host = self.cuda.host_copy(src)
             with _disable_current_modes():
                 return dst.copy_(host)
-        if not _is_fake(dst):
-            return dst.copy_(src, non_blocking=non_blocking)
+        if not _is_fake(dst):  # host to host
+            return self.cuda.host_call(torch.Tensor.copy_, (dst, src), {"non_blocking": non_blocking})
         return torch.ops.aten.copy_.default(dst, src, non_blocking)
 
     def _to(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -273,8 +272,8 @@ class _FakeCudaFunctions(TorchFunctionMode):
                 return host.to(dtype)
         if device == tensor.device and dtype == tensor.dtype and not copy:
             return tensor
-        if device.type == "cpu":
-            return tensor.to(dtype=dtype, copy=copy, non_blocking=non_blocking)
+        if device.type == "cpu":  # host to host
+            return self.cuda.host_call(torch.Tensor.to, (tensor,), {"dtype": dtype, "copy": copy, "non_blocking": non_blocking})
         return torch.ops.aten._to_copy.default(
             tensor, dtype=dtype, device=device, non_blocking=non_blocking,
             **({} if memory_format is None else {"memory_format": memory_format}),

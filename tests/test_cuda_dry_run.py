@@ -27,7 +27,7 @@ def test_dry_run_passes_and_reports_ops_per_bucket(capsys: pytest.CaptureFixture
     assert main(argv) == 0
     out = capsys.readouterr().out
     for graph_set in ("engine", "engine small-candidate", "drafts strict", "drafts rejection",
-                      "sharded tp=2 gather", "sharded tp=2 candidates", "model decode (invariant)"):
+                      "sharded tp=2 gather", "sharded tp=2 candidates", "model decode (eager)"):
         line = next(line for line in out.splitlines() if line.strip().startswith(graph_set + " "))
         counts = [int(ops) for ops in re.findall(r"\b\d+:(\d+)", line)]
         assert counts and min(counts) > 50, line  # every bucket ran a real step under the check
