@@ -38,11 +38,11 @@ _SIMULATED_CUDA: ContextVar[PinnedTest | None] = ContextVar("simulated_cuda_capt
 
 @contextmanager
 def simulated_cuda_capture(is_pinned: PinnedTest) -> Iterator[None]:
-    """CUDA replayers constructed inside capture by running each bucket once
-    under the CUDA capture-safety rules and replay by calling the step
-    function, with no torch.cuda call: for a CUDA device whose tensors are
-    fake (FakeTensorMode on a machine without a GPU). `is_pinned` says which
-    host tensors stand for pinned memory there."""
+    """A CUDA replayer constructed inside this context captures by running each
+    bucket once under the CUDA capture-safety rules and replays by calling the
+    step function, with no torch.cuda call: for a CUDA device whose tensors
+    are fake (FakeTensorMode on a machine without a GPU). `is_pinned` says
+    which host tensors stand for pinned memory there."""
     token = _SIMULATED_CUDA.set(is_pinned)
     try:
         yield
