@@ -837,13 +837,13 @@ class StepEngine:
             if not self._is_source(hidden_states):
                 # Not zero-copy: bring only the sample rows into the static
                 # source and point the gather at them.
-                index = torch.as_tensor(sample_rows, device=hidden_states.device, dtype=torch.int64)
+                index = _upload(torch.as_tensor(sample_rows, dtype=torch.int64), hidden_states.device)
                 b.source[: len(sample_rows)].copy_(hidden_states[index])
                 sample_rows = np.arange(len(sample_rows), dtype=np.int64)
                 self.stats.source_copies += 1
             if arrays.draft_probs:
                 for row, q in arrays.draft_probs.items():
-                    b.draft_probs[row : row + len(q)].copy_(q)
+                    b.draft_probs[row : row + len(q)].copy_(_upload(q, self.device))
             b.load(
                 bucket=bucket,
                 sample_rows=sample_rows,
@@ -971,6 +971,15 @@ class StepEngine:
             replayed=replayed,
             errors=errors,
         )
+
+
+def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A per-step host tensor on `device`. To CUDA from pinned memory, non_blocking: a copy
+    from pageable memory makes the host wait for the stream to drain. The caching host
+    allocator keeps the pinned block until the copy has run, so nothing overwrites it."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _host_results(out: SampleOutput, *, want_top: bool) -> dict[str, np.ndarray]:

@@ -7,13 +7,20 @@ calls the same function again over the same buffers, after a capture that ran
 it once per bucket under the capture-safety check. Either way the caller's
 contract is identical: fill the static inputs, `replay(bucket)`, read the
 static outputs (and copy them out before the next replay overwrites them).
+
+`simulated_cuda_capture()` makes CUDA replayers built inside it capture the
+CPU way, under the CUDA rules of the capture-safety check: the fake-CUDA dry
+run (profiling/cuda_dry_run.py) drives the whole CUDA path with it where
+torch.cuda.graph cannot run.
 """
 from __future__ import annotations
 
 import sys
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -23,6 +30,24 @@ from graphs.buckets import BucketTable
 from graphs.capture_safety import capture_safety_check, check_addresses, record_addresses
 
 StepFn = Callable[[int], None]
+PinnedTest = Callable[[torch.Tensor], bool]
+
+# Set by simulated_cuda_capture: how the simulation tells pinned host memory.
+_SIMULATED_CUDA: ContextVar[PinnedTest | None] = ContextVar("simulated_cuda_capture", default=None)
+
+
+@contextmanager
+def simulated_cuda_capture(is_pinned: PinnedTest) -> Iterator[None]:
+    """A CUDA replayer constructed inside this context captures by running each
+    bucket once under the CUDA capture-safety rules and replays by calling the
+    step function, with no torch.cuda call: for a CUDA device whose tensors
+    are fake (FakeTensorMode on a machine without a GPU). `is_pinned` says
+    which host tensors stand for pinned memory there."""
+    token = _SIMULATED_CUDA.set(is_pinned)
+    try:
+        yield
+    finally:
+        _SIMULATED_CUDA.reset(token)
 
 
 @dataclass(frozen=True)
@@ -38,6 +63,9 @@ class CaptureReport:
     pool_bytes: int | None
     graphs_per_bucket: int = 1  # the step engine captures a second sampler variant per bucket
     logits_kernel: str | None = None  # the step engine's verified LM-head block GEMM, e.g. "mkl_packed[16]"
+    # Aten ops the capture-safety check saw per bucket (the checked run; on
+    # CUDA the first warm-up), in capture order.
+    ops_checked: tuple[int, ...] = ()
 
     def __str__(self) -> str:
         pool = "" if self.pool_bytes is None else f", {self.pool_bytes / 2**20:.1f} MiB pool"
@@ -80,8 +108,11 @@ class GraphReplayer:
         check_addresses_each_replay: bool = False,
     ) -> None:
         self.device = torch.device(device)
+        # Fixed here: a replayer built inside simulated_cuda_capture stays simulated.
+        self._simulated_pinned = _SIMULATED_CUDA.get() if self.device.type == "cuda" else None
         if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+            index = 0 if self._simulated_pinned is not None else torch.cuda.current_device()
+            self.device = torch.device("cuda", index)
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"device = {self.device}: only cpu and cuda are supported")
         if warmup_runs < 1:
@@ -137,19 +168,21 @@ class GraphReplayer:
         order = tuple(sorted(self.buckets, reverse=True))
         start = time.perf_counter()
         pool_bytes = None
-        if self.device.type == "cuda":
-            pool_bytes = self._capture_cuda(order, progress)
+        ops: list[int] = []
+        if self.device.type == "cuda" and self._simulated_pinned is None:
+            pool_bytes = self._capture_cuda(order, progress, ops)
         else:
             for done, bucket in enumerate(order, start=1):
-                with capture_safety_check(self._static):
+                with capture_safety_check(self._static, device=self.device, is_pinned=self._simulated_pinned) as stats:
                     self._step_fn(bucket)
+                ops.append(stats.ops)
                 self._captured.add(bucket)
                 if progress:
                     _show_progress(done, len(order), bucket)
         check_addresses(self._static, self._recorded)
-        return CaptureReport(order, time.perf_counter() - start, self.device, pool_bytes)
+        return CaptureReport(order, time.perf_counter() - start, self.device, pool_bytes, ops_checked=tuple(ops))
 
-    def _capture_cuda(self, order: tuple[int, ...], progress: bool) -> int:
+    def _capture_cuda(self, order: tuple[int, ...], progress: bool, ops: list[int]) -> int:
         with torch.cuda.device(self.device):
             torch.cuda.synchronize()
             reserved_before = torch.cuda.memory_reserved()
@@ -163,8 +196,9 @@ class GraphReplayer:
                 # CUDA would only report a failed capture.
                 warmup_stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(warmup_stream):
-                    with capture_safety_check(self._static):
+                    with capture_safety_check(self._static, device=self.device) as stats:
                         self._step_fn(bucket)
+                    ops.append(stats.ops)
                     for _ in range(self._warmup_runs - 1):
                         self._step_fn(bucket)
                 torch.cuda.current_stream().wait_stream(warmup_stream)
@@ -190,7 +224,7 @@ class GraphReplayer:
             raise ValueError(f"bucket = {bucket}: not one of the captured buckets {self.buckets.buckets}")
         if self._check_each_replay:
             check_addresses(self._static, self._recorded)
-        if self.device.type == "cuda":
+        if bucket in self._graphs:
             self._graphs[bucket].replay()
         else:
             self._step_fn(bucket)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The one prepared GPU run (about 5 minutes on an H200): CUDA tests, then the
-# GPU benchmarks whose figures go into BENCHMARKS.md. Everything it prints is
-# also written to ${OUT:-.}/gpu_check.log.
+# The one prepared GPU run (about 6 minutes on an H200, under 8): CUDA tests, the
+# dry run's real twin, then the GPU benchmarks whose figures go into BENCHMARKS.md.
+# Everything it prints is also written to ${OUT:-.}/gpu_check.log.
 #
 #   profiling/gpu_check.sh            # from the repository root
 #
@@ -25,6 +25,10 @@ run "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.vers
 # CUDA tests: graph capture, replay == eager, cuBLAS bit-identity, RNG bits CPU == CUDA.
 run "$PY" -m pytest -q -m cuda -x tests
 run "$PY" -m pytest -q -x tests/test_step_engine.py tests/test_speculative.py
+# The fake-CUDA dry run's real twin: its scenarios (both candidate graph sets, drafts in
+# both verify modes, prompt logprobs, a sharded rank, the invariant model's decode step)
+# capturing real graphs, each bucket's first warm-up under the CUDA capture-safety rules.
+run "$PY" -m profiling.cuda_dry_run --real-cuda --max-num-reqs 16
 # The tail at DeepSeek-V3 sizes: eager vs replay per bucket, and the weight-read floor.
 run "$PY" -m profiling.bench step --device cuda --hidden 7168 --vocab 129280 --dtype bf16 --max-bucket 64
 run "$PY" -m profiling.bench step --device cuda --hidden 7168 --vocab 129280 --dtype bf16 --max-bucket 64 --drafts 3

@@ -3,6 +3,8 @@ naming the op, a realistic safe step passes unchanged, and static buffers
 that move are caught."""
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Callable
 
 import numpy as np
@@ -177,3 +179,94 @@ def test_check_addresses() -> None:
         check_addresses(restrided, recorded)
     with pytest.raises(CaptureSafetyError, match="static buffer set changed"):
         check_addresses({k: v for k, v in static.items() if k != "tokens"}, recorded)
+
+
+# -- the CUDA rules, on the fake CUDA device of the dry run ---------------------------------
+
+
+@pytest.fixture
+def cuda():
+    """Device buffers on a fake CUDA device (no GPU), host tensors real, one pinned."""
+    from profiling.fake_cuda import FakeCuda
+
+    with FakeCuda() as fake:
+        static = {
+            "logits": torch.zeros(ROWS, VOCAB, device="cuda"),
+            "tokens": torch.zeros(ROWS, dtype=torch.int64, device="cuda"),
+            "logprobs": torch.zeros(ROWS, device="cuda"),
+        }
+        host = {
+            "vector": torch.ones(VOCAB),
+            "scalar": torch.tensor(2.0),
+            "pageable": torch.zeros(ROWS),
+            "pinned": torch.zeros(ROWS, pin_memory=True),
+        }
+        yield fake, static, host
+
+
+# Each: (name, step(static, host), substring the error must contain).
+CUDA_HAZARDS: list[tuple[str, Callable, str]] = [
+    ("cpu vector operand", lambda s, h: s["logits"] * h["vector"], "aten.mul.Tensor reads a CPU tensor in a device op"),
+    ("cpu 0-dim operand", lambda s, h: s["logits"] * h["scalar"], "aten.mul.Tensor reads a CPU tensor in a device op"),
+    ("cpu index", lambda s, h: s["logits"].index_select(0, torch.as_tensor(np.arange(2))), "torch.as_tensor(host data)"),
+    ("pageable copy_", lambda s, h: s["logprobs"].copy_(h["pageable"]), "aten.copy_.default copies host memory to the device from pageable"),
+    ("blocking pinned copy_", lambda s, h: s["logprobs"].copy_(h["pinned"]), "from pageable memory or blocking"),
+    ("pageable .to(cuda)", lambda s, h: h["pageable"].to("cuda", non_blocking=True), "aten._to_copy.default copies host memory"),
+    ("device constant", lambda s, h: s["logits"] + torch.tensor(-math.inf, device="cuda"), "torch.tensor(host data)"),
+    ("host factory", lambda s, h: torch.arange(ROWS), "aten.arange.default produces a tensor on the host"),
+    ("host op", lambda s, h: h["pageable"] + 1, "aten.add.Tensor produces a tensor on the host"),
+    ("blocking device-to-host copy", lambda s, h: h["pageable"].copy_(s["logprobs"]), "aten.copy_.default reads tensor data on the host"),
+    ("unpinned async device-to-host copy", lambda s, h: h["pageable"].copy_(s["logprobs"], non_blocking=True), "reads tensor data on the host"),
+    ("cpu()", lambda s, h: s["tokens"].cpu(), "Tensor.cpu()"),
+    ("item", lambda s, h: s["logprobs"].sum().item(), "Tensor.item()"),
+]
+
+
+@pytest.mark.parametrize(("name", "step", "expected"), CUDA_HAZARDS, ids=[h[0] for h in CUDA_HAZARDS])
+def test_cuda_hazard_is_rejected(cuda, name: str, step: Callable, expected: str) -> None:
+    fake, static, host = cuda
+    with pytest.raises(CaptureSafetyError) as info:
+        with capture_safety_check(static, is_pinned=fake.is_pinned):
+            step(static, host)
+    assert expected in str(info.value)
+
+
+def test_cuda_safe_step_passes_and_counts_its_ops(cuda) -> None:
+    fake, static, host = cuda
+    with capture_safety_check(static, is_pinned=fake.is_pinned) as stats:
+        static["logprobs"].copy_(host["pinned"], non_blocking=True)  # pinned, asynchronous: capturable
+        top = torch.topk(static["logits"] * 0.5 + static["logprobs"][:, None], 4).indices
+        ids = torch.arange(VOCAB, device=static["logits"].device)
+        torch.amax(torch.where(static["logits"] > 0, ids, -1), -1, out=static["tokens"])
+        static["tokens"][: ROWS // 2] = top[: ROWS // 2, 0]
+        static["logprobs"].masked_fill_(static["tokens"] < 0, -math.inf)
+        host["pinned"].copy_(static["logprobs"], non_blocking=True)  # into pinned memory: capturable
+    assert stats.ops >= 10 and stats.op_counts["aten.topk.default"] == 1
+
+
+def test_cuda_checks_static_addresses_of_fake_buffers(cuda) -> None:
+    fake, static, host = cuda
+    with pytest.raises(CaptureSafetyError, match=r"aten.resize_.* static buffer 'tokens'"):
+        with capture_safety_check(static, is_pinned=fake.is_pinned):
+            static["tokens"][:4].resize_(64)
+    with pytest.raises(CaptureSafetyError, match=r"static buffer 'logits' changed"):
+        with capture_safety_check(static, is_pinned=fake.is_pinned):
+            static["logits"] = torch.zeros(ROWS, VOCAB, device="cuda")
+
+
+def test_host_work_allows_host_planning_not_waiting_for_the_device(cuda) -> None:
+    """The eager-step variant (a model forward): host-only work passes, host waits do not."""
+    fake, static, host = cuda
+    with capture_safety_check(static, is_pinned=fake.is_pinned, host_work=True):
+        index = torch.as_tensor(np.arange(3)) + 1  # host planning
+        assert index.tolist() == [1, 2, 3]
+        index = index.pin_memory().to("cuda", non_blocking=True)
+        static["logits"].index_select(0, index)
+    for step, expected in (
+        (lambda: static["logprobs"].copy_(host["pageable"]), "from pageable memory"),
+        (lambda: static["logprobs"].sum().item(), "Tensor.item()"),
+        (lambda: static["logits"] * host["vector"], "reads a CPU tensor in a device op"),
+    ):
+        with pytest.raises(CaptureSafetyError, match=re.escape(expected)):
+            with capture_safety_check(static, is_pinned=fake.is_pinned, host_work=True):
+                step()

@@ -421,7 +421,7 @@ class LlamaModel:
         offsets = batch.token_offsets
         # Flat index into the [num_slots * cache_len] view of a layer's cache for every new token.
         cache_rows = np.repeat(batch.slots * self.cache_len + batch.context_starts - offsets[:-1], batch.seqlens_q)
-        cache_rows = torch.from_numpy(cache_rows + np.arange(total, dtype=np.int64)).to(self.device)
+        cache_rows = self._to_device(cache_rows + np.arange(total, dtype=np.int64))
         layout = list(zip(offsets[:-1].tolist(), offsets[1:].tolist(), batch.slots.tolist(), batch.seqlens_k.tolist()))
         # Requests with few new tokens (one in fast mode; up to a query tile in batch-invariant
         # mode: decodes, draft verification, short chunks) attend together in one set of calls
@@ -462,6 +462,16 @@ class LlamaModel:
             return hidden
         out[:total].copy_(hidden)
         return out[:total]
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A host index array of this step's plan on the model's device. On CUDA through
+        pinned memory and non_blocking: a copy from pageable memory makes the host wait for
+        the device to drain, once per array and step. The caching host allocator keeps the
+        pinned block until the copy has run, so nothing overwrites it under the copy."""
+        host = torch.from_numpy(np.ascontiguousarray(array))
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         variance = x.pow(2).mean(dim=-1, keepdim=True)
@@ -511,13 +521,13 @@ class LlamaModel:
         # The group's tokens in batch order: their row in the batch and their query index j.
         offsets = batch.token_offsets[:-1][members]
         j = np.arange(int(seqlens_q.sum()), dtype=np.int64) - np.repeat(np.cumsum(seqlens_q) - seqlens_q, seqlens_q)
-        token_rows = None if members.all() else torch.from_numpy(np.repeat(offsets, seqlens_q) + j).to(self.device)
+        token_rows = None if members.all() else self._to_device(np.repeat(offsets, seqlens_q) + j)
         if not self.batch_invariant:  # rows == 1
             keys = longest
-            lengths_t = torch.from_numpy(lengths).to(self.device)
+            lengths_t = self._to_device(lengths)
             visible = torch.arange(longest, device=self.device)[None, :] < lengths_t[:, None]  # [span, longest]
             visible = visible[:, None, None, :]  # [span, 1, 1, longest]: over kv heads and stacked query heads
-            tile_rows = torch.from_numpy(slots).to(self.device)
+            tile_rows = self._to_device(slots)
         else:
             # `_tiled_attention`'s masks for a one-tile query: query j sits at position
             # length - new + j; padding rows borrow the last real position.
@@ -525,10 +535,10 @@ class LlamaModel:
             keys = _ceil_to(longest, kb)
             query_pos = np.minimum(lengths[:, None] - new[:, None] + np.arange(rows), lengths[:, None] - 1)
             key_pos = torch.arange(keys, device=self.device).view(1, keys // kb, 1, kb)
-            visible = key_pos <= torch.from_numpy(query_pos).to(self.device).view(span, 1, rows, 1)  # [span, kt, rows, kb]
+            visible = key_pos <= self._to_device(query_pos).view(span, 1, rows, 1)  # [span, kt, rows, kb]
             visible = visible.view(span, 1, 1, 1, keys // kb, rows, kb)  # the query rows' scores only
-            tile_rows = torch.from_numpy(np.repeat(slots * self.row_block, seqlens_q) + j).to(self.device)
-        out_rows = torch.from_numpy(np.repeat(slots * rows, seqlens_q) + j).to(self.device)
+            tile_rows = self._to_device(np.repeat(slots * self.row_block, seqlens_q) + j)
+        out_rows = self._to_device(np.repeat(slots * rows, seqlens_q) + j)
         return _DecodePlan(members, token_rows, tile_rows, out_rows, span, rows, keys, visible)
 
     def _decode_attention(

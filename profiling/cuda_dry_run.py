@@ -1,0 +1,353 @@
+"""The CUDA path, run without a GPU: capture and steps on a fake CUDA device.
+
+    python -m profiling.cuda_dry_run                      # H=7168, V=129280, bf16
+    python -m profiling.cuda_dry_run --hidden 256 --vocab 4096 --max-num-reqs 8
+
+Every object is built with device="cuda" inside `profiling.fake_cuda.FakeCuda`
+(tensors with shapes and no memory, so the full-size LM head costs nothing),
+and every replayer inside `graphs.replay.simulated_cuda_capture`: "capture"
+runs each bucket's step once under the capture-safety check with its CUDA
+rules (no host sync, no CPU tensor in a device op, no pageable host-to-device
+copy, every output on the device, static addresses stable), since
+torch.cuda.graph itself cannot run here. Then each scenario runs a few whole
+steps (ledger, staging copy, replay, collection); host reads of device values
+see zeros and are counted per call site.
+
+Scenarios: the StepEngine (both candidate graph sets, the source-copy path,
+prompt logprobs, an eager fallback), drafts verified in strict and rejection
+mode, one rank's step of the vocab-sharded engine (a fake process group), and
+the batch-invariant Llama model's decode step, checked under the same rules
+with its KV cache as the static buffers.
+
+The model's decode step is eager (its shapes follow the batch), so it runs
+under the check's host_work variant: planning on the host is allowed, making
+the host wait for the device is not.
+
+Prints the ops checked per bucket, then the device-to-host reads and pageable
+host-to-device copies the steps made outside their graphs (legal, but each one
+a host wait), by call site. Exits 1 naming the op, the reason and the call site
+on a violation, also for a host tensor in a device op outside the graphs.
+`--real-cuda` is the twin on a GPU: the same scenarios with real graph capture,
+whose first warm-up per bucket runs under the same check (graphs/replay.py);
+profiling/gpu_check.sh runs it.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
+
+from engine.models.llama import LayerWeights, LlamaConfig, LlamaModel, LlamaWeights
+from engine.models.protocol import ForwardBatch
+from engine.params import SamplingParams, SeqMeta
+from engine.parallel.sharded_engine import ParallelConfig, ShardedStepEngine
+from engine.parallel.vocab_parallel import VocabShards
+from engine.step_engine import EngineConfig, StepEngine
+from graphs.capture_safety import CaptureSafetyError, capture_safety_check
+from graphs.replay import CaptureReport, GraphReplayer, simulated_cuda_capture
+from profiling.fake_cuda import FakeCuda
+
+
+@dataclass(frozen=True)
+class DryRunConfig:
+    hidden: int = 7168
+    vocab: int = 129280
+    dtype: torch.dtype = torch.bfloat16
+    max_num_reqs: int = 64
+    max_draft_tokens: int = 3
+    tp: int = 2  # ranks of the sharded engine (this process plays rank 0)
+    model: LlamaConfig = field(default_factory=lambda: LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+        num_kv_heads=3, head_dim=64, max_position=2048))  # SmolLM2-135M's shape
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "vocab", "max_num_reqs", "tp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"DryRunConfig.{name}={value!r}: must be an int >= 1")
+        if self.max_draft_tokens < 1:
+            raise ValueError(f"DryRunConfig.max_draft_tokens={self.max_draft_tokens!r}: must be >= 1 (drafts are a scenario)")
+
+
+@dataclass
+class DryRunReport:
+    """What the dry run checked: ops per bucket of every captured graph set, steps run,
+    and the host waits (device-to-host reads, pageable copies) of those steps outside
+    their graphs."""
+
+    graphs: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)  # set -> ((bucket, ops), ...)
+    steps: Counter[str] = field(default_factory=Counter)  # scenario -> steps run
+    host_reads: Counter[str] = field(default_factory=Counter)  # call site -> reads
+    pageable_copies: Counter[str] = field(default_factory=Counter)  # call site -> copies
+    seconds: float = 0.0
+
+    def add_capture(self, name: str, report: CaptureReport) -> None:
+        self.graphs[name] = tuple(zip(report.buckets, report.ops_checked))
+
+    def lines(self) -> Iterator[str]:
+        yield "ops checked per bucket under the CUDA rules (graph sets: capture; the model: its eager decode step):"
+        for name, buckets in self.graphs.items():
+            yield f"  {name:<28} " + "  ".join(f"{bucket}:{ops}" for bucket, ops in sorted(buckets))
+        yield "steps run: " + ", ".join(f"{name} {count}" for name, count in self.steps.items())
+        total = sum(self.host_reads.values())
+        yield f"device-to-host reads outside the graphs ({total} in all; legal, each one a host sync):"
+        for site, count in sorted(self.host_reads.items()):
+            yield f"  {count:4d}  {site}"
+        total = sum(self.pageable_copies.values())
+        yield f"pageable host-to-device copies outside the graphs ({total} in all; each one a host wait):"
+        for site, count in sorted(self.pageable_copies.items()):
+            yield f"  {count:4d}  {site}"
+        yield f"dry run passed in {self.seconds:.1f} s"
+
+
+class DryRunFailure(RuntimeError):
+    """A capture-safety violation or a host tensor in a device op, with its call site."""
+
+
+def _call_site(err: BaseException) -> str:
+    """The innermost frame of this project's code in the error's traceback."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if "/torch/" not in f.filename and not f.filename.endswith(("capture_safety.py", "fake_cuda.py"))]
+    if not frames:
+        return "unknown"
+    f = frames[-1]
+    return f"{'/'.join(f.filename.rsplit('/', 2)[-2:])}:{f.lineno} ({f.line})"
+
+
+@contextmanager
+def _scenario(name: str) -> Iterator[None]:
+    try:
+        yield
+    except CaptureSafetyError as err:
+        raise DryRunFailure(f"{name}: {err}\n  at {_call_site(err)}") from err
+    except FakeTensorDeviceMismatchError as err:
+        # Outside the graphs too: a host tensor in a device op is an error on CUDA.
+        raise DryRunFailure(f"{name}: {err.func} {err}\n  at {_call_site(err)}") from err
+
+
+def _requests(n: int, *, prompt: int = 6, decode: bool = False, drafts: int = 0,
+              params: Callable[[int], SamplingParams] | None = None) -> list[SeqMeta]:
+    """n requests: prefills of `prompt` tokens, or decodes verifying `drafts` drafts."""
+    seqs = []
+    for i in range(n):
+        p = params(i) if params is not None else SamplingParams(temperature=0.8, top_p=0.9, seed=i)
+        if decode:
+            generated = 3
+            seqs.append(SeqMeta(i, False, 1 + drafts, prompt + generated + drafts, prompt, prompt_tokens=list(range(prompt)),
+                                num_generated=generated, params=p, mtp_read_slot=i + 1 if drafts else 0,
+                                mtp_write_slot=i + 1 if drafts else 0))
+        else:
+            seqs.append(SeqMeta(i, True, prompt, prompt, prompt, prompt_tokens=list(range(prompt)), params=p))
+    return seqs
+
+
+def _mixed(i: int) -> SamplingParams:
+    """Every filter and output across a batch: greedy, top-k, top-p, min-p, logprobs, min_tokens."""
+    kinds = (
+        SamplingParams(temperature=0.0, seed=i, logprobs=3),
+        SamplingParams(temperature=0.7, top_k=40, seed=i),
+        SamplingParams(temperature=1.0, top_p=0.9, min_p=0.05, seed=i, logprobs=0),
+        SamplingParams(temperature=1.0, seed=i, min_tokens=4, stop_token_ids=(7,)),
+    )
+    return kinds[i % len(kinds)]
+
+
+@dataclass
+class _Run:
+    """One dry run's settings and findings; `cuda` is None on a real GPU (the twin)."""
+
+    cfg: DryRunConfig
+    report: DryRunReport
+    cuda: FakeCuda | None
+
+    def weight(self, *shape: int) -> torch.Tensor:
+        # Small finite values: on a real GPU uninitialised memory could hold NaN.
+        return torch.empty(shape, dtype=self.cfg.dtype, device="cuda").normal_(0.0, 0.02)
+
+    def capture(self, name: str, replayer: GraphReplayer | None) -> None:
+        if replayer is not None:
+            self.report.add_capture(name, replayer.capture(progress=False))
+
+    @contextmanager
+    def steps(self, name: str, count: int) -> Iterator[None]:
+        """Count `count` steps of scenario `name` and the host traffic they cause (not
+        the one-time copies of construction and capture)."""
+        if self.cuda is not None:
+            reads, copies = Counter(self.cuda.host_reads), Counter(self.cuda.pageable_copies)
+        yield
+        self.report.steps[name] += count
+        if self.cuda is not None:
+            self.report.host_reads.update(self.cuda.host_reads - reads)
+            self.report.pageable_copies.update(self.cuda.pageable_copies - copies)
+
+
+def _engine(run: _Run) -> None:
+    cfg = run.cfg
+    engine = StepEngine(run.weight(cfg.vocab, cfg.hidden),
+                        EngineConfig(device="cuda", max_num_reqs=cfg.max_num_reqs, eos_token_id=2))
+    run.capture("engine", engine.replayer)
+    run.capture("engine small-candidate", engine.small_replayer)
+    n = min(5, cfg.max_num_reqs)
+    greedy = lambda i: SamplingParams(temperature=0.0, seed=i)  # noqa: E731
+    with_prompt_logprobs = lambda i: SamplingParams(temperature=0.5, seed=i, prompt_logprobs=True, logprobs=2)  # noqa: E731
+    hidden = run.weight(n * 6, cfg.hidden)
+    with run.steps("engine", 5):
+        engine.step(engine.source, _requests(n, params=_mixed))  # zero-copy source
+        engine.step(hidden, _requests(n, decode=True, params=_mixed))  # rows copied into the source
+        engine.step(engine.source, _requests(n, decode=True, params=greedy))  # small-candidate graphs
+        engine.step(engine.source, _requests(n, prompt=9, params=with_prompt_logprobs))
+        engine.step(engine.source, _requests(cfg.max_num_reqs + 1, decode=True))  # above the largest bucket: eager
+
+
+def _drafts(run: _Run, mode: str) -> None:
+    cfg, k = run.cfg, run.cfg.max_draft_tokens
+    engine = StepEngine(run.weight(cfg.vocab, cfg.hidden), EngineConfig(
+        device="cuda", max_num_reqs=cfg.max_num_reqs, max_draft_tokens=k, verify_mode=mode))
+    run.capture(f"drafts {mode}", engine.replayer)
+    run.capture(f"drafts {mode} small-candidate", engine.small_replayer)
+    n = min(4, cfg.max_num_reqs)
+    drafts = [list(range(10 + i, 10 + i + k)) for i in range(n)]
+    draft_logprobs = None
+    if mode == "rejection":
+        draft_logprobs = [np.full((k, cfg.vocab), -np.log(cfg.vocab), dtype=np.float32)] * n
+    with run.steps(f"drafts {mode}", 3):
+        engine.step(engine.source, _requests(n, params=_mixed))
+        engine.step(engine.source, _requests(n, decode=True, drafts=k, params=_mixed), drafts, draft_logprobs,
+                    next_drafts=[list(range(20, 20 + k))] * n)
+        engine.step(engine.source, _requests(n, decode=True, drafts=k, params=_mixed))  # drafts from the pool
+
+
+@contextmanager
+def _fake_process_group(world: int) -> Iterator[None]:
+    """A `world`-rank group of which this process is rank 0; its collectives move nothing."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _sharded(run: _Run) -> None:
+    cfg = run.cfg
+    shards = VocabShards.split(cfg.vocab, cfg.tp)
+    with _fake_process_group(cfg.tp):
+        engine = ShardedStepEngine(run.weight(shards.sizes[0], cfg.hidden), cfg.vocab,
+                                   EngineConfig(device="cuda", max_num_reqs=cfg.max_num_reqs),
+                                   ParallelConfig(strategy="candidates"))
+        for strategy, replayer in engine.replayers.items():
+            run.capture(f"sharded tp={cfg.tp} {strategy}", replayer)
+        n = min(4, cfg.max_num_reqs)
+        top_k = lambda i: SamplingParams(temperature=0.8, top_k=20, seed=i)  # noqa: E731
+        with run.steps(f"sharded rank 0 of {cfg.tp}", 2):
+            engine.step(engine.source, _requests(n, params=top_k))  # candidates
+            engine.step(engine.source, _requests(n, decode=True))  # top-p: falls back to gather
+
+
+def _model_weights(run: _Run, config: LlamaConfig) -> LlamaWeights:
+    """Llama weights of the config's shapes on the device."""
+    H, I, d = config.hidden_size, config.intermediate_size, config.head_dim
+    qkv = (config.num_heads + 2 * config.num_kv_heads) * d
+    layers = [LayerWeights(attn_norm=run.weight(H), qkv=run.weight(qkv, H), o_proj=run.weight(H, config.num_heads * d),
+                           mlp_norm=run.weight(H), gate_up=run.weight(2 * I, H), down=run.weight(H, I))
+              for _ in range(config.num_layers)]
+    return LlamaWeights(embed=run.weight(config.vocab_size, H), layers=layers, final_norm=run.weight(H))
+
+
+def _model(run: _Run) -> None:
+    cfg = run.cfg
+    model = LlamaModel(cfg.model, _model_weights(run, cfg.model), num_slots=8, max_context=256,
+                       device="cuda", dtype=cfg.dtype, batch_invariant=True)
+    static = {f"{kind}_cache.{i}": cache for kind, caches in (("k", model.k_cache), ("v", model.v_cache))
+              for i, cache in enumerate(caches)}
+    slots = [model.allocate_slot() for _ in range(4)]
+    prompt = np.array([5, 9, 3, 12])
+    prefill = ForwardBatch.of(slots, prompt, prompt)
+    decode = ForwardBatch.of(slots, [1, 1, 1, 1], prompt + 1)
+    static["out"] = out = torch.empty(decode.num_tokens, cfg.model.hidden_size, dtype=cfg.dtype, device="cuda")
+    # Token ids and positions arrive on the device, as a decode loop keeps them.
+    ids = torch.zeros(prefill.num_tokens, dtype=torch.int64, device="cuda")
+    positions = torch.arange(prefill.num_tokens, device="cuda") % int(prompt.min())
+    with run.steps("model", 2):
+        model.forward(ids, positions, prefill)
+        # An eager step (its shapes follow the batch): host-side planning is allowed,
+        # waiting for the device is not.
+        with capture_safety_check(static, device=out.device, is_pinned=run.cuda.is_pinned if run.cuda else None,
+                                  host_work=True) as stats:
+            model.forward(ids[:4], positions[:4], decode, out=out)
+    run.report.graphs["model decode (eager)"] = ((decode.num_reqs, stats.ops),)
+
+
+def run(cfg: DryRunConfig, *, real_cuda: bool = False) -> DryRunReport:
+    """All scenarios on the fake device (or, `real_cuda=True`, on this machine's GPU with real
+    graph capture); raises DryRunFailure on the first violation."""
+    report = DryRunReport()
+    start = time.perf_counter()
+    with warnings.catch_warnings(), ExitStack() as stack:
+        # FakeTensor data pointers read 0 (the checks use storage identities instead).
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        warnings.filterwarnings("ignore", message="a step with .* requests exceeds the largest graph bucket")
+        cuda = None
+        if not real_cuda:
+            cuda = stack.enter_context(FakeCuda())
+            stack.enter_context(simulated_cuda_capture(cuda.is_pinned))
+        state = _Run(cfg, report, cuda)
+        with _scenario("StepEngine"):
+            _engine(state)
+        for mode in ("strict", "rejection"):
+            with _scenario(f"drafts ({mode})"):
+                _drafts(state, mode)
+        with _scenario("sharded engine"):
+            _sharded(state)
+        with _scenario("model decode step"):
+            _model(state)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m profiling.cuda_dry_run", description=__doc__.split("\n")[0])
+    parser.add_argument("--hidden", type=int, default=DryRunConfig.hidden)
+    parser.add_argument("--vocab", type=int, default=DryRunConfig.vocab)
+    parser.add_argument("--dtype", choices=tuple(_DTYPES), default="bf16")
+    parser.add_argument("--max-num-reqs", type=int, default=DryRunConfig.max_num_reqs)
+    parser.add_argument("--drafts", type=int, default=DryRunConfig.max_draft_tokens)
+    parser.add_argument("--tp", type=int, default=DryRunConfig.tp)
+    parser.add_argument("--tiny-model", action="store_true", help="LlamaConfig.tiny() instead of SmolLM2-135M's shape")
+    parser.add_argument("--real-cuda", action="store_true",
+                        help="the twin: the same scenarios on this machine's GPU, capturing real CUDA graphs")
+    args = parser.parse_args(argv)
+    if args.real_cuda and not torch.cuda.is_available():
+        parser.error("--real-cuda: no CUDA device here")
+    cfg = DryRunConfig(hidden=args.hidden, vocab=args.vocab, dtype=_DTYPES[args.dtype], max_num_reqs=args.max_num_reqs,
+                       max_draft_tokens=args.drafts, tp=args.tp,
+                       **({"model": LlamaConfig.tiny()} if args.tiny_model else {}))
+    print(f"{'real' if args.real_cuda else 'fake'}-CUDA dry run: H={cfg.hidden}, V={cfg.vocab}, {args.dtype}, max_num_reqs={cfg.max_num_reqs}, "
+          f"drafts={cfg.max_draft_tokens}, tp={cfg.tp}, model {cfg.model.num_layers}x{cfg.model.hidden_size}")
+    try:
+        report = run(cfg, real_cuda=args.real_cuda)
+    except DryRunFailure as err:
+        print(f"FAILED: {err}", file=sys.stderr)
+        return 1
+    for line in report.lines():
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""The fake-CUDA dry run: the whole CUDA path passes at small shapes, and a CPU
+constant or a host sync planted inside the captured step makes it fail, naming
+the op, the reason and the line (the CPU capture check alone cannot see the
+first)."""
+from __future__ import annotations
+
+import math
+import re
+import warnings
+
+import pytest
+import torch
+
+import engine.sampler as sampler_module
+from engine import EngineConfig, StepEngine
+from engine.models.llama import LlamaConfig
+from profiling.cuda_dry_run import DryRunConfig, DryRunFailure, main, run
+
+SMALL = DryRunConfig(hidden=64, vocab=2048, max_num_reqs=2, max_draft_tokens=1, tp=2, model=LlamaConfig.tiny())
+# A constant made once, outside any step, on the CPU: harmless on a CPU engine,
+# a host operand of a device op on CUDA.
+NEG_INF = torch.tensor(-math.inf)
+
+
+def test_dry_run_passes_and_reports_ops_per_bucket(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--hidden", "64", "--vocab", "2048", "--max-num-reqs", "2", "--drafts", "1", "--tiny-model"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for graph_set in ("engine", "engine small-candidate", "drafts strict", "drafts rejection",
+                      "sharded tp=2 gather", "sharded tp=2 candidates", "model decode (eager)"):
+        line = next(line for line in out.splitlines() if line.strip().startswith(graph_set + " "))
+        counts = [int(ops) for ops in re.findall(r"\b\d+:(\d+)", line)]
+        assert counts and min(counts) > 50, line  # every bucket ran a real step under the check
+    assert re.search(r"^  engine +1:\d+  2:\d+$", out, re.M), out  # both buckets of max_num_reqs=2
+    # The exact path's flag read after each replay is counted, not hidden.
+    assert re.search(r"engine/step_engine.py:\d+", out)
+    # The engine's own per-step uploads (staging, source-copy index, draft probabilities)
+    # are pinned and asynchronous; what is left pageable is listed, and is not the engine's.
+    pageable = out.split("pageable host-to-device copies")[1].split("dry run passed")[0]
+    assert "step_engine.py" not in pageable and "static_buffers.py" not in pageable, pageable
+    assert "dry run passed" in out
+
+
+def _plant(monkeypatch: pytest.MonkeyPatch, hazard) -> None:
+    """Wrap the sampler's exp stage (inside the captured step) with `hazard`."""
+    original = sampler_module._exp_processed
+
+    def planted(raw, shift, rows):
+        return hazard(original(raw, shift, rows), shift)
+
+    monkeypatch.setattr(sampler_module, "_exp_processed", planted)
+
+
+def _cpu_constant(e: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    return torch.maximum(e, NEG_INF)
+
+
+def _item(e: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    if shift.max().item() > 1e30:
+        return e * 0
+    return e
+
+
+def _host_factory(e: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    return e + torch.zeros(e.shape[1])  # no device=: a host tensor made during the step
+
+
+def test_a_host_tensor_in_a_device_op_outside_the_graphs_fails_the_dry_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eager code after the replay (here the output collection) is held to CUDA's device rules."""
+    import engine.step_engine as step_engine_module
+
+    original = step_engine_module._host_results
+
+    def planted(out, *, want_top):
+        out.tokens + torch.ones(out.tokens.shape[0], dtype=torch.int64)  # a host vector in a device op
+        return original(out, want_top=want_top)
+
+    monkeypatch.setattr(step_engine_module, "_host_results", planted)
+    with pytest.raises(DryRunFailure, match=r"StepEngine: aten.add.Tensor .*devices(?s:.*)test_cuda_dry_run.py"):
+        run(SMALL)
+
+
+@pytest.mark.parametrize(("hazard", "op", "reason", "line"), [
+    (_cpu_constant, "aten.maximum.default", "reads a CPU tensor in a device op", "torch.maximum(e, NEG_INF)"),
+    (_item, "Tensor.item()", "a host sync", "if shift.max().item() > 1e30:"),
+    (_host_factory, "aten.zeros.default", "produces a tensor on the host", "torch.zeros(e.shape[1])"),
+], ids=["cpu constant", "item", "host factory"])
+def test_a_hazard_inside_the_step_fails_the_dry_run(monkeypatch: pytest.MonkeyPatch, hazard, op: str, reason: str,
+                                                    line: str) -> None:
+    _plant(monkeypatch, hazard)
+    with pytest.raises(DryRunFailure) as info:
+        run(SMALL)
+    message = str(info.value)
+    assert message.startswith("StepEngine: ") and op in message and reason in message, message
+    assert "tests/test_cuda_dry_run.py:" in message and line in message, message
+
+
+def test_cpu_capture_check_cannot_see_the_cpu_constant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Why the dry run exists: on a CPU engine the planted constant is an ordinary operand."""
+    _plant(monkeypatch, _cpu_constant)
+    engine = StepEngine(torch.randn(256, 32), EngineConfig(device="cpu", max_num_reqs=2, small_candidate_cap=0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine.capture()
+
+
+def test_main_exits_nonzero_naming_the_op(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    _plant(monkeypatch, _cpu_constant)
+    argv = ["--hidden", "64", "--vocab", "2048", "--max-num-reqs", "2", "--drafts", "1", "--tiny-model"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("FAILED: StepEngine: aten.maximum.default reads a CPU tensor in a device op"), err
