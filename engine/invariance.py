@@ -45,6 +45,14 @@ _warned: set[str] = set()
 Gemm = Callable[[torch.Tensor], torch.Tensor]  # [rows, K] -> [rows, N]
 
 
+def _values_unavailable() -> bool:
+    """Under a FakeTensorMode (the CUDA dry run, profiling/cuda_dry_run.py) tensors carry
+    shapes and no values, so no probe can run: every verdict is then False, uncached, the
+    configured kernel is taken and nothing warns. The dry run checks shapes and capture
+    rules, not numerics."""
+    return torch._guards.detect_fake_mode() is not None
+
+
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     # Bits, not values: -0.0 and 0.0 differ here, and NaN equals its own pattern.
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
@@ -76,6 +84,8 @@ def _context(dtype: torch.dtype, device: torch.device) -> tuple:
 def gemm_invariant(gemm: BlockGemm) -> bool:
     """Whether `gemm`'s block calls are batch-invariant here (probed once per kernel, shape,
     dtype, device and thread count)."""
+    if _values_unavailable():
+        return False
     weight = gemm.weight
     key = ("gemm", gemm.kernel, gemm.block_rows, tuple(weight.shape), *_context(weight.dtype, weight.device))
     if key not in _verdicts:
@@ -90,6 +100,8 @@ def bmm_tiles_invariant(rows: int, inner: int, outer: int, dtype: torch.dtype, d
     and the item's index in it. Items are cheap, so the probe's variants of one block (its
     R cyclic shifts and R rows alone) ride in a few calls of several item counts, at
     several offsets among random items, against the block as the only item of a call."""
+    if _values_unavailable():
+        return False
     key = ("bmm", rows, inner, outer, *_context(dtype, device))
     if key not in _verdicts:
         gen = torch.Generator().manual_seed(1)
@@ -129,6 +141,8 @@ def choose_block_gemm(candidates: Iterable[BlockGemm | None]) -> tuple[BlockGemm
         if gemm is None:
             continue
         first = first or gemm
+        if _values_unavailable():
+            break
         if gemm_invariant(gemm):
             return gemm, True
     if first is None:
@@ -147,6 +161,8 @@ def lm_head_candidates(weight: torch.Tensor, block_rows: int, kernels: Sequence[
 
 def warn_not_invariant(what: str) -> None:
     """One RuntimeWarning per distinct message and process: batch invariance does not hold."""
+    if _values_unavailable():
+        return
     message = (
         f"batch invariance does not hold on this machine at {torch.get_num_threads()} threads for {what}: "
         "a request's results may depend on the batch it shares"
