@@ -217,3 +217,25 @@ def test_transformers_on_the_checkpoint_computes_our_logits(checkpoint):
     batch = ForwardBatch.of([model.allocate_slot()], [len(tokens)], [len(tokens)])
     hidden = model.forward(torch.tensor(tokens), batch.positions(), batch)
     torch.testing.assert_close(hidden @ model.lm_head_weight.T, expected, rtol=1e-4, atol=1e-4)
+
+
+# ---- vLLM's side, where the peer venv runs the tests ------------------------------------
+
+
+def test_vllm_metadata_drives_vllms_sampler_as_each_case_says():
+    pytest.importorskip("vllm")
+    v, why = peer.import_vllm_sampler()
+    assert v is not None, why
+    logits = torch.randn(8, 500, generator=torch.Generator().manual_seed(0)) * 3
+    sampler = v.Sampler()
+
+    def draw(case: str) -> torch.Tensor:
+        return sampler(logits.clone(), peer.vllm_metadata(v, case, 8)).sampled_token_ids.flatten().long()
+
+    assert torch.equal(draw("greedy"), logits.argmax(-1))
+    assert torch.equal(draw("plain"), draw("plain"))  # per-request seeds: the same draws again
+    probs = logits.softmax(-1)
+    picked = probs.gather(1, draw("min-p0.05")[:, None])
+    assert bool((picked >= 0.05 * probs.amax(-1, keepdim=True)).all())
+    rank = (logits > logits.gather(1, draw("top-k50+top-p0.9")[:, None])).sum(-1)
+    assert bool((rank < 50).all())

@@ -38,6 +38,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -99,7 +100,7 @@ def run_under_peer(bench: str, argv: Sequence[str]) -> int | None:
     return subprocess.call(command, env=env, cwd=REPO_ROOT)
 
 
-def import_vllm_sampler() -> tuple[object, str | None]:
+def import_vllm_sampler() -> tuple[SimpleNamespace | None, str | None]:
     """(the `vllm.v1.sample` pieces as a namespace, None), or (None, why not)."""
     try:
         import vllm
@@ -111,10 +112,9 @@ def import_vllm_sampler() -> tuple[object, str | None]:
         from vllm.v1.sample.sampler import Sampler
     except Exception as err:  # a broken install raises more than ImportError
         return None, f"{type(err).__name__}: {err}"
-    names = dict(version=vllm.__version__, VllmParams=VllmParams, LogitsProcessors=LogitsProcessors,
-                 MinPLogitsProcessor=MinPLogitsProcessor, BatchUpdate=BatchUpdate,
-                 SamplingMetadata=SamplingMetadata, Sampler=Sampler)
-    return type("VllmSample", (), names), None
+    return SimpleNamespace(version=vllm.__version__, VllmParams=VllmParams, LogitsProcessors=LogitsProcessors,
+                           MinPLogitsProcessor=MinPLogitsProcessor, BatchUpdate=BatchUpdate,
+                           SamplingMetadata=SamplingMetadata, Sampler=Sampler), None
 
 
 # -- the two sides ------------------------------------------------------------------
@@ -125,7 +125,7 @@ def case_params(case: str) -> dict[str, float | int]:
     return dict(dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0), **CASES[case])
 
 
-def vllm_metadata(v: object, case: str, batch: int) -> object:
+def vllm_metadata(v: SimpleNamespace, case: str, batch: int) -> object:
     """vLLM's `SamplingMetadata` for `batch` requests of one case, as its
     persistent input batch would build it: one `torch.Generator` per seeded
     random request, top-k / top-p tensors only when a request uses them, and
@@ -133,7 +133,7 @@ def vllm_metadata(v: object, case: str, batch: int) -> object:
     p = case_params(case)
     greedy = p["temperature"] == 0.0
     # The processor only reads scheduler_config.max_num_seqs from the vLLM config.
-    config = type("Config", (), {"scheduler_config": type("Sched", (), {"max_num_seqs": batch})})
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=batch))
     min_p = v.MinPLogitsProcessor(config, torch.device("cpu"), False)
     added = [(i, v.VllmParams(temperature=p["temperature"], top_k=p["top_k"], top_p=p["top_p"], min_p=p["min_p"],
                               seed=None if greedy else i), None, []) for i in range(batch)]
@@ -252,7 +252,7 @@ class Result:
         return self.vllm_us / self.ours_us
 
 
-def bench_sampler(v: object, vocab: int, batch: int, cases: Sequence[str], repeats: int) -> list[Result]:
+def bench_sampler(v: SimpleNamespace, vocab: int, batch: int, cases: Sequence[str], repeats: int) -> list[Result]:
     logits = lm_like_logits(batch, vocab)  # [B, V] f32
     scratch = torch.empty_like(logits)  # vLLM's sampler writes into its logits
     sampler = v.Sampler()
@@ -282,7 +282,7 @@ def bench_sampler(v: object, vocab: int, batch: int, cases: Sequence[str], repea
     return results
 
 
-def bench_tail(v: object, vocab: int, hidden_size: int, batch: int, cases: Sequence[str], repeats: int) -> list[Result]:
+def bench_tail(v: SimpleNamespace, vocab: int, hidden_size: int, batch: int, cases: Sequence[str], repeats: int) -> list[Result]:
     weight, hidden = tail_inputs(vocab, hidden_size, batch)
     engine = StepEngine(weight, EngineConfig(max_num_reqs=batch, buckets=(batch,), device="cpu"))
     engine.capture()
