@@ -610,3 +610,37 @@ def test_a_failed_row_finishes_its_request_with_an_error_and_frees_what_it_held(
     holds_nothing(loop)
     assert [completions(done)[i][1:] for i in (0, 1, 3)] == [reference[i] for i in (0, 1, 3)]
 
+
+
+def test_a_retained_cache_that_a_failed_step_wrote_over_keeps_only_what_it_still_holds():
+    """A failed step hands a retained cache's slot to a new request, whose forward writes
+    its own prompt there before the step raises. Rolled back, the cache must not claim
+    positions it lost: a later request sharing its prefix would copy the wrong keys."""
+    rng = np.random.default_rng(8)
+    donor_prompt = rng.integers(3, V, 24).tolist()
+    later = donor_prompt + [7, 8]
+    sampled = SamplingParams(temperature=0.8, seed=5, max_tokens=4, logprobs=1)
+    weights = random_weights(CONFIG, seed=0)
+    weights.embed = weights.embed * 0.05  # flat logits: every logprob moves with any change to a hidden state
+    alone = _loop(model=LlamaModel(CONFIG, weights, num_slots=1, batch_invariant=True), max_num_reqs=1,
+                  min_shared_prefix=8)
+    alone.submit("later", later, sampled)
+    reference = completions(alone.run())
+
+    model = FaultyModel(LlamaModel(CONFIG, weights, num_slots=2, batch_invariant=True))
+    loop = _loop(model=model, max_num_reqs=2, min_shared_prefix=8)
+    loop.submit("donor", donor_prompt, SamplingParams(temperature=0.0, max_tokens=1))
+    loop.submit("long", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    loop.step()
+    donor_slot, = loop.retained  # the donor finished; "long" holds the other slot
+    loop.submit("new", [(donor_prompt[0] + 1) % V, 3, 4, 5], SamplingParams(temperature=0.0, max_tokens=2))
+    model.fail("after", Boom("after the new request's prompt was written"))
+    with pytest.raises(Boom):
+        loop.step()  # "new" took the donor's slot, wrote position 0 on, then the step failed
+    assert list(loop.retained) == [donor_slot] and len(loop.retained[donor_slot]) == 0
+    loop.abort("new")
+    loop.abort("long")  # a free slot: "later" is admitted there and may copy from the donor
+    loop.submit("later", later, sampled)
+    done = loop.run()
+    assert completions({"later": done["later"]}) == reference
+    assert loop.stats.shared_prefix_tokens == 0  # the donor lost its first positions: nothing to share
