@@ -267,7 +267,8 @@ class DecodeLoop:
         self.stop_ids = np.full((cfg.max_num_reqs, engine_config.max_stop_ids), -1, dtype=np.int64)  # per table row
         self.shares_prefixes = cfg.prefix_sharing and isinstance(model, PrefixCopy)
         # Finished requests' caches kept as prefix donors: kv slot -> the tokens it holds,
-        # least recently used first; a slot goes back to the model when one is needed.
+        # least recently used first; when the model has no free slot left, the first one
+        # hands its slot to a request being admitted.
         self.retained: OrderedDict[int, np.ndarray] = OrderedDict()
         self.waiting: deque[tuple[int, _Running]] = deque()  # (arrival step, request), by arrival
         self.running: list[_Running] = []
@@ -293,7 +294,7 @@ class DecodeLoop:
         _check_request_id(request_id)
         if request_id in self._known:
             raise ValueError(f"request {request_id!r}: request_id was already submitted")
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}")
         prompt = _checked_prompt(request_id, prompt_tokens, self.model.vocab_size)

@@ -353,6 +353,7 @@ def test_submit_refuses_malformed_ids_prompts_and_arrivals_and_changes_nothing()
         (("neg", [3, -1], g), {}, r"request 'neg': prompt_tokens\[1\]=-1: outside \[0, 256\)"),
         (("empty", np.zeros(0, dtype=np.int64), g), {}, "request 'empty': prompt is empty"),
         (("params", [1, 2], {"temperature": 0}), {}, "request 'params': params must be SamplingParams, got dict"),
+        (("emptyparams", [1, 2], {}), {}, "request 'emptyparams': params must be SamplingParams, got dict"),
         (("none", [1, 2], g), dict(arrival_step=None), "request 'none': arrival_step=None: must be an int >= 0"),
         (("neg", [1, 2], g), dict(arrival_step=-1), "request 'neg': arrival_step=-1: must be an int >= 0"),
         (("true", [1, 2], g), dict(arrival_step=True), "request 'true': arrival_step=True: must be an int >= 0"),
