@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import Hashable, Iterable, Sequence
 
 import numpy as np
 
@@ -45,7 +45,10 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        ids = self.stop_token_ids
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+            raise ValueError(f"stop_token_ids={ids!r}: must be a sequence of int token ids")
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
         problem = self.problem()
         if problem:
             raise ValueError(problem)
@@ -154,10 +157,23 @@ class SeqMeta:
                 return f"prompt_tokens: has {len(self.prompt_tokens)} tokens but prompt_len={self.prompt_len}"
             tokens = np.asarray(self.prompt_tokens)
             if tokens.size and tokens.dtype.kind not in "iu":
+                if not isinstance(self.prompt_tokens, np.ndarray):
+                    # A Python list that numpy could not type as ints (a float,
+                    # a bool, an int past int64): name the element.
+                    j, bad = next((j, t) for j, t in enumerate(self.prompt_tokens)
+                                  if not _is_int(t) or not 0 <= t <= INT32_MAX)
+                    return f"prompt_tokens[{j}]={bad!r}: not an int32 token id >= 0"
                 return f"prompt_tokens: dtype {tokens.dtype} is not an integer type"
             bad = np.flatnonzero((tokens < 0) | (tokens > INT32_MAX)) if tokens.size else ()
             if len(bad):
                 return f"prompt_tokens[{bad[0]}]={int(tokens[bad[0]])}: not an int32 token id >= 0"
+        drafts = self.seqlen_q - 1
+        if not self.is_prompt and self.seqlen_k != self.prompt_len + self.num_generated + drafts:
+            return (
+                f"seqlen_k={self.seqlen_k}: a decode step has seqlen_k == prompt_len + num_generated + drafts = "
+                f"{self.prompt_len} + {self.num_generated} + {drafts} = {self.prompt_len + self.num_generated + drafts}"
+                " (its first query token is the last generated one)"
+            )
         if self.params.num_prompt_logprobs >= 0 and self.is_prompt and self.prompt_tokens is None:
             return "params.prompt_logprobs: requested but prompt_tokens is None (targets come from the prompt)"
         return None

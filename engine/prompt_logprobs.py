@@ -17,6 +17,11 @@ Top-k-space mode restricts each row's distribution to its top-k (SPEC §2:
 every token whose logit is >= the k-th largest, so ties at the cut stay in) and
 renormalises over it; a target outside reads logprob -inf (its rank, over the
 whole vocabulary, is then > k). k = 0 leaves the row unrestricted.
+
+A row whose logits are not all finite (a NaN or inf hidden state upstream) is
+flagged in `PromptRowResults.finite`; the accumulator fails its request
+instead of handing over a NaN. Rows are computed independently, so a bad row
+changes no other row's values.
 """
 from __future__ import annotations
 
@@ -51,6 +56,7 @@ class PromptRowResults:
     num_top: np.ndarray  # [rows] int32: leading columns of top_* that belong to the row
     top_ids: np.ndarray  # [rows, max_top] int64
     top_logprobs: np.ndarray  # [rows, max_top] float32
+    finite: np.ndarray  # [rows] bool: the row's logits were all finite (else its values mean nothing)
 
     def entries(self, start: int, stop: int) -> list[PromptLogprob]:
         """Rows [start, stop) as per-token results."""
@@ -138,10 +144,12 @@ def prompt_row_logprobs(
     ranks = np.empty(n, dtype=np.int64)
     top_ids = np.zeros((n, max_top), dtype=np.int64)
     top_logprobs = np.zeros((n, max_top), dtype=np.float32)
+    finite = np.empty(n, dtype=bool)
     for start in range(0, n, chunk_rows):
         stop = min(start + chunk_rows, n)
         hidden = gather(hidden_states, torch.as_tensor(rows[start:stop], dtype=torch.int64).to(device))
         logits = get_logits(hidden, lm_head_weight, batch_invariant=batch_invariant)  # [chunk, vocab] fp32
+        finite[start:stop] = torch.isfinite(logits).all(1).cpu().numpy()
         target = torch.as_tensor(targets[start:stop], dtype=torch.int64).to(device).unsqueeze(1)  # [chunk, 1]
         # Rank and top-N come from the raw logits; both are unchanged by the
         # top-k restriction below (it only drops tokens ranked after the kept ones).
@@ -156,7 +164,7 @@ def prompt_row_logprobs(
         if chunk_top_ids is not None:
             top_ids[start:stop, :chunk_top] = chunk_top_ids.cpu().numpy()
             top_logprobs[start:stop, :chunk_top] = (logits.gather(1, chunk_top_ids) - log_norm).cpu().numpy()
-    return PromptRowResults(np.asarray(targets, dtype=np.int32), logprobs, ranks, num_top, top_ids, top_logprobs)
+    return PromptRowResults(np.asarray(targets, dtype=np.int32), logprobs, ranks, num_top, top_ids, top_logprobs, finite)
 
 
 def _kth_largest(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -189,56 +197,107 @@ def _top_n_ids(logits: torch.Tensor, n: int) -> torch.Tensor:
     return ids.gather(1, order)
 
 
+def _prompt_chunks(inputs: SamplerInputs) -> np.ndarray:
+    """Requests whose step is a prompt chunk with prompt logprobs on."""
+    return np.flatnonzero(inputs.is_prompt & (inputs.num_prompt_logprobs >= 0))
+
+
+def _chunk_start(inputs: SamplerInputs, i: int) -> int:
+    # sample_positions is seqlen_k for a prefill chunk, and with prompt
+    # logprobs on there is no compaction, so out_lens is seqlen_q.
+    return int(inputs.sample_positions[i]) - int(inputs.out_lens[i])
+
+
+@dataclass(frozen=True)
+class PromptLogprobUpdate:
+    """One step's effect on the accumulator, computed without changing it (`commit` applies it)."""
+
+    handed_over: list[list[PromptLogprob] | None]  # per request, what StepOutput.prompt_logprobs reports
+    errors: list[str | None]  # per request: why its prompt logprobs failed, or None
+    keep: dict[Hashable, list[PromptLogprob]]  # partial values to hold until the next chunk
+    drop: tuple[Hashable, ...]  # requests whose partial values go (finished or failed)
+
+
 class PromptLogprobAccumulator:
     """Each request's prompt logprobs across the chunks of a chunked prefill.
 
-    `add` returns, per request in batch order: None when the request did not ask
-    (or the step is not one of its prompt chunks); an empty list for a non-last
-    chunk (asked, nothing to hand over yet); the complete list of prompt_len - 1
-    values on the last chunk (empty for a one-token prompt).
+    Per request in batch order a step hands over: None when the request did
+    not ask (or the step is not one of its prompt chunks) or failed; an empty
+    list for a non-last chunk (asked, nothing to hand over yet); the complete
+    list of prompt_len - 1 values on the last chunk (empty for a one-token
+    prompt).
+
+    A step uses it in three parts so that nothing changes unless the whole
+    step succeeds: `check` before the step touches anything, `update` once
+    the values are computed (pure), `commit` after the step's output is built.
     """
 
     def __init__(self) -> None:
         self._partial: dict[Hashable, list[PromptLogprob]] = {}
 
-    def add(self, inputs: SamplerInputs, results: PromptRowResults) -> list[list[PromptLogprob] | None]:
+    def check(self, inputs: SamplerInputs) -> None:
+        """Raise ValueError when a chunk does not continue what was accumulated
+        (a chunk skipped or repeated); changes nothing."""
+        for i in _prompt_chunks(inputs):
+            request_id = inputs.request_ids[i]
+            chunk_start = _chunk_start(inputs, i)
+            # A chunk at position 0 starts the prompt afresh (also after a preemption).
+            held = len(self._partial.get(request_id, ())) if chunk_start else 0
+            if held != chunk_start:
+                raise ValueError(
+                    f"request {request_id!r}: prompt chunk starts at position {chunk_start} but {held}"
+                    " prompt logprobs were accumulated (a chunk was skipped or repeated)"
+                )
+
+    def update(self, inputs: SamplerInputs, results: PromptRowResults, failed: np.ndarray) -> PromptLogprobUpdate:
+        """The step's hand-over and new partial values, for requests that
+        passed `check`. `failed` [n] bool: requests that failed elsewhere in
+        the step; they, and requests with a non-finite row, hand over None and
+        lose their partial values."""
         if len(results.targets) != inputs.num_prompt_rows:
             raise ValueError(
                 f"results: {len(results.targets)} rows for a step with {inputs.num_prompt_rows} prompt rows"
             )
         prompt_offsets = np.cumsum(inputs.prompt_row_counts) - inputs.prompt_row_counts
-        updates: dict[Hashable, list[PromptLogprob]] = {}
-        handed_over: list[list[PromptLogprob] | None] = []
-        for i, request_id in enumerate(inputs.request_ids):
-            if not inputs.is_prompt[i] or inputs.num_prompt_logprobs[i] < 0:
-                handed_over.append(None)
+        handed_over: list[list[PromptLogprob] | None] = [None] * inputs.num_reqs
+        errors: list[str | None] = [None] * inputs.num_reqs
+        keep: dict[Hashable, list[PromptLogprob]] = {}
+        drop = []
+        for i in _prompt_chunks(inputs):
+            request_id = inputs.request_ids[i]
+            chunk_start = _chunk_start(inputs, i)
+            lo, hi = int(prompt_offsets[i]), int(prompt_offsets[i] + inputs.prompt_row_counts[i])
+            bad = np.flatnonzero(~results.finite[lo:hi])
+            if failed[i] or len(bad):
+                if len(bad):
+                    # Row j of the chunk scores the prompt token at chunk_start + j + 1.
+                    errors[i] = f"prompt logprobs not finite at prompt position {chunk_start + int(bad[0]) + 1}"
+                drop.append(request_id)
                 continue
-            # sample_positions is seqlen_k for a prefill chunk, and with prompt
-            # logprobs on there is no compaction, so out_lens is seqlen_q.
-            chunk_start = int(inputs.sample_positions[i]) - int(inputs.out_lens[i])
-            # A chunk at position 0 starts the prompt afresh (also after a preemption).
             partial = list(self._partial.get(request_id, [])) if chunk_start else []
-            if len(partial) != chunk_start:
-                raise ValueError(
-                    f"request {request_id!r}: prompt chunk starts at position {chunk_start} but {len(partial)}"
-                    " prompt logprobs were accumulated (a chunk was skipped or repeated)"
-                )
-            lo = int(prompt_offsets[i])
-            partial.extend(results.entries(lo, lo + int(inputs.prompt_row_counts[i])))
-            updates[request_id] = partial
-            handed_over.append(partial if inputs.is_last_chunk[i] else [])
-        # State changes only once the whole step is known to be consistent.
-        for i, request_id in enumerate(inputs.request_ids):
-            if request_id not in updates:
-                continue
+            partial.extend(results.entries(lo, hi))
+            handed_over[i] = partial if inputs.is_last_chunk[i] else []
             if inputs.is_last_chunk[i]:
-                self._partial.pop(request_id, None)
+                drop.append(request_id)
             else:
-                self._partial[request_id] = updates[request_id]
-        return handed_over
+                keep[request_id] = partial
+        return PromptLogprobUpdate(handed_over, errors, keep, tuple(drop))
+
+    def add(self, inputs: SamplerInputs, results: PromptRowResults) -> list[list[PromptLogprob] | None]:
+        """`check`, `update` and `commit` in one call, for a caller with no
+        larger step to keep atomic; returns the hand-over."""
+        self.check(inputs)
+        update = self.update(inputs, results, np.zeros(inputs.num_reqs, dtype=bool))
+        self.commit(update)
+        return update.handed_over
+
+    def commit(self, update: PromptLogprobUpdate) -> None:
+        for request_id in update.drop:
+            self._partial.pop(request_id, None)
+        self._partial.update(update.keep)
 
     def snapshot(self) -> dict[Hashable, list[PromptLogprob]]:
-        """The partial values, for `restore` (a step's commit replaces lists, never extends them)."""
+        """The partial values, for `restore` (a commit replaces lists, never extends them)."""
         return dict(self._partial)
 
     def restore(self, snapshot: dict[Hashable, list[PromptLogprob]]) -> None:

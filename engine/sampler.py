@@ -32,6 +32,15 @@ Definitions every path here shares (the fast path `sample`, the exact path
   (stream TARGET, counter `INVERSE_CDF_COUNTER`): pick the block whose float64
   cumulative block mass first exceeds u * Z, then the token inside it.
 
+Failed rows. A row whose logits hold NaN or +-inf, or whose controls leave
+no token (every token a suppressed stop id), gets an error code in
+`SampleOutput.error` (`RowError`), decided inside the captured step from the
+row itself. Its outputs are the placeholder: token `PLACEHOLDER_TOKEN`
+(in the vocabulary, so nothing downstream indexes out of range), logprob 0,
+rank 0, top ids -1, top logprobs 0, never flagged for the exact path. The
+caller must not emit it. Every computation here is per row, so a failed row
+changes no other row's bits.
+
 The fast path takes the top C (`candidate_cap`) raw logits per row and applies
 the filters there with the full-row normaliser, so nothing over the whole
 vocabulary is sorted or hashed. When the kept set may reach past the C-th
@@ -43,6 +52,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from enum import IntEnum
 from typing import Sequence
 
 import numpy as np
@@ -50,6 +60,16 @@ import torch
 
 from engine.rng import TARGET, gumbel, uniform
 
+class RowError(IntEnum):
+    """`SampleOutput.error` codes (int64 on the device)."""
+
+    OK = 0
+    LOGITS_NOT_FINITE = 1  # a NaN or +-inf logit in the row
+    NOTHING_LEFT = 2  # the controls leave no token (EOS / stop suppression covers the vocabulary)
+    HIDDEN_NOT_FINITE = 3  # set by the caller that owns the hidden states (`fail_rows`)
+
+
+PLACEHOLDER_TOKEN = 0  # the token of a failed row: in the vocabulary, never emitted
 BLOCK = 1024  # tokens per block of the normaliser and the inverse-CDF draw
 INVERSE_CDF_COUNTER = 0xFFFFFFFF  # counter of the plain draw's uniform; never a token id
 LOGPROBS_MODES = ("raw", "processed")
@@ -178,6 +198,7 @@ class SampleOutput:
     top_ids: torch.Tensor  # [rows, N] int64 (-1 where the processed distribution has fewer tokens)
     top_logprobs: torch.Tensor  # [rows, N] f32
     needs_exact: torch.Tensor  # [rows] bool: rerun the row with `sample_exact`
+    error: torch.Tensor  # [rows] int64 `RowError`: nonzero rows hold the placeholder, emit nothing
 
     @classmethod
     def allocate(cls, rows: int, num_top: int, device: torch.device | str = "cpu") -> SampleOutput:
@@ -188,6 +209,7 @@ class SampleOutput:
             top_ids=torch.zeros(rows, num_top, dtype=torch.int64, device=device),
             top_logprobs=torch.zeros(rows, num_top, dtype=torch.float32, device=device),
             needs_exact=torch.zeros(rows, dtype=torch.bool, device=device),
+            error=torch.zeros(rows, dtype=torch.int64, device=device),
         )
 
 
@@ -402,8 +424,10 @@ def sample(
 
     No host syncs, no data-dependent shapes, no generator state; results are
     written into `out` (allocated when None, top-N = cfg.max_logprobs). Rows
-    flagged in `out.needs_exact` must be redone with `sample_exact`.
-    `compute_logprobs=False` leaves logprob, rank and top-N untouched.
+    flagged in `out.needs_exact` must be redone with `sample_exact`; rows
+    with a nonzero `out.error` hold the placeholder (module docstring).
+    `compute_logprobs=False` leaves logprob, rank and top-N of the other
+    rows untouched.
     """
     rows_n, vocab = logits.shape
     if out is None:
@@ -428,6 +452,13 @@ def sample(
     plain_token = _inverse_cdf_draw(e, block_mass, u)
     token = torch.where(rows.greedy, d.greedy_token, torch.where(rows.plain, plain_token, d.raced))
     token = torch.where(rows.forced >= 0, rows.forced, token)
+    # A NaN row's picks may be V (no candidate equals the NaN maximum): the
+    # placeholder goes in before anything indexes by token. Without a tail,
+    # no unsuppressed candidate means no unsuppressed token at all; with one,
+    # the exact path decides.
+    error = _row_error(raw, ~any_valid if not has_tail else torch.zeros_like(any_valid))
+    failed = error != RowError.OK
+    token = torch.where(failed, PLACEHOLDER_TOKEN, token)
 
     needs_exact = d.needs_exact(rows, any_valid)
     if compute_logprobs:
@@ -441,7 +472,35 @@ def sample(
             needs_exact = needs_exact | (has_tail & (rows.plain | d.reaches_tail | d.filter_ambiguous))
     out.tokens.copy_(token)
     out.needs_exact.copy_(needs_exact)
+    out.error.copy_(error)
+    _write_placeholders(out, failed)
     return out
+
+
+def _row_error(raw: torch.Tensor, nothing_left: torch.Tensor) -> torch.Tensor:
+    """[rows] int64 RowError of logits `raw` [rows, V]: not finite first, then nothing left."""
+    finite = torch.isfinite(raw).all(-1)
+    ok = torch.full_like(nothing_left, int(RowError.OK), dtype=torch.int64)
+    left = torch.where(nothing_left, int(RowError.NOTHING_LEFT), ok)
+    return torch.where(finite, left, int(RowError.LOGITS_NOT_FINITE))
+
+
+def _write_placeholders(out: SampleOutput, failed: torch.Tensor) -> None:
+    """The placeholder outputs on `failed` rows [rows] bool; capture-safe."""
+    out.tokens.masked_fill_(failed, PLACEHOLDER_TOKEN)
+    out.logprob.masked_fill_(failed, 0.0)
+    out.rank.masked_fill_(failed, 0)
+    out.top_ids.masked_fill_(failed[:, None], -1)
+    out.top_logprobs.masked_fill_(failed[:, None], 0.0)
+    out.needs_exact.masked_fill_(failed, False)
+
+
+def fail_rows(out: SampleOutput, failed: torch.Tensor, code: RowError) -> None:
+    """Mark `failed` rows [rows] bool with `code` (overriding the sampler's
+    own code) and write the placeholder outputs; capture-safe. For failures
+    the sampler cannot see, such as a non-finite hidden state."""
+    out.error.masked_fill_(failed, int(code))
+    _write_placeholders(out, failed)
 
 
 def _filter_candidates(
@@ -637,6 +696,15 @@ def _exact_row(
     return token, logprob, rank, top_ids, top_lps
 
 
+def _exact_row_error(raw: torch.Tensor, rows: _Rows, i: int) -> RowError:
+    """Row i's RowError over its whole logits row `raw` [V] (host-synchronising)."""
+    if not bool(torch.isfinite(raw).all()):
+        return RowError.LOGITS_NOT_FINITE
+    unsuppressed = torch.ones(raw.shape[0], dtype=torch.bool, device=raw.device)
+    unsuppressed[rows.stop_ids[i][rows.stop_active[i]]] = False
+    return RowError.OK if bool(unsuppressed.any()) else RowError.NOTHING_LEFT
+
+
 def _write_exact_rows(
     logits: torch.Tensor, params: RowParams, cfg: SamplerConfig, row_index: list[int], out: SampleOutput,
     compute_logprobs: bool = True,
@@ -645,6 +713,12 @@ def _write_exact_rows(
     rows = _expand(params, raw.shape[1])
     num_top = out.top_ids.shape[1]
     for i in row_index:
+        error = _exact_row_error(raw[i], rows, i)
+        out.error[i] = error
+        if error != RowError.OK:
+            out.tokens[i], out.logprob[i], out.rank[i] = PLACEHOLDER_TOKEN, 0.0, 0
+            out.top_ids[i], out.top_logprobs[i], out.needs_exact[i] = -1, 0.0, False
+            continue
         token, logprob, rank, top_ids, top_lps = _exact_row(raw[i], rows, i, cfg, num_top, compute_logprobs)
         out.tokens[i] = token
         out.needs_exact[i] = False

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Hashable, NamedTuple, Sequence
@@ -32,8 +33,14 @@ import torch
 from engine.ledger import SamplerInputs, prepare_sampler_inputs
 from engine.ops import gather, get_logits, pack_for_blocks
 from engine.params import SamplingParams, SeqMeta
-from engine.prompt_logprobs import DEFAULT_CHUNK_ROWS, PromptLogprob, PromptLogprobAccumulator, compute_prompt_logprobs
-from engine.sampler import SampleOutput, SamplerConfig, raw_log_normaliser, sample, sample_exact
+from engine.prompt_logprobs import (
+    DEFAULT_CHUNK_ROWS,
+    PromptLogprob,
+    PromptLogprobAccumulator,
+    PromptRowResults,
+    compute_prompt_logprobs,
+)
+from engine.sampler import RowError, SampleOutput, SamplerConfig, fail_rows, raw_log_normaliser, sample, sample_exact
 from engine.verify import accept_strict, draft_in_top_k, target_probs, verify_rejection
 from graphs.buckets import BucketTable
 from graphs.replay import CaptureReport, GraphReplayer, ReplayCounts
@@ -41,6 +48,13 @@ from graphs.static_buffers import READ_FROM_POOL, StepBuffers
 from profiling.ranges import stage
 
 VERIFY_MODES = ("strict", "rejection")
+# StepOutput.errors causes of a failed sample row (`RowError` codes).
+ROW_ERROR_CAUSES = {
+    RowError.LOGITS_NOT_FINITE: "logits row not finite (NaN or inf)",
+    RowError.NOTHING_LEFT: "no token left after the sampling controls (EOS/stop suppression)",
+    RowError.HIDDEN_NOT_FINITE: "hidden state not finite",
+}
+DRAFT_MASS_TOLERANCE = 1e-3  # |sum(exp(draft_logprobs)) - 1| accepted per draft (float32 sums)
 
 
 class TokenLogprob(NamedTuple):
@@ -252,6 +266,10 @@ class StepEngine:
 
     def __init__(self, lm_head_weight: torch.Tensor, config: EngineConfig | None = None):
         config = config or EngineConfig()
+        if not isinstance(lm_head_weight, torch.Tensor):
+            raise ValueError(f"lm_head_weight: a {_type_name(lm_head_weight)}, expected a torch.Tensor [vocab, hidden]")
+        if not lm_head_weight.is_floating_point():
+            raise ValueError(f"lm_head_weight: dtype {lm_head_weight.dtype}, expected a floating-point tensor")
         if lm_head_weight.dim() != 2:
             raise ValueError(f"lm_head_weight: shape {tuple(lm_head_weight.shape)} is not [vocab, hidden]")
         self.config = config
@@ -261,9 +279,11 @@ class StepEngine:
                 f"lm_head_weight is on {lm_head_weight.device} but the engine runs on {self.device}: "
                 "move the weight or set EngineConfig.device"
             )
-        self.weight = lm_head_weight
+        # The engine only reads the head: an nn.Parameter's autograd must not
+        # record every step (nor refuse `.numpy()` on what comes out).
+        self.weight = lm_head_weight.detach()
         # Batch-invariant LM-head blocks on MKL-packed weights where there are any (CPU fp32).
-        self.packed_weight = pack_for_blocks(lm_head_weight, config.block_rows) if config.batch_invariant else None
+        self.packed_weight = pack_for_blocks(self.weight, config.block_rows) if config.batch_invariant else None
         self.vocab_size, self.hidden_size = lm_head_weight.shape
         if config.eos_token_id is not None and config.eos_token_id >= self.vocab_size:
             raise ValueError(f"EngineConfig.eos_token_id={config.eos_token_id}: outside the vocabulary ({self.vocab_size})")
@@ -321,7 +341,7 @@ class StepEngine:
         caller's take-once bookkeeping owns."""
         return EngineCheckpoint(
             partial_prompt_logprobs=self.prompt_logprobs.snapshot(),
-            stats={name: copy.deepcopy(getattr(self, name)) for name in self.stats_attributes},
+            stats={name: _copied(getattr(self, name)) for name in self.stats_attributes},
             replayer_counts=tuple(r.counts() for r in self.all_replayers),
         )
 
@@ -329,7 +349,7 @@ class StepEngine:
         """Restore the state `checkpoint()` returned (see there)."""
         self.prompt_logprobs.restore(checkpoint.partial_prompt_logprobs)
         for name, value in checkpoint.stats.items():
-            setattr(self, name, copy.deepcopy(value))
+            setattr(self, name, _copied(value))
         for replayer, counts in zip(self.all_replayers, checkpoint.replayer_counts):
             replayer.restore_counts(counts)
 
@@ -388,8 +408,16 @@ class StepEngine:
         )
         params = b.params(bucket)
         sample(b.logits[:rows], params, sampler, out=b.outputs(rows))
+        self._fail_non_finite_hidden(rows)
         if self.config.max_draft_tokens:
             self._verify_and_store_drafts(bucket)
+
+    def _fail_non_finite_hidden(self, rows: int) -> None:
+        """Inside the graph: rows whose gathered hidden state holds a NaN or
+        inf fail with that cause (their logits are not finite either; the
+        hidden state is where the fault is)."""
+        b = self.buffers
+        fail_rows(b.outputs(rows), ~torch.isfinite(b.hidden[:rows]).all(-1), RowError.HIDDEN_NOT_FINITE)
 
     def _verify_and_store_drafts(self, bucket: int) -> None:
         """Inside the graph: resolve each row's draft, verify, then write the
@@ -546,6 +574,10 @@ class StepEngine:
         if isinstance(draft_tokens, np.ndarray):
             # The hot path: [n, >= k] array, row i's first drafts_per_req[i] entries used.
             rows_with = layout.draft_rows
+            if len(rows_with) and draft_tokens.dtype.kind not in "iu":
+                i = int(layout.draft_req[0])
+                raise ValueError(f"request {inputs.request_ids[i]!r}: draft_tokens: an array of dtype "
+                                 f"{draft_tokens.dtype} ({draft_tokens[i].tolist()}), expected integer token ids")
             values = draft_tokens[layout.draft_req, layout.draft_step]
             if len(values) and (values.min() < 0 or values.max() >= self.vocab_size):
                 bad = int(np.flatnonzero((values < 0) | (values >= self.vocab_size))[0])
@@ -569,10 +601,7 @@ class StepEngine:
             for i, q in enumerate(draft_logprobs):
                 if q is None:
                     continue
-                q = torch.as_tensor(q, dtype=torch.float32)
-                if tuple(q.shape) != (int(drafts_per_req[i]), self.vocab_size):
-                    raise ValueError(f"request {inputs.request_ids[i]!r}: draft_logprobs: shape {tuple(q.shape)}, "
-                                     f"expected [{int(drafts_per_req[i])}, {self.vocab_size}] (one log-distribution per draft)")
+                q = self._checked_draft_logprobs(inputs.request_ids[i], q, int(drafts_per_req[i]))
                 lo = int(inputs.sample_offsets[i])
                 arrays.has_draft_probs[lo : lo + len(q)] = True
                 arrays.draft_probs[lo] = q.exp()
@@ -588,7 +617,11 @@ class StepEngine:
                 arrays.next_draft_tokens[i, : len(proposal)] = self._checked_tokens(
                     inputs.request_ids[i], "next_drafts", proposal, len(proposal))
                 if next_draft_logprobs is not None and next_draft_logprobs[i] is not None:
-                    arrays.next_draft_logprobs[i, : len(proposal)] = np.asarray(next_draft_logprobs[i], np.float32)
+                    values = np.asarray(next_draft_logprobs[i], np.float32)
+                    if values.shape != (len(proposal),) or np.isnan(values).any() or (values > 0).any():
+                        raise ValueError(f"request {inputs.request_ids[i]!r}: next_draft_logprobs={values.tolist()}: "
+                                         f"expected {len(proposal)} log-probabilities <= 0, one per proposal")
+                    arrays.next_draft_logprobs[i, : len(proposal)] = values
         return arrays
 
     def _draft_layout(self, inputs: SamplerInputs) -> _DraftLayout:
@@ -608,8 +641,39 @@ class StepEngine:
         self._last_draft_layout = layout
         return layout
 
+    def _checked_draft_logprobs(self, request_id: Hashable, q: np.ndarray | torch.Tensor, count: int) -> torch.Tensor:
+        """[count, V] draft log-distributions as float32 probabilities' logs, checked."""
+        if not isinstance(q, (np.ndarray, torch.Tensor)) or q.dtype.is_complex or not (
+                isinstance(q, torch.Tensor) and q.is_floating_point() or isinstance(q, np.ndarray) and q.dtype.kind == "f"):
+            raise ValueError(f"request {request_id!r}: draft_logprobs: a {_type_name(q)} of dtype "
+                             f"{getattr(q, 'dtype', None)}, expected a float tensor [{count}, {self.vocab_size}]")
+        q = torch.as_tensor(q).to(torch.float32)
+        if tuple(q.shape) != (count, self.vocab_size):
+            raise ValueError(f"request {request_id!r}: draft_logprobs: shape {tuple(q.shape)}, "
+                             f"expected [{count}, {self.vocab_size}] (one log-distribution per draft)")
+        if bool(torch.isnan(q).any()) or bool((q == float("inf")).any()):
+            bad = "nan" if bool(torch.isnan(q).any()) else "inf"
+            raise ValueError(f"request {request_id!r}: draft_logprobs holds {bad}: log-probabilities are finite or -inf")
+        mass = q.to(torch.float64).exp().sum(-1)  # [count]
+        off = torch.nonzero((mass - 1).abs() > DRAFT_MASS_TOLERANCE).flatten()
+        if len(off):
+            j = int(off[0])
+            raise ValueError(f"request {request_id!r}: draft_logprobs[{j}]: the probabilities sum to "
+                             f"{float(mass[j]):.6g}, not 1 (pass log-probabilities, e.g. log_softmax)")
+        return q
+
     def _checked_tokens(self, request_id: Hashable, name: str, tokens: Sequence[int], count: int) -> np.ndarray:
-        values = np.asarray(list(tokens), dtype=np.int64)
+        tokens = list(tokens)
+        for token in tokens:
+            # operator.index takes ints, numpy and 0-d integer torch scalars;
+            # a float or a string is a caller's bug, never truncated.
+            try:
+                if isinstance(token, (bool, np.bool_)):
+                    raise TypeError
+                operator.index(token)
+            except TypeError:
+                raise ValueError(f"request {request_id!r}: {name}={tokens!r}: {token!r} is not an int token id") from None
+        values = np.asarray([operator.index(t) for t in tokens], dtype=np.int64)
         if len(values) != count:
             raise ValueError(f"request {request_id!r}: {name} has {len(values)} tokens but the request "
                              f"verifies {count} this step (seqlen_q - 1 for a decode)")
@@ -618,6 +682,11 @@ class StepEngine:
         return values
 
     def _validate(self, hidden: torch.Tensor, inputs: SamplerInputs) -> None:
+        """Every check of a step that needs no device work: after it, nothing may raise but a bug."""
+        if not isinstance(hidden, torch.Tensor):
+            raise ValueError(f"hidden_states: a {_type_name(hidden)}, expected a torch.Tensor [rows, {self.hidden_size}]")
+        if not hidden.is_floating_point():
+            raise ValueError(f"hidden_states: dtype {hidden.dtype}, expected a floating-point tensor (the model's last-layer rows)")
         if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
             raise ValueError(f"hidden_states: shape {tuple(hidden.shape)}, expected [rows, {self.hidden_size}]")
         if hidden.device.type != self.device.type:
@@ -644,7 +713,9 @@ class StepEngine:
                 f"request {inputs.request_ids[req]!r}: params.logprobs={top_n}: more than "
                 f"SamplerConfig.max_logprobs={self.config.sampler.max_logprobs}"
             )
+        self.prompt_logprobs.check(inputs)
 
+    @torch.no_grad()  # hidden states that require grad must not make the static buffers record autograd
     def run(
         self,
         hidden_states: torch.Tensor,
@@ -655,50 +726,84 @@ class StepEngine:
     ) -> StepOutput:
         """The step from a prepared ledger and its staged arrays (the decode
         loop's path: it builds `inputs` from its request table). Validates
-        before touching anything."""
+        before touching anything; should the step still raise part way (a
+        bug, a KeyboardInterrupt), the host state is rolled back, so the
+        engine is as if it had not started."""
         host_start = time.perf_counter() if host_start is None else host_start
         self._validate(hidden_states, inputs)
         n = inputs.num_reqs
-        bucket = self.buckets.bucket_for(n) if n else None
-        if bucket is not None:
-            parts = [(0, n, bucket)]
-        else:
-            # Above the largest bucket: run eagerly over the same static
-            # buffers, the largest bucket's worth of requests at a time. Rows
-            # are independent (batch-invariant logits, per-row sampling), so
-            # this equals one big step.
-            if n:
+        if n == 0:
+            return StepOutput((), [], [], [], [], [], None, False, [])
+        mark = self.checkpoint()
+        try:
+            bucket = self.buckets.bucket_for(n)
+            if bucket is not None:
+                parts = [(0, n, bucket)]
+            else:
+                # Above the largest bucket: run eagerly over the same static
+                # buffers, the largest bucket's worth of requests at a time. Rows
+                # are independent (batch-invariant logits, per-row sampling), so
+                # this equals one big step.
                 self.replayer.record_eager_fallback(n)
                 self.stats.eager_fallbacks += 1
-            largest = self.buckets.largest
-            parts = [(a, min(a + largest, n), self.buckets.bucket_for(min(a + largest, n) - a)) for a in range(0, n, largest)]
-        replayer = self._replayer_for(inputs)
-        replayed = bucket is not None and self.config.use_graphs and replayer.captured
-        want_logprobs = bool((inputs.num_logprobs >= 0).any())
-        want_top = bool((inputs.num_logprobs > 0).any())
-        results = []
-        for a, b, part_bucket in parts:
-            part = arrays if len(parts) == 1 else arrays.requests(a, b, inputs.sample_offsets, inputs.sample_counts)
-            self.stage_step(hidden_states, part, part_bucket)
-            self.stats.host_seconds += time.perf_counter() - host_start
-            with stage("replay" if replayed else "eager step"):
-                if replayed:
-                    replayer.replay(part_bucket)
-                    self.stats.replays += 1
-                else:
-                    replayer.run_eager(part_bucket)
-                    if bucket is not None:  # a fallback slice is counted as eager_fallbacks
-                        self.stats.eager_steps += 1
-            results.append(self._collect(part_bucket, part, want_top=want_top, want_logprobs=want_logprobs))
-            host_start = time.perf_counter()
-        if bucket is not None:
-            self.stats.bucket_histogram[bucket] = self.stats.bucket_histogram.get(bucket, 0) + 1
-        self.stats.steps += 1
-        result = {key: np.concatenate([r[key] for r in results]) for key in results[0]} if results else {}
-        with stage("prompt logprobs"):
-            prompt_lp = self._prompt_logprobs(hidden_states, inputs)
-        return self._assemble(inputs, result, prompt_lp, bucket, replayed)
+                largest = self.buckets.largest
+                parts = [(a, min(a + largest, n), self.buckets.bucket_for(min(a + largest, n) - a)) for a in range(0, n, largest)]
+            replayer = self._replayer_for(inputs)
+            replayed = bucket is not None and self.config.use_graphs and replayer.captured
+            want_logprobs = bool((inputs.num_logprobs >= 0).any())
+            want_top = bool((inputs.num_logprobs > 0).any())
+            results = []
+            for a, b, part_bucket in parts:
+                part = arrays if len(parts) == 1 else arrays.requests(a, b, inputs.sample_offsets, inputs.sample_counts)
+                self.stage_step(hidden_states, part, part_bucket)
+                self.stats.host_seconds += time.perf_counter() - host_start
+                with stage("replay" if replayed else "eager step"):
+                    if replayed:
+                        replayer.replay(part_bucket)
+                        self.stats.replays += 1
+                    else:
+                        replayer.run_eager(part_bucket)
+                        if bucket is not None:  # a fallback slice is counted as eager_fallbacks
+                            self.stats.eager_steps += 1
+                results.append(self._collect(part_bucket, part, want_top=want_top, want_logprobs=want_logprobs))
+                host_start = time.perf_counter()
+            if bucket is not None:
+                self.stats.bucket_histogram[bucket] = self.stats.bucket_histogram.get(bucket, 0) + 1
+            self.stats.steps += 1
+            result = {key: np.concatenate([r[key] for r in results]) for key in results[0]}
+            errors = self._row_errors(inputs, result["error"])
+            prompt = None
+            if bool((inputs.is_prompt & (inputs.num_prompt_logprobs >= 0)).any()):
+                with stage("prompt logprobs"):
+                    prompt_rows = self._prompt_logprobs(hidden_states, inputs)
+                    prompt = self.prompt_logprobs.update(
+                        inputs, prompt_rows, np.fromiter((e is not None for e in errors), bool, count=n))
+                errors = [e if e is not None or p is None else f"request {rid!r}: {p}"
+                          for e, p, rid in zip(errors, prompt.errors, inputs.request_ids)]
+            handed_over = prompt.handed_over if prompt is not None else [None] * n
+            output = self._assemble(inputs, result, handed_over, errors, bucket, replayed)
+        except BaseException:
+            self.rollback(mark)
+            raise
+        if prompt is not None:
+            # Partial prompt logprobs change only once the step has succeeded.
+            self.prompt_logprobs.commit(prompt)
+        return output
 
+    def _row_errors(self, inputs: SamplerInputs, row_error: np.ndarray) -> list[str | None]:
+        """Per request, "request {id!r}: <cause>" of its first failed sample
+        row, or None. A non-last prompt chunk's token is discarded, so that
+        no token was left for it fails nothing."""
+        errors: list[str | None] = [None] * inputs.num_reqs
+        for r in np.flatnonzero(row_error):
+            i = int(inputs.row_to_req[r])
+            code = RowError(int(row_error[r]))
+            if errors[i] is not None or (code == RowError.NOTHING_LEFT and inputs.is_prompt[i] and not inputs.is_last_chunk[i]):
+                continue
+            errors[i] = f"request {inputs.request_ids[i]!r}: {ROW_ERROR_CAUSES[code]}"
+        return errors
+
+    @torch.no_grad()
     def stage_step(self, hidden_states: torch.Tensor, arrays: StepArrays, bucket: int) -> None:
         """The host part of a step: stage the per-step arrays and issue the one
         host-to-device copy (plus the caller's rows when not zero-copy)."""
@@ -757,7 +862,8 @@ class StepEngine:
             result["num_accepted"] = b.num_accepted[:n].to("cpu", copy=True).numpy() if k else np.zeros(n, np.int64)
             if k and self.config.verify_mode == "rejection":
                 emitted = b.emitted[:rows].to("cpu", copy=True).numpy()
-                changed = np.flatnonzero((emitted >= 0) & (emitted != result["tokens"]))
+                # A failed row emits nothing: no residual draw to rescore.
+                changed = np.flatnonzero((emitted >= 0) & (emitted != result["tokens"]) & (result["error"] == 0))
                 if len(changed):
                     # A residual draw is not the row's own draw: its logprob and rank differ.
                     self._rescore(b.logits[changed], emitted[changed], result, changed)
@@ -773,10 +879,9 @@ class StepEngine:
         result["logprob"][rows] = (value.squeeze(1).to(torch.float64) - lse).cpu().numpy()
         result["rank"][rows] = ((raw > value).sum(-1) + 1).cpu().numpy()
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: SamplerInputs) -> list[list[PromptLogprob] | None]:
-        if not inputs.is_prompt.any() or not (inputs.num_prompt_logprobs >= 0).any():
-            return [None] * inputs.num_reqs
-        results = compute_prompt_logprobs(
+    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: SamplerInputs) -> PromptRowResults:
+        """The step's prompt-logprob rows (none when no prompt chunk asks)."""
+        return compute_prompt_logprobs(
             hidden,
             self.weight,
             inputs,
@@ -785,19 +890,25 @@ class StepEngine:
             chunk_rows=self.config.prompt_logprobs_chunk_rows,
             batch_invariant=self.config.batch_invariant,
         )
-        return self.prompt_logprobs.add(inputs, results)
 
     def _assemble(
         self,
         inputs: SamplerInputs,
         result: dict[str, np.ndarray],
         prompt_lp: list[list[PromptLogprob] | None],
+        errors: list[str | None],
         bucket: int | None,
         replayed: bool,
     ) -> StepOutput:
         tokens, logprobs, num_accepted = [], [], []
         drawn = result["tokens"]
         for i in range(inputs.num_reqs):
+            if errors[i] is not None:
+                # A failed request emits nothing; its placeholder rows stay inside.
+                num_accepted.append(0)
+                tokens.append([])
+                logprobs.append([] if inputs.num_logprobs[i] >= 0 else None)
+                continue
             lo = int(inputs.sample_offsets[i])
             # Row j's token is keyed by the position it produces, exactly as in
             # plain decoding; rows past the first rejected draft emit nothing.
@@ -834,7 +945,7 @@ class StepEngine:
             num_accepted=num_accepted,
             bucket=bucket,
             replayed=replayed,
-            errors=[None] * inputs.num_reqs,
+            errors=errors,
         )
 
 
@@ -842,5 +953,19 @@ def _host_results(out: SampleOutput, *, want_top: bool) -> dict[str, np.ndarray]
     """Copy the real rows of the outputs to the host. A copy also on CPU, where
     `.cpu()` would return the static buffer itself and the next step would
     overwrite the results under the caller's feet."""
-    names = ("tokens", "logprob", "rank", "top_ids", "top_logprobs") if want_top else ("tokens", "logprob", "rank")
+    names = ("tokens", "logprob", "rank", "error") + (("top_ids", "top_logprobs") if want_top else ())
     return {name: getattr(out, name).to("cpu", copy=True).numpy() for name in names}
+
+
+def _type_name(value: object) -> str:
+    return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
+def _copied(stats: object) -> object:
+    """A copy of a stats dataclass whose dict fields are copied too (cheap
+    enough for every step, unlike deepcopy)."""
+    out = copy.copy(stats)
+    for name, value in vars(out).items():
+        if isinstance(value, dict):
+            setattr(out, name, dict(value))
+    return out

@@ -30,7 +30,7 @@ from engine.ops import DEFAULT_BLOCK_ROWS, gather
 from engine.params import SeqMeta
 from engine.parallel.cp_broadcast import LedgerBroadcaster, StepPlan, batch_fingerprint, config_fingerprint
 from engine.parallel.vocab_parallel import STRATEGIES, VocabParallelSampler, VocabShards, candidate_ineligibility
-from engine.prompt_logprobs import PromptLogprob
+from engine.prompt_logprobs import PromptRowResults
 from engine.step_engine import EngineConfig, StepArrays, StepEngine, StepOutput
 from graphs.replay import CaptureReport, GraphReplayer
 from profiling.ranges import stage
@@ -105,7 +105,7 @@ class ShardedStepEngine(StepEngine):
             vocab_size, lm_head_shard.shape[1]
         )
         super().__init__(full_shape, config)
-        self.weight = lm_head_shard
+        self.weight = lm_head_shard.detach()
         self.parallel, self.group, self.rank, self.tp, self.shards = parallel, group, rank, tp, shards
         self.vocab_parallel = VocabParallelSampler(
             shards,
@@ -158,6 +158,7 @@ class ShardedStepEngine(StepEngine):
             vp.sample_gathered(rows, b.params(bucket), b.outputs(rows))
         else:
             vp.sample_candidates(rows, b.params(bucket), b.outputs(rows))
+        self._fail_non_finite_hidden(rows)
         if self.config.max_draft_tokens:
             self._verify_and_store_drafts(bucket)
 
@@ -242,10 +243,8 @@ class ShardedStepEngine(StepEngine):
                 self.parallel_stats.exchanged_bytes += self.vocab_parallel.exchanged_bytes("gather", capacity)
         return super()._collect(bucket, arrays, want_top=want_top, want_logprobs=want_logprobs)
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: SamplerInputs) -> list[list[PromptLogprob] | None]:
-        if not inputs.is_prompt.any() or not (inputs.num_prompt_logprobs >= 0).any():
-            return [None] * inputs.num_reqs
-        results = self.vocab_parallel.prompt_logprobs(
+    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: SamplerInputs) -> PromptRowResults:
+        return self.vocab_parallel.prompt_logprobs(
             hidden,
             self.weight,
             inputs,
@@ -255,4 +254,3 @@ class ShardedStepEngine(StepEngine):
             # row blocks, not logits_block_rows: the same blocks, the same bits.
             block_rows=DEFAULT_BLOCK_ROWS,
         )
-        return self.prompt_logprobs.add(inputs, results)

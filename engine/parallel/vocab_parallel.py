@@ -43,12 +43,15 @@ from engine.ops import gather, get_logits
 from engine.prompt_logprobs import PromptRowResults, _top_n_ids
 from engine.sampler import (
     BLOCK,
+    PLACEHOLDER_TOKEN,
+    RowError,
     RowParams,
     SampleOutput,
     SamplerConfig,
     _block_log_normaliser,
     _expand,
     decide_on_candidates,
+    fail_rows,
     order_candidates,
     sample,
     suppression_and_shift,
@@ -249,6 +252,9 @@ class VocabParallelSampler:
         self._zero_suppressed(scratch, rows)
         blocks_send[:, 0, :local_blocks].copy_(_block_log_normaliser(scratch)[0])
         torch.sub(raw_local, raw_max[:, None], out=scratch).exp_()
+        # A NaN or inf logit in a shard makes that shard's raw block mass NaN,
+        # so every rank sees the row fail from the gathered masses.
+        scratch.masked_fill_(~torch.isfinite(raw_local), math.nan)
         blocks_send[:, 1, :local_blocks].copy_(_block_log_normaliser(scratch)[0])
         got = self.gathered_blocks[: tp * rows_n]
         dist.all_gather_single(got, blocks_send, group=self.group)
@@ -265,6 +271,11 @@ class VocabParallelSampler:
         # padding, whose results are cut off: the race over all candidates
         # keeps them finite.
         token = torch.where(rows.greedy, d.greedy_token, d.raced)
+        # exp(raw - max) sums to >= 1 for a finite row: a non-finite total
+        # means a non-finite logit. No unsuppressed candidate is left to the
+        # exact path (C < V: a token outside the candidates may be free).
+        finite = torch.isfinite(log_z_raw)
+        token = torch.where(finite, token, PLACEHOLDER_TOKEN)
         needs_exact = d.needs_exact(rows, any_valid)
 
         # Raw logprobs: every token with a larger logit than the emitted one
@@ -280,6 +291,8 @@ class VocabParallelSampler:
             needs_exact = needs_exact | (cand_raw[:, num_top - 1] <= cand_raw[:, -1])
         out.tokens.copy_(token)
         out.needs_exact.copy_(needs_exact)
+        out.error.zero_()
+        fail_rows(out, ~finite, RowError.LOGITS_NOT_FINITE)
 
     def _zero_suppressed(self, e: torch.Tensor, rows) -> None:
         """Suppressed stop ids inside this shard get weight 0, as in the sampler.
@@ -322,6 +335,7 @@ class VocabParallelSampler:
         ranks = np.empty(n, dtype=np.int64)
         top_ids = np.zeros((n, max_top), dtype=np.int64)
         top_logprobs = np.zeros((n, max_top), dtype=np.float32)
+        finite = np.empty(n, dtype=bool)
         chunk_rows = min(chunk_rows, self.local_logits.shape[0])
         device = weight.device
         for start in range(0, n, chunk_rows):
@@ -329,6 +343,7 @@ class VocabParallelSampler:
             hidden = gather(hidden_states, torch.as_tensor(rows_idx[start:stop], dtype=torch.int64).to(device))
             self.local_logits_of(hidden, weight, batch_invariant=batch_invariant, block_rows=block_rows)
             logits = self.all_gather_logits(stop - start)  # [chunk, V] fp32
+            finite[start:stop] = torch.isfinite(logits).all(1).cpu().numpy()
             target = torch.as_tensor(targets[start:stop], dtype=torch.int64).to(device).unsqueeze(1)
             ranks[start:stop] = (1 + (logits > logits.gather(1, target)).sum(1)).cpu().numpy()
             log_norm = torch.logsumexp(logits, dim=1, keepdim=True)
@@ -338,4 +353,4 @@ class VocabParallelSampler:
                 ids = _top_n_ids(logits, chunk_top)
                 top_ids[start:stop, :chunk_top] = ids.cpu().numpy()
                 top_logprobs[start:stop, :chunk_top] = (logits.gather(1, ids) - log_norm).cpu().numpy()
-        return PromptRowResults(np.asarray(targets, dtype=np.int32), logprobs, ranks, num_top, top_ids, top_logprobs)
+        return PromptRowResults(np.asarray(targets, dtype=np.int32), logprobs, ranks, num_top, top_ids, top_logprobs, finite)
