@@ -645,3 +645,22 @@ def test_a_retained_cache_that_a_failed_step_wrote_over_keeps_only_what_it_still
     done = loop.run()
     assert completions({"later": done["later"]}) == reference
     assert loop.stats.shared_prefix_tokens == 0  # the donor lost its first positions: nothing to share
+
+
+def test_a_nan_hidden_row_fails_only_its_request():
+    prompts, params = prompts_and_params(4, seed=4)
+    reference, _ = _run(prompts, params, token_budget=32, max_num_reqs=4)
+    model = FaultyModel(tiny_model())
+    loop = _loop(model=model, max_num_reqs=4)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        loop.submit(i, prompt, p)
+    loop.step()
+    loop.step()
+    model.poison = {next(r.kv_slot for r in loop.running if r.request_id == 1)}
+    loop.step()
+    model.poison = set()
+    assert loop.finished[1].finish_reason == "error" and "request 1" in loop.finished[1].error
+    done = loop.run()
+    holds_nothing(loop)
+    assert [completions(done)[i][1:] for i in (0, 2, 3)] == [reference[i] for i in (0, 2, 3)]
+    assert done[1].tokens == reference[1][0][: len(done[1].tokens)]
