@@ -3,8 +3,9 @@
 Every step may bring a submission (one in ten malformed: it must raise ValueError
 and change nothing), an abort of a random live request (or of a finished or
 unknown one: refused), an exception raised by the model before or after its
-forward wrote the cache (a KeyboardInterrupt now and then) or by the engine
-after it returned, and NaN in a request's rows (one request in twenty per
+forward wrote the cache (a KeyboardInterrupt now and then), by the engine after
+it returned or by the loop's bookkeeping after the step's tokens were recorded
+(each failed step must leave no trace), and NaN in a request's rows (one request in twenty per
 forward). Afterwards every request that was neither aborted nor poisoned must be
 bit-identical (tokens, logprobs, prompt logprobs, seed, finish reason) to a
 clean run of the well-formed requests alone; an aborted one ends "abort" and a
@@ -24,7 +25,7 @@ import pytest
 from engine import EngineConfig, SamplingParams
 from engine.decode_loop import DecodeLoop, LoopConfig
 from engine.models.llama import LlamaConfig, LlamaModel
-from tests.test_decode_loop import completions, holds_nothing, loop_state
+from tests.test_decode_loop import assert_no_trace, completions, holds_nothing, loop_state
 
 CONFIG = LlamaConfig.tiny()
 V = CONFIG.vocab_size
@@ -152,6 +153,14 @@ def run_chaos(seed: int) -> tuple[DecodeLoop, dict, dict, set, int, dict]:
         return out
 
     loop.engine.run = flaky_engine_run
+    record_emitted = loop.table.record_emitted
+
+    def flaky_record_emitted(*args):  # the last thing a step does: every token is in by now
+        record_emitted(*args)
+        if model.on and rng.random() < P_FAIL:
+            raise Chaos("after the step's tokens were recorded")
+
+    loop.table.record_emitted = flaky_record_emitted
     systems = [rng.integers(3, V, 24).tolist() for _ in range(2)]
     good, aborted, poisoned, failures = {}, {}, set(), 0
     for _ in range(STEPS):
@@ -178,10 +187,12 @@ def run_chaos(seed: int) -> tuple[DecodeLoop, dict, dict, set, int, dict]:
             with pytest.raises(ValueError, match=rf"request {rid!r}: (already finished|unknown request_id)"):
                 loop.abort(rid)
             assert loop_state(loop) == before
+        before = loop_state(loop)
         try:
             loop.step()
         except (Chaos, KeyboardInterrupt):
             failures += 1
+            assert_no_trace(before, loop_state(loop))
         else:
             poisoned |= model.poisoned
         assert_accounts(loop)
