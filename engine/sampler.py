@@ -60,6 +60,7 @@ import torch
 
 from engine.rng import TARGET, gumbel, uniform
 
+
 class RowError(IntEnum):
     """`SampleOutput.error` codes (int64 on the device)."""
 

@@ -11,6 +11,15 @@
       -> prompt logprobs  chunked, eager, outside the graph
       -> StepOutput
 
+A row whose hidden state or logits are not finite, or whose controls leave no
+token, fails only its own request (docs/contract.md §2): the sampler marks it
+inside the graph (`RowError`, copied out with the results), the request emits
+nothing and `StepOutput.errors` says why. Every check of the inputs runs
+before anything is staged, partial prompt logprobs are committed only once
+the step has succeeded, and a step that raises anyway leaves the host state
+as it found it; `checkpoint()` / `rollback()` let a caller undo a step that
+returned.
+
 `EngineConfig(use_graphs=False)` runs the same step function over the same
 static buffers without a graph; a step with more requests than the largest
 bucket runs eagerly over them, the largest bucket's worth of requests at a
@@ -601,10 +610,10 @@ class StepEngine:
             for i, q in enumerate(draft_logprobs):
                 if q is None:
                     continue
-                q = self._checked_draft_logprobs(inputs.request_ids[i], q, int(drafts_per_req[i]))
+                probs = self._checked_draft_logprobs(inputs.request_ids[i], q, int(drafts_per_req[i]))
                 lo = int(inputs.sample_offsets[i])
-                arrays.has_draft_probs[lo : lo + len(q)] = True
-                arrays.draft_probs[lo] = q.exp()
+                arrays.has_draft_probs[lo : lo + len(probs)] = True
+                arrays.draft_probs[lo] = probs
         if next_drafts is not None:
             arrays.next_draft_tokens = np.full((n, k), -1, dtype=np.int64)
             arrays.next_draft_logprobs = np.zeros((n, k), dtype=np.float32)
@@ -618,9 +627,9 @@ class StepEngine:
                     inputs.request_ids[i], "next_drafts", proposal, len(proposal))
                 if next_draft_logprobs is not None and next_draft_logprobs[i] is not None:
                     values = np.asarray(next_draft_logprobs[i], np.float32)
-                    if values.shape != (len(proposal),) or np.isnan(values).any() or (values > 0).any():
+                    if values.shape != (len(proposal),) or np.isnan(values).any() or np.isposinf(values).any():
                         raise ValueError(f"request {inputs.request_ids[i]!r}: next_draft_logprobs={values.tolist()}: "
-                                         f"expected {len(proposal)} log-probabilities <= 0, one per proposal")
+                                         f"expected {len(proposal)} log-probabilities (finite or -inf), one per proposal")
                     arrays.next_draft_logprobs[i, : len(proposal)] = values
         return arrays
 
@@ -642,25 +651,31 @@ class StepEngine:
         return layout
 
     def _checked_draft_logprobs(self, request_id: Hashable, q: np.ndarray | torch.Tensor, count: int) -> torch.Tensor:
-        """[count, V] draft log-distributions as float32 probabilities' logs, checked."""
-        if not isinstance(q, (np.ndarray, torch.Tensor)) or q.dtype.is_complex or not (
-                isinstance(q, torch.Tensor) and q.is_floating_point() or isinstance(q, np.ndarray) and q.dtype.kind == "f"):
+        """The draft distributions [count, V] f32 (probabilities) of a request's
+        `draft_logprobs`, checked: float, the right shape, no NaN or +inf,
+        each row's probabilities summing to 1."""
+        if isinstance(q, (list, tuple)):
+            q = np.asarray(q)
+        floating = ((isinstance(q, torch.Tensor) and q.is_floating_point())
+                    or (isinstance(q, np.ndarray) and q.dtype.kind == "f"))
+        if not floating:
             raise ValueError(f"request {request_id!r}: draft_logprobs: a {_type_name(q)} of dtype "
                              f"{getattr(q, 'dtype', None)}, expected a float tensor [{count}, {self.vocab_size}]")
         q = torch.as_tensor(q).to(torch.float32)
         if tuple(q.shape) != (count, self.vocab_size):
             raise ValueError(f"request {request_id!r}: draft_logprobs: shape {tuple(q.shape)}, "
                              f"expected [{count}, {self.vocab_size}] (one log-distribution per draft)")
-        if bool(torch.isnan(q).any()) or bool((q == float("inf")).any()):
+        probs = q.exp()
+        mass = probs.sum(-1, dtype=torch.float64)  # [count]: NaN or inf when a logprob is NaN or +inf
+        if not bool(torch.isfinite(mass).all()):
             bad = "nan" if bool(torch.isnan(q).any()) else "inf"
             raise ValueError(f"request {request_id!r}: draft_logprobs holds {bad}: log-probabilities are finite or -inf")
-        mass = q.to(torch.float64).exp().sum(-1)  # [count]
         off = torch.nonzero((mass - 1).abs() > DRAFT_MASS_TOLERANCE).flatten()
         if len(off):
             j = int(off[0])
             raise ValueError(f"request {request_id!r}: draft_logprobs[{j}]: the probabilities sum to "
                              f"{float(mass[j]):.6g}, not 1 (pass log-probabilities, e.g. log_softmax)")
-        return q
+        return probs
 
     def _checked_tokens(self, request_id: Hashable, name: str, tokens: Sequence[int], count: int) -> np.ndarray:
         tokens = list(tokens)

@@ -28,11 +28,23 @@ import engine.step_engine as step_engine_module
 import tests.test_parallel as parallel
 from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine
 from engine.parallel import ParallelConfig, ShardedStepEngine, VocabShards
-from engine.sampler import PLACEHOLDER_TOKEN, RowError, RowParams, SamplerConfig, sample, sample_exact, sample_reference
+from engine.parallel.vocab_parallel import VocabParallelSampler
+from engine.sampler import (
+    PLACEHOLDER_TOKEN,
+    RowError,
+    RowParams,
+    SampleOutput,
+    SamplerConfig,
+    sample,
+    sample_exact,
+    sample_reference,
+)
 
 VOCAB, HIDDEN, MAX_REQS, MAX_DRAFTS = 300, 24, 8, 2
 EOS = VOCAB - 1
-POISONS = (math.nan, math.inf, -math.inf)
+NON_FINITE = (math.nan, math.inf, -math.inf)
+OVERFLOW = 3e38  # a finite hidden value whose logits overflow to +-inf
+POISONS = (*NON_FINITE, OVERFLOW)
 
 
 def _weight() -> torch.Tensor:
@@ -130,7 +142,7 @@ def test_a_poisoned_row_fails_only_its_own_request(engines, seed, n, mode):
     poisoned = hidden.clone()
     bad_rows = rng.choice(len(hidden), size=int(rng.integers(1, min(3, len(hidden)) + 1)), replace=False)
     for r in bad_rows:
-        value = POISONS[int(rng.integers(3))]
+        value = POISONS[int(rng.integers(len(POISONS)))]
         if rng.random() < 0.5:
             poisoned[r] = value
         else:
@@ -207,7 +219,8 @@ def test_all_logits_infinite_with_top_k_fails_the_request(engines):
             poisoned = hidden.clone()
             poisoned[bad] = value
             out = engine.step(poisoned, seqs)
-            assert out.errors[bad] == f"request 'r{bad}': hidden state not finite"
+            cause = "logits row not finite (NaN or inf)" if value == OVERFLOW else "hidden state not finite"
+            assert out.errors[bad] == f"request 'r{bad}': {cause}"
             for i in set(range(3)) - {bad}:
                 assert out.errors[i] is None
                 assert out.tokens[i] == clean.tokens[i] and out.logprobs[i] == clean.logprobs[i]
@@ -453,8 +466,9 @@ def test_the_sharded_engine_fails_the_same_requests(tmp_path):
     cases = []
     for seed, eligible in ((0, True), (1, True), (2, False)):
         seqs, hidden = parallel.random_batch(seed, eligible=eligible)
-        for r in rng.choice(len(hidden), size=2, replace=False):
-            hidden[r, int(rng.integers(parallel.HIDDEN))] = POISONS[int(rng.integers(3))]
+        first, second = rng.choice(len(hidden), size=2, replace=False)
+        hidden[first, int(rng.integers(parallel.HIDDEN))] = NON_FINITE[int(rng.integers(3))]
+        hidden[second] = OVERFLOW  # finite: only the logits show it
         drafts = [None if s.is_prompt else rng.integers(0, parallel.VOCAB, s.seqlen_q - 1).tolist() for s in seqs]
         cases.append((seqs, hidden, drafts))
     reference = StepEngine(_parallel_weight(), parallel.CONFIG)
@@ -467,3 +481,28 @@ def test_the_sharded_engine_fails_the_same_requests(tmp_path):
             for got, want in zip(outs, expected):
                 assert (got if rank == 0 else _without_ids(got)) == (want if rank == 0 else _without_ids(want)), (
                     rank, strategy)
+
+
+def _candidate_rows_worker(rank: int, world: int) -> tuple:
+    vocab = parallel.VOCAB
+    sampler = VocabParallelSampler(VocabShards.split(vocab, world), rank, max_rows=4, k_cap=50, max_stop_ids=8,
+                                   sampler=SamplerConfig(candidate_cap=256, max_logprobs=5),
+                                   full_logits=torch.zeros(4, vocab))
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(12))
+    logits[1] = math.nan
+    logits[2, 7] = math.inf
+    logits[3, 9] = -math.inf  # the only non-finite logit: no NaN arises from it on its own
+    sampler.local_logits[:, : sampler.size].copy_(logits[:, sampler.start : sampler.start + sampler.size])
+    params = RowParams.from_numpy(
+        temperature=np.array([0.0, 0.7, 0.0, 1.0], np.float32), top_k=np.array([0, 5, 0, 20], np.int32),
+        top_p=np.ones(4, np.float32), min_p=np.zeros(4, np.float32), seed=np.arange(4, dtype=np.uint64),
+        sample_position=np.zeros(4, np.int64), row_to_req=np.arange(4), local_step=np.zeros(4, np.int64))
+    out = SampleOutput.allocate(4, 5)
+    sampler.sample_candidates(4, params, out)
+    return out.error.tolist(), out.tokens.tolist(), out.needs_exact.tolist(), torch.isfinite(out.logprob).all().item()
+
+
+def test_the_candidate_exchange_flags_non_finite_rows_on_every_rank(tmp_path):
+    for error, tokens, needs_exact, finite in parallel.run_ranks(2, _candidate_rows_worker, (), tmp_path):
+        assert error == [0, 1, 1, 1] and tokens[1:] == [PLACEHOLDER_TOKEN] * 3
+        assert needs_exact[1:] == [False] * 3 and finite

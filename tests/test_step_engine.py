@@ -283,7 +283,7 @@ def _few_candidate_batch(n: int, seed: int, weight: torch.Tensor, *, top_k_zero_
         if top_k_zero_row and i == n - 1:
             params = SamplingParams(temperature=0.9, seed=1)  # a plain row: full candidates
         gen = int(rng.integers(1, 5))
-        seqs.append(SeqMeta(f"r{i}", False, 1, 6 + gen, 5, prompt_tokens=np.arange(5), num_generated=gen, params=params))
+        seqs.append(SeqMeta(f"r{i}", False, 1, 5 + gen, 5, prompt_tokens=np.arange(5), num_generated=gen, params=params))
         tie = rng.random() < 0.5
         rows.append(weight[100] * 4 if tie else torch.randn(HIDDEN, generator=torch.Generator().manual_seed(seed * 97 + i)))
     return seqs, torch.stack(rows)
