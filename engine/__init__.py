@@ -12,8 +12,10 @@ from engine.ledger import SamplerInputs, prepare_sampler_inputs
 from engine.params import SamplingParams, SeqMeta
 
 _DEVICE_SIDE = {"StepEngine", "EngineConfig", "StepOutput"}
+_DECODE_LOOP = {"DecodeLoop", "LoopConfig", "Completion", "generate"}
 
-__all__ = ["SamplingParams", "SeqMeta", "prepare_sampler_inputs", "SamplerInputs", *sorted(_DEVICE_SIDE)]
+__all__ = ["SamplingParams", "SeqMeta", "prepare_sampler_inputs", "SamplerInputs", *sorted(_DEVICE_SIDE),
+           *sorted(_DECODE_LOOP)]
 
 
 def __getattr__(name: str) -> Any:
@@ -23,4 +25,8 @@ def __getattr__(name: str) -> Any:
         from engine import step_engine
 
         return getattr(step_engine, name)
+    if name in _DECODE_LOOP:
+        from engine import decode_loop
+
+        return getattr(decode_loop, name)
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

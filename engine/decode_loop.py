@@ -6,7 +6,14 @@ tokens each), then prefill chunks with the rest of the token budget; run the
 model's forward straight into the engine's static hidden-state source
 (zero-copy); build the ledger from the request table (SPEC §5: no per-step
 rebuild from Python objects) and let `engine.run` sample / verify; emit,
-finish (EOS, stop ids, max_tokens) and free the slots.
+finish (EOS, stop ids, max_tokens, a failed row) and free the slots.
+
+A step is atomic: whatever raises inside it (the model, the engine, this
+loop's own bookkeeping, a KeyboardInterrupt), everything it changed is put
+back before the exception leaves, so the next `step()` runs it again as if it
+had never started. Requests leave through one door (`_release`): finished,
+failed or aborted, they give back their table row, KV-cache slot and
+draft-info slot.
 
 Drafts come from an n-gram prompt-lookup drafter: the longest recent n-gram
 of the request's history that occurred before proposes the tokens that
@@ -18,6 +25,7 @@ import bisect
 import dataclasses
 import time
 from collections import OrderedDict, deque
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Iterable, Sequence
 
@@ -28,7 +36,7 @@ from engine.models.protocol import CausalLM, ForwardBatch, PrefixCopy
 from engine.params import SamplingParams
 from engine.prompt_logprobs import PromptLogprob
 from engine.request_table import DraftSlots, RequestTable
-from engine.step_engine import EngineConfig, StepEngine, TokenLogprob
+from engine.step_engine import EngineCheckpoint, EngineConfig, StepEngine, StepOutput, TokenLogprob
 from profiling.ranges import stage
 
 
@@ -84,6 +92,46 @@ def common_prefix_length(a: np.ndarray, b: np.ndarray) -> int:
     return int(differ[0]) if len(differ) else n
 
 
+def _check_request_id(request_id: Hashable) -> None:
+    if request_id is None:
+        raise ValueError("request_id=None: must not be None")
+    try:
+        hash(request_id)
+    except TypeError:
+        raise ValueError(f"request_id={request_id!r}: must be hashable") from None
+
+
+def _checked_prompt(request_id: Hashable, prompt_tokens: object, vocab_size: int) -> np.ndarray:
+    """[prompt_len] int64 from a flat sequence of int ids in [0, vocab_size). Nothing is
+    coerced: a float, a bool, a string or a nested list is a caller's bug, not a token."""
+    where = f"request {request_id!r}: prompt_tokens"
+    if isinstance(prompt_tokens, torch.Tensor):
+        if prompt_tokens.dtype.is_floating_point or prompt_tokens.dtype.is_complex or prompt_tokens.dtype == torch.bool:
+            raise ValueError(f"{where}: a tensor of {prompt_tokens.dtype}, not of integer token ids")
+        prompt_tokens = prompt_tokens.detach().cpu().numpy()
+    if isinstance(prompt_tokens, np.ndarray):
+        if not np.issubdtype(prompt_tokens.dtype, np.integer):
+            raise ValueError(f"{where}: a numpy array of {prompt_tokens.dtype}, not of integer token ids")
+        if prompt_tokens.ndim != 1:
+            raise ValueError(f"{where}: shape {prompt_tokens.shape}, must be 1-D")
+        tokens = prompt_tokens.tolist()  # Python ints: range checks below cannot overflow
+    elif isinstance(prompt_tokens, SequenceABC) and not isinstance(prompt_tokens, (str, bytes, bytearray)):
+        tokens = list(prompt_tokens)
+        for i, token in enumerate(tokens):
+            if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
+                raise ValueError(f"{where}[{i}]={token!r}: must be an int token id, not a {type(token).__name__}")
+    else:
+        raise ValueError(
+            f"{where}={prompt_tokens!r}: must be a sequence of int token ids, not a {type(prompt_tokens).__name__}"
+        )
+    if not tokens:
+        raise ValueError(f"request {request_id!r}: prompt is empty (at least one token is needed)")
+    for i, token in enumerate(tokens):
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"{where}[{i}]={int(token)}: outside [0, {vocab_size})")
+    return np.asarray(tokens, dtype=np.int64)
+
+
 @dataclass
 class Completion:
     request_id: Hashable
@@ -92,7 +140,8 @@ class Completion:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[PromptLogprob] | None = None
     seed: int | None = None
-    finish_reason: str | None = None  # "stop" (EOS / stop id) or "length"
+    finish_reason: str | None = None  # "stop" (EOS / stop id), "length", "abort" or "error"
+    error: str | None = None  # finish_reason "error": the engine's message, naming the request and the cause
     text: str | None = None  # filled by callers that hold a tokenizer
 
 
@@ -114,6 +163,19 @@ class _Running:
     def generated(self) -> list[int]:
         return self.completion.tokens
 
+    def mark(self) -> tuple:
+        """What a step may change in this request; `restore` puts it back."""
+        c = self.completion
+        return (self.prefilled, len(c.tokens), None if c.logprobs is None else len(c.logprobs),
+                c.prompt_logprobs, c.seed, c.finish_reason, c.error)
+
+    def restore(self, mark: tuple) -> None:
+        c = self.completion
+        self.prefilled, num_tokens, num_logprobs, c.prompt_logprobs, c.seed, c.finish_reason, c.error = mark
+        del c.tokens[num_tokens:]
+        if num_logprobs is not None:
+            del c.logprobs[num_logprobs:]
+
     def cached_tokens(self) -> np.ndarray:
         """The tokens whose keys and values this request's cache slot holds, in order."""
         if self.prefilled < len(self.prompt):
@@ -134,7 +196,23 @@ class _Scheduled:
 
 
 @dataclass
+class _StepUndo:
+    """What one step may change, taken before it starts (`DecodeLoop._rollback`)."""
+
+    stats: LoopStats
+    engine: EngineCheckpoint
+    running: list[_Running]
+    retained: OrderedDict[int, np.ndarray]
+    marks: list[tuple[_Running, tuple]]  # the step's requests, admitted ones included
+    # Admitted this step: (arrival step, request, the tokens of the retained cache whose
+    # slot it took, None for a slot fresh from the model).
+    admitted: list[tuple[int, _Running, np.ndarray | None]] = field(default_factory=list)
+
+
+@dataclass
 class LoopStats:
+    # The loop's clock, which arrival steps are counted in: steps run, idle ones included
+    # (`run` skips a stretch of idle steps before a future arrival in one go).
     steps: int = 0
     tokens_generated: int = 0
     prefill_tokens: int = 0  # prompt tokens computed by the model
@@ -189,7 +267,8 @@ class DecodeLoop:
         self.stop_ids = np.full((cfg.max_num_reqs, engine_config.max_stop_ids), -1, dtype=np.int64)  # per table row
         self.shares_prefixes = cfg.prefix_sharing and isinstance(model, PrefixCopy)
         # Finished requests' caches kept as prefix donors: kv slot -> the tokens it holds,
-        # least recently used first; a slot goes back to the model when one is needed.
+        # least recently used first; when the model has no free slot left, the first one
+        # hands its slot to a request being admitted.
         self.retained: OrderedDict[int, np.ndarray] = OrderedDict()
         self.waiting: deque[tuple[int, _Running]] = deque()  # (arrival step, request), by arrival
         self.running: list[_Running] = []
@@ -207,20 +286,21 @@ class DecodeLoop:
         *,
         arrival_step: int = 0,
     ) -> None:
-        """Queue a request; every check runs here, so a bad request never
-        reaches (or disturbs) the running batch."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}")
+        """Queue a request; every check runs here, before anything is changed, so a
+        bad request never reaches (or disturbs) the running batch. `prompt_tokens`:
+        a flat sequence of int token ids (list, tuple, range, integer numpy array or
+        tensor); `arrival_step`: the step of the loop's clock (`stats.steps`) from
+        which it may be admitted."""
+        _check_request_id(request_id)
         if request_id in self._known:
             raise ValueError(f"request {request_id!r}: request_id was already submitted")
-        prompt = np.asarray(list(prompt_tokens), dtype=np.int64)
-        if prompt.size == 0:
-            raise ValueError(f"request {request_id!r}: prompt is empty (at least one token is needed)")
-        vocab = self.model.vocab_size
-        if prompt.min() < 0 or prompt.max() >= vocab:
-            bad = int(np.flatnonzero((prompt < 0) | (prompt >= vocab))[0])
-            raise ValueError(f"request {request_id!r}: prompt_tokens[{bad}]={int(prompt[bad])}: outside [0, {vocab})")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}")
+        prompt = _checked_prompt(request_id, prompt_tokens, self.model.vocab_size)
+        if isinstance(arrival_step, bool) or not isinstance(arrival_step, (int, np.integer)) or arrival_step < 0:
+            raise ValueError(f"request {request_id!r}: arrival_step={arrival_step!r}: must be an int >= 0")
+        arrival_step = int(arrival_step)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.config.default_max_tokens
         # The last generated token is never fed back, so the cache needs one
         # slot less than prompt + max_tokens; drafts may run max_draft past it.
@@ -231,6 +311,12 @@ class DecodeLoop:
                 f"context of {needed} but the model's max_context is {self.model.max_context}"
             )
         stop_ids = self.engine.stop_ids_for(request_id, params)  # raises for too many or out-of-vocabulary ids
+        if params.min_tokens and len(np.unique(stop_ids[stop_ids >= 0])) == self.model.vocab_size:
+            # Every id is suppressed until min_tokens: the first step would have nothing to sample.
+            raise ValueError(
+                f"request {request_id!r}: params.stop_token_ids={params.stop_token_ids} with EOS cover the whole "
+                f"vocabulary ({self.model.vocab_size} ids) while min_tokens={params.min_tokens}: no token could be sampled"
+            )
         top_n = params.num_logprobs
         if top_n > self.engine.config.sampler.max_logprobs:
             raise ValueError(
@@ -249,38 +335,85 @@ class DecodeLoop:
         request = _Running(request_id, prompt, params, max_tokens, -1, completion, stop_ids=stop_ids)
         self.waiting.insert(position, (arrival_step, request))
 
+    def abort(self, request_id: Hashable) -> Completion:
+        """Stop a queued or running request (between steps): it gives back its table
+        row, KV-cache slot and draft-info slot, and its completion so far is returned
+        (and kept in `finished`) with finish_reason "abort". A request that was waiting
+        for it to prefill a shared prefix computes that prefix itself."""
+        _check_request_id(request_id)
+        for i, (_, req) in enumerate(self.waiting):
+            if req.request_id == request_id:
+                del self.waiting[i]
+                return self._aborted(req)
+        for req in self.running:
+            if req.request_id == request_id:
+                self.running.remove(req)
+                self._release(req, keep_cache=False)
+                return self._aborted(req)
+        if request_id in self.finished:
+            reason = self.finished[request_id].finish_reason
+            raise ValueError(f"request {request_id!r}: already finished (finish_reason={reason!r}), nothing to abort")
+        raise ValueError(f"request {request_id!r}: unknown request_id, nothing to abort")
+
+    def _aborted(self, req: _Running) -> Completion:
+        req.completion.finish_reason = "abort"
+        self.finished[req.request_id] = req.completion
+        return req.completion
+
     # -- one step -------------------------------------------------------------------
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _admit(self) -> None:
+    def _admit(self, undo: _StepUndo) -> None:
         while self.waiting and len(self.running) < self.config.max_num_reqs and self.waiting[0][0] <= self.stats.steps:
             try:
-                kv_slot = self._allocate_slot()
+                kv_slot, evicted = self._take_slot()
             except RuntimeError:
                 # The model's KV cache is full: the request waits for a finished one.
                 if not self.running:
                     raise
                 return
-            _, req = self.waiting.popleft()
+            arrival, req = self.waiting.popleft()
             req.kv_slot = kv_slot
+            undo.admitted.append((arrival, req, evicted))
+            undo.marks.append((req, req.mark()))
             if self.draft_slots is not None:
                 req.draft_slot = self.draft_slots.allocate()
             req.table_row = self.table.add(req.request_id, req.params, req.prompt, mtp_write_slot=req.draft_slot)
             self.stop_ids[req.table_row] = req.stop_ids
             self.running.append(req)
 
-    def _allocate_slot(self) -> int:
-        """A free KV-cache slot; when none is left, the least recently used retained cache gives its up."""
-        while True:
-            try:
-                return self.model.allocate_slot()
-            except RuntimeError:
-                if not self.retained:
-                    raise
-                slot, _ = self.retained.popitem(last=False)
-                self.model.free_slot(slot)
+    def _take_slot(self) -> tuple[int, np.ndarray | None]:
+        """A KV-cache slot, and the tokens of the retained cache it came from (None for a
+        free slot of the model). When the model has none left, the least recently used
+        retained cache hands its slot over: the slot stays allocated and changes owner,
+        so a failed step can hand it back (`_unadmit`)."""
+        try:
+            return self.model.allocate_slot(), None
+        except RuntimeError:
+            if not self.retained:
+                raise
+            return self.retained.popitem(last=False)
+
+    def _unadmit(self, arrival: int, req: _Running, evicted: np.ndarray | None) -> None:
+        """Undo `_admit` for one request of a failed step: back to the front of the queue."""
+        if req.table_row >= 0:
+            self.table.remove(req.request_id)
+            self.stop_ids[req.table_row] = -1
+            req.table_row = -1
+        if req.draft_slot:
+            self.draft_slots.release(req.draft_slot)
+            req.draft_slot = 0
+        if evicted is None:
+            self.model.free_slot(req.kv_slot)
+        else:
+            # The failed step may have written this request's prompt over the start of the
+            # donor's cache (a prefix copy, a chunk). Where the two prompts agree those keys
+            # and values are the donor's own, so the common prefix is still the donor's.
+            self.retained[req.kv_slot] = evicted[: common_prefix_length(evicted, req.prompt)]
+        req.kv_slot = -1
+        self.waiting.appendleft((arrival, req))
 
     def release_retained(self) -> None:
         """Give every retained cache's slot back to the model (`run` does this when it returns)."""
@@ -356,14 +489,36 @@ class DecodeLoop:
         return not coming
 
     def step(self) -> list[StepEvent]:
-        """Admit, schedule, forward, sample; returns what each request emitted."""
+        """Admit, schedule, forward, sample; returns what each request emitted.
+
+        Atomic: when anything raises, `_rollback` undoes what the step changed before
+        the exception propagates (see the module docstring)."""
+        undo = _StepUndo(
+            stats=dataclasses.replace(self.stats),
+            engine=self.engine.checkpoint(),
+            running=list(self.running),
+            retained=OrderedDict(self.retained),
+            marks=[(req, req.mark()) for req in self.running],
+        )
+        try:
+            events, left = self._step(undo)
+        except BaseException:
+            self._rollback(undo)
+            raise
+        # The step is committed: hand back what the requests that left held. (Outside the
+        # undo: a KV slot given back to the model cannot be taken back.)
+        for req in left:
+            self._release(req, keep_cache=req.completion.finish_reason in ("stop", "length"))
+        return events
+
+    def _step(self, undo: _StepUndo) -> tuple[list[StepEvent], list[_Running]]:
         t0 = time.perf_counter()
         with stage("schedule"):
-            self._admit()
+            self._admit(undo)
             batch = self._schedule()
         if not batch:
             self.stats.steps += 1
-            return []
+            return [], []
         rows = np.fromiter((s.req.table_row for s in batch), dtype=np.int64, count=len(batch))
         is_prompt = np.fromiter((s.is_prompt for s in batch), dtype=bool, count=len(batch))
         seqlen_q = np.fromiter((s.seqlen_q for s in batch), dtype=np.int32, count=len(batch))
@@ -383,14 +538,32 @@ class DecodeLoop:
             arrays = self.engine.step_arrays(inputs, self.stop_ids[rows], draft_tokens=drafts)
         out = self.engine.run(self.engine.source, inputs, arrays, host_start=t2)
         t3 = time.perf_counter()
-        events = self._apply(batch, out)
+        events, left = self._apply(batch, out)
         self.stats.schedule_seconds += (t1 - t0) + (time.perf_counter() - t3)
         self.stats.forward_seconds += t2 - t1
         self.stats.engine_seconds += t3 - t2
         self.stats.steps += 1
-        return events
+        return events, left
 
-    def _apply(self, batch: list[_Scheduled], out) -> list[StepEvent]:
+    def _rollback(self, undo: _StepUndo) -> None:
+        """Put back what a failed step changed. The model's cache may hold keys and values
+        the step wrote past each request's context: the next owner of those positions
+        writes them before anything reads them."""
+        self.engine.rollback(undo.engine)
+        for req, mark in undo.marks:
+            req.restore(mark)
+            self.finished.pop(req.request_id, None)
+        self.table.set_generated(np.array([r.table_row for r in undo.running], dtype=np.int64),
+                                 np.array([len(r.generated) for r in undo.running], dtype=np.int32))
+        self.running = undo.running
+        self.retained = undo.retained
+        for arrival, req, evicted in reversed(undo.admitted):
+            self._unadmit(arrival, req, evicted)
+        self.stats = undo.stats
+
+    def _apply(self, batch: list[_Scheduled], out: StepOutput) -> tuple[list[StepEvent], list[_Running]]:
+        """Emit the step's tokens and finish requests; returns the events and the requests
+        that finished (their slots are released once the step is committed)."""
         events = []
         emitted = np.zeros(len(batch), dtype=np.int32)
         for i, scheduled in enumerate(batch):
@@ -405,6 +578,11 @@ class DecodeLoop:
             else:
                 self.stats.drafts_proposed += len(req.drafts)
                 self.stats.drafts_accepted += out.num_accepted[i]
+            if out.errors[i] is not None:
+                # A non-finite or unsatisfiable row: this request fails, nobody else notices.
+                completion.finish_reason, completion.error = "error", out.errors[i]
+                events.append(StepEvent(req.request_id, [], True))
+                continue
             new = []
             for j, token in enumerate(out.tokens[i]):
                 new.append(token)
@@ -422,18 +600,26 @@ class DecodeLoop:
             finished = completion.finish_reason is not None
             events.append(StepEvent(req.request_id, new, finished))
         self.table.record_emitted(np.array([s.req.table_row for s in batch]), emitted)
-        for req in [r for r in self.running if r.completion.finish_reason is not None]:
-            self.running.remove(req)
-            if self.shares_prefixes:
-                self.retained[req.kv_slot] = req.cached_tokens()
-            else:
-                self.model.free_slot(req.kv_slot)
-            if self.draft_slots is not None:
-                self.draft_slots.release(req.draft_slot)
-            self.table.remove(req.request_id)
-            self.stop_ids[req.table_row] = -1
-            self.finished[req.request_id] = req.completion
-        return events
+        left = [r for r in self.running if r.completion.finish_reason is not None]
+        if left:
+            self.running = [r for r in self.running if r.completion.finish_reason is None]
+            for req in left:
+                self.finished[req.request_id] = req.completion
+        return events, left
+
+    def _release(self, req: _Running, *, keep_cache: bool) -> None:
+        """Give back what a request that left holds: its table row, its draft-info slot,
+        any prompt logprobs the engine holds for it, and its KV-cache slot (kept as a
+        prefix donor when `keep_cache` and the model shares prefixes)."""
+        self.table.remove(req.request_id)
+        self.stop_ids[req.table_row] = -1
+        if self.draft_slots is not None:
+            self.draft_slots.release(req.draft_slot)
+        self.engine.prompt_logprobs.discard(req.request_id)
+        if keep_cache and self.shares_prefixes:
+            self.retained[req.kv_slot] = req.cached_tokens()
+        else:
+            self.model.free_slot(req.kv_slot)
 
     def _stops(self, req: _Running, token: int) -> bool:
         """Does `token`, just appended, end the request? Not while it is among
@@ -448,6 +634,10 @@ class DecodeLoop:
     def run(self, on_step: Callable[[list[StepEvent]], None] | None = None) -> dict[Hashable, Completion]:
         """Step until every submitted request finished."""
         while self.has_work():
+            if not self.running and self.waiting[0][0] > self.stats.steps:
+                # Nothing runs before the next arrival: move the clock there instead of
+                # running the idle steps one by one.
+                self.stats.steps = self.waiting[0][0]
             events = self.step()
             if on_step:
                 on_step(events)

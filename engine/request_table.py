@@ -126,6 +126,10 @@ class RequestTable:
         """Advance num_generated after a step emitted `counts` tokens per row."""
         self.cols.add_at("num_generated", rows, counts)
 
+    def set_generated(self, rows: np.ndarray, counts: np.ndarray) -> None:
+        """Set num_generated (the decode loop putting back what a failed step changed)."""
+        self.cols.num_generated[rows] = counts
+
     def schedule(
         self,
         rows: np.ndarray,
