@@ -314,6 +314,7 @@ def completion_json(c: Completion) -> dict:
         "text": c.text,
         "tokens": c.tokens,
         "finish_reason": c.finish_reason,
+        "error": c.error,
         "seed": c.seed,
         "logprobs": None if c.logprobs is None else [logprob(lp) for lp in c.logprobs],
         "prompt_logprobs": None if c.prompt_logprobs is None else [logprob(lp) for lp in c.prompt_logprobs],
