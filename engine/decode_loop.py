@@ -4,7 +4,7 @@ Per step: admit arrived requests (a KV-cache slot, a draft-info slot and a
 row of the columnar request table each), schedule decodes first (1 + drafts
 tokens each), then prefill chunks with the rest of the token budget; run the
 model's forward straight into the engine's static hidden-state source
-(zero-copy); build the ledger from the request table (SPEC §5: no per-step
+(zero-copy); build the ledger from the request table (docs/contract.md §5: no per-step
 rebuild from Python objects) and let `engine.run` sample / verify; emit,
 finish (EOS, stop ids, max_tokens, a failed row) and free the slots.
 

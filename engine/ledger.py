@@ -1,10 +1,10 @@
-"""The row ledger (SPEC §1): which model-output rows are sampled, which feed
+"""The row ledger (docs/contract.md §1): which model-output rows are sampled, which feed
 prompt logprobs, at which positions, with which parameters, and which
 draft-info rows are read and written.
 
 One vectorised walk over the batch (cumsum / repeat over columns), no Python
 loop over requests except to fetch prompt-logprob targets. The plain
-per-request loop that mirrors SPEC §1 line by line lives in
+per-request loop that mirrors docs/contract.md §1 line by line lives in
 tests/ledger_reference.py and is the oracle for this one.
 
 Cursors, in array form:
@@ -53,7 +53,7 @@ class StepSchedule:
 
 @dataclass
 class SamplerInputs:
-    """The ledger's outputs (SPEC §1 table) plus the per-request layout the
+    """The ledger's outputs (docs/contract.md §1 table) plus the per-request layout the
     engine needs to cut results back into requests. Host numpy arrays."""
 
     selected_token_indices: np.ndarray  # [sample_rows] int32: model-output row of each sample row
@@ -370,7 +370,7 @@ def prepare_sampler_inputs(
     compaction_keep_tokens: int | None = None,
     seed_base: int = 0,
 ) -> SamplerInputs:
-    """SPEC §1 over a list of `SeqMeta` (the convenience front).
+    """docs/contract.md §1 over a list of `SeqMeta` (the convenience front).
 
     The engine's hot path keeps per-request state in a `RequestTable` and
     calls `build_ledger` directly; both run the same vectorised walk.

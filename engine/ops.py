@@ -1,4 +1,4 @@
-"""Device ops at the head of the sampling tail (SPEC §3): pick rows, compute logits.
+"""Device ops at the head of the sampling tail (docs/contract.md §3): pick rows, compute logits.
 
 Both are capture-safe: no host syncs, no boolean-mask indexing, no shapes that
 depend on tensor values. The same code runs on CPU and CUDA.

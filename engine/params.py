@@ -106,7 +106,7 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class SeqMeta:
-    """One request's view of one step (SPEC §1).
+    """One request's view of one step (docs/contract.md §1).
 
     `seqlen_k` is the context length after this step's tokens. In a decode step
     `seqlen_q = 1 + drafts`; the first query token is the last generated one.

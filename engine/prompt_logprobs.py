@@ -1,4 +1,4 @@
-"""Prompt logprobs (SPEC §1.1, §3): for every prompt-logprob row, the logprob
+"""Prompt logprobs (docs/contract.md §1.1, §3): for every prompt-logprob row, the logprob
 and rank of the prompt token it predicts, plus optional top-N alternatives.
 
 Runs eagerly, outside the captured graph (host syncs are fine here), over
@@ -13,7 +13,7 @@ Definitions, per row (logits are the raw fp32 LM-head output):
 - top-N: the N largest logits, best first, ties to the smaller token id (so the
   list does not depend on a kernel's tie order); N larger than the vocabulary
   gives the whole vocabulary.
-Top-k-space mode restricts each row's distribution to its top-k (SPEC §2:
+Top-k-space mode restricts each row's distribution to its top-k (docs/contract.md §2:
 every token whose logit is >= the k-th largest, so ties at the cut stay in) and
 renormalises over it; a target outside reads logprob -inf (its rank, over the
 whole vocabulary, is then > k). k = 0 leaves the row unrestricted.

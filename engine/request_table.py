@@ -1,11 +1,11 @@
-"""Persistent columnar per-request state (SPEC §5).
+"""Persistent columnar per-request state (docs/contract.md §5).
 
 Requests get a row of the table when they join and give it back when they
 leave; a step names its requests by table row and gathers every column in one
 fancy-index per dtype group. Nothing per step is rebuilt from Python objects.
 
 `DraftSlots` owns the draft-info pool's slot numbers and the take-once read
-rule of SPEC §1.3.
+rule of docs/contract.md §1.3.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The fused sampler: per-row processing, the draw, logprobs (SPEC §2).
+"""The fused sampler: per-row processing, the draw, logprobs (docs/contract.md §2).
 
 Order per sample row: fp32 logits -> forced token -> EOS/stop suppression ->
 temperature -> top-k -> top-p -> min-p -> draw -> logprobs.

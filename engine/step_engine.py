@@ -236,7 +236,7 @@ class StepOutput:
     request_ids: tuple[Hashable, ...]
     tokens: list[list[int]]  # emitted this step; empty for a non-last prefill chunk
     logprobs: list[list[TokenLogprob] | None]  # one per emitted token, None when not requested
-    prompt_logprobs: list[list[PromptLogprob] | None]  # SPEC §1.1: None / [] / the full list
+    prompt_logprobs: list[list[PromptLogprob] | None]  # docs/contract.md §1.1: None / [] / the full list
     seeds: list[int]  # the seed each request sampled with
     num_accepted: list[int]  # drafts accepted per request (0 without drafts)
     bucket: int | None  # graph bucket used, None for an eager fallback
@@ -273,7 +273,7 @@ class EngineCheckpoint:
 
 
 class StepEngine:
-    """The captured tail of an inference step (SPEC §4, §6)."""
+    """The captured tail of an inference step (docs/contract.md §4, §6)."""
 
     def __init__(self, lm_head_weight: torch.Tensor, config: EngineConfig | None = None):
         config = config or EngineConfig()
@@ -909,7 +909,7 @@ class StepEngine:
             hidden,
             self.weight,
             inputs,
-            # Top-k-space mode (SPEC §2.1): a target outside the request's top-k reads -inf.
+            # Top-k-space mode (docs/contract.md §2.1): a target outside the request's top-k reads -inf.
             top_k=inputs.top_ks if self.config.top_k_space_verify else None,
             chunk_rows=self.config.prompt_logprobs_chunk_rows,
             batch_invariant=self.config.batch_invariant,

@@ -1,4 +1,4 @@
-"""Draft verification on the device (SPEC §1.2, §2.1): which drafts a step accepts.
+"""Draft verification on the device (docs/contract.md §1.2, §2.1): which drafts a step accepts.
 
 Layout. Sample rows are flat; request i owns rows [first_i, first_i + 1 + k_i)
 and row j of it produces position `sample_position_i + j`. `row_to_req` and
@@ -30,7 +30,7 @@ and the row emits an inverse-CDF draw from p with the same uniform instead
 
 Top-k-space mode (per request k, 0 = off; `restrict_to_top_k`,
 `draft_in_top_k`): target and draft distributions are cut to their top-k,
-value-defined with ties at the cut kept (as SPEC §2 defines top-k), and
+value-defined with ties at the cut kept (as docs/contract.md §2 defines top-k), and
 renormalised. Working on the full vocabulary with the other tokens at
 probability 0 is the remap into the target's top-k done in place: a draft maps
 to its own id, and one outside the target's top-k has p(d) = 0, so it is always

@@ -47,7 +47,7 @@ STEP_FIELDS: tuple[StepField, ...] = (
     StepField("seed", torch.int64, "req", 0),
     StepField("sample_position", torch.int64, "req", 0),
     StepField("stop_ids", torch.int64, "req", -1, width="stop"),
-    # Drafts (SPEC §1.2, §1.3). row_drafts: the draft a row verifies, staged
+    # Drafts (docs/contract.md §1.2, §1.3). row_drafts: the draft a row verifies, staged
     # from the caller (>= 0), none (-1, a request's last row), or READ_FROM_POOL.
     StepField("row_drafts", torch.int64, "row", -1),
     StepField("pool_read_rows", torch.int64, "row", 0),  # mtp_info_read_rows
@@ -125,7 +125,7 @@ class StepBuffers:
             staged[f.name] = host_bytes[start : start + nbytes].view(_NUMPY[f.dtype]).reshape(shape)
             staged[f.name][...] = f.neutral
         packed.copy_(staging)
-        # Draft-info pool (SPEC §1.3): slot 0 is padding and never written:
+        # Draft-info pool (docs/contract.md §1.3): slot 0 is padding and never written:
         # token V - 1, logprob 0 in its first entry and -inf after, so reading
         # it biases nothing. Writes aimed at slot 0 land in the extra last slot.
         width = max(max_draft_tokens, 1)

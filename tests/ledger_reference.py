@@ -1,4 +1,4 @@
-"""The plain per-request loop that mirrors SPEC §1 line by line: the oracle
+"""The plain per-request loop that mirrors docs/contract.md §1 line by line: the oracle
 for the vectorised ledger. Deliberately naive: cursors, appends, no numpy
 tricks."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The vectorised ledger against the per-request reference loop, hand-worked
-cases for each SPEC §1 rule, every validation error, and the columnar table."""
+cases for each docs/contract.md §1 rule, every validation error, and the columnar table."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,5 +1,5 @@
 """Prompt logprobs against a float64 full log-softmax reference that walks the
-SeqMeta list itself (SPEC §1.1), across interleaved 3-chunk prefills.
+SeqMeta list itself (docs/contract.md §1.1), across interleaved 3-chunk prefills.
 
 Hidden states and weights are small integers, so every GEMM (fp32 or bf16) is
 exact and logits tie often: ranks and tie-broken top-N lists compare exactly.

@@ -34,9 +34,24 @@ def test_readme_links_resolve_and_the_contract_lives_in_the_repo():
         assert (ROOT / link).is_file(), link
     for doc in [README, *DOCS.glob("*.md")]:
         body = doc.read_text()
-        assert "../shared" not in body and "SPEC §" not in body, doc.name
+        assert "../" "shared" not in body and "SPEC" " §" not in body, doc.name
         for link in re.findall(r"\]\(([^)#:]+)\)", body):  # relative links between docs
             assert (doc.parent / link).exists(), f"{doc.name}: {link}"
+
+
+def test_no_tracked_file_points_outside_the_repo():
+    """A clone holds nothing outside itself: code and docs cite docs/contract.md sections."""
+    import subprocess
+
+    try:
+        files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        files = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*") if p.is_file() and ".git" not in p.parts]
+    outside = "../" + "shared"  # spelled apart so this file does not match itself
+    spec_section = "SPEC" + " §"
+    offenders = [name for name in files if name.endswith((".py", ".md", ".sh", ".toml", ".json", "Makefile"))
+                 and (outside in (ROOT / name).read_text(errors="ignore") or spec_section in (ROOT / name).read_text(errors="ignore"))]
+    assert not offenders, offenders
 
 
 def test_contract_keeps_the_section_numbers_code_comments_cite():

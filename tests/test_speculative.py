@@ -1,5 +1,5 @@
 """Speculative decoding inside the captured step (issue 5): the draft-info
-pool (SPEC §1.3) and rejection-mode verification through StepEngine; replay
+pool (docs/contract.md §1.3) and rejection-mode verification through StepEngine; replay
 equals eager for mixed draft lengths at every bucket in both modes."""
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def test_rejection_mode_accepts_drafts_the_target_agrees_with():
 
 
 def test_top_k_space_mode_applies_to_prompt_logprobs():
-    """SPEC §2.1: in top-k-space mode a prompt-logprob target outside the
+    """docs/contract.md §2.1: in top-k-space mode a prompt-logprob target outside the
     request's top-k reads -inf; inside, it is renormalised over the top-k."""
     hidden = torch.randn(6, HIDDEN, generator=torch.Generator().manual_seed(9))
     prompt = list(range(6))

@@ -1,6 +1,6 @@
 """StepEngine: replay equals eager bit for bit, padding never leaks, the graph
 really reads the static buffers, bad input is rejected before any buffer is
-touched (SPEC §4, §6; issue 4 item 7)."""
+touched (docs/contract.md §4, §6; issue 4 item 7)."""
 from __future__ import annotations
 
 import numpy as np

@@ -7,7 +7,7 @@ consecutive tokens, in batch order, and after the step its context holds
 and values to the request's KV-cache slot, attends causally against everything
 the slot holds (earlier prefill chunks and earlier decode steps included), and
 returns one last-layer hidden row per query token: exactly the flat
-`[total_rows, hidden]` layout of SPEC §1 that the step engine consumes.
+`[total_rows, hidden]` layout of docs/contract.md §1 that the step engine consumes.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Vocab-parallel logits and sampling over torch.distributed (SPEC §2 across ranks).
+"""Vocab-parallel logits and sampling over torch.distributed (docs/contract.md §2 across ranks).
 
 Each rank holds rows [start, stop) of the LM head. Shard boundaries fall on
 the sampler's normaliser blocks (`engine.sampler.BLOCK`): a block never spans
