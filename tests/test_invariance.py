@@ -20,16 +20,6 @@ from engine.ops import BLOCK_KERNELS, BlockGemm, block_gemm, get_logits
 SMOLLM2_V, SMOLLM2_H = 49152, 576
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request: pytest.FixtureRequest) -> int:
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    try:
-        yield request.param
-    finally:
-        torch.set_num_threads(before)
-
-
 @pytest.fixture
 def planted(monkeypatch: pytest.MonkeyPatch):
     """Replace block kernels for one test; the probe's verdicts are forgotten before and after."""

@@ -145,16 +145,6 @@ def test_get_logits_writes_into_out_and_casts_hidden_to_weight_dtype():
         get_logits(hidden, weight, batch_invariant=True, block_rows=0)
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request: pytest.FixtureRequest) -> int:
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    try:
-        yield request.param
-    finally:
-        torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_rows", [DEFAULT_BLOCK_ROWS, 16, 5])
 def test_batch_invariant_row_is_bit_identical_alone_and_in_any_batch(threads, dtype, block_rows):
