@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from engine.ledger import SamplerInputs
-from engine.ops import gather, get_logits
+from engine.ops import BlockGemm, gather, get_logits
 
 DEFAULT_CHUNK_ROWS = 8192
 
@@ -76,13 +76,16 @@ def compute_prompt_logprobs(
     top_k: np.ndarray | None = None,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     batch_invariant: bool = False,
+    kernel: BlockGemm | None = None,
 ) -> PromptRowResults:
     """Prompt logprobs for the step's prompt rows (`inputs.selected_prompt_indices`,
     targets `inputs.prompt_token_targets`), each request's own top-N.
 
     `hidden_states` is the step's [num_output_rows, H] model output. `top_k`
     ([num_reqs] int, 0 = off) switches on top-k-space mode per request; use
-    `prompt_row_logprobs` for a per-row k.
+    `prompt_row_logprobs` for a per-row k. `kernel`: the batch-invariant block
+    GEMM of `lm_head_weight` to run (the engine passes the one its probe
+    verified, `engine.invariance`); None: `get_logits`' unchecked default.
     """
     counts = inputs.prompt_row_counts
     rows = inputs.selected_prompt_indices
@@ -116,6 +119,7 @@ def compute_prompt_logprobs(
         row_top_k=row_top_k,
         chunk_rows=chunk_rows,
         batch_invariant=batch_invariant,
+        kernel=kernel,
     )
 
 
@@ -129,6 +133,7 @@ def prompt_row_logprobs(
     row_top_k: np.ndarray | None = None,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     batch_invariant: bool = False,
+    kernel: BlockGemm | None = None,
 ) -> PromptRowResults:
     """The chunked computation over explicit rows: `rows` [n] model-output rows,
     `targets` [n] token ids, `num_top` [n] top-N per row, `row_top_k` [n] per-row
@@ -148,7 +153,7 @@ def prompt_row_logprobs(
     for start in range(0, n, chunk_rows):
         stop = min(start + chunk_rows, n)
         hidden = gather(hidden_states, torch.as_tensor(rows[start:stop], dtype=torch.int64).to(device))
-        logits = get_logits(hidden, lm_head_weight, batch_invariant=batch_invariant)  # [chunk, vocab] fp32
+        logits = get_logits(hidden, lm_head_weight, batch_invariant=batch_invariant, kernel=kernel)  # [chunk, vocab] fp32
         finite[start:stop] = torch.isfinite(logits).all(1).cpu().numpy()
         target = torch.as_tensor(targets[start:stop], dtype=torch.int64).to(device).unsqueeze(1)  # [chunk, 1]
         # Rank and top-N come from the raw logits; both are unchanged by the

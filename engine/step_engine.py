@@ -913,6 +913,7 @@ class StepEngine:
             top_k=inputs.top_ks if self.config.top_k_space_verify else None,
             chunk_rows=self.config.prompt_logprobs_chunk_rows,
             batch_invariant=self.config.batch_invariant,
+            kernel=self.logits_kernel,  # the block GEMM the probe verified, as the sampled rows use
         )
 
     def _assemble(

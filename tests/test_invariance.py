@@ -211,6 +211,31 @@ def test_engine_steps_run_on_the_fallback_kernel(planted):
     assert crowd.logprobs[15] == alone.logprobs[0]
 
 
+def test_prompt_logprobs_run_on_the_verified_kernel(planted):
+    """Prompt-logprob rows go through the LM head too: with 16- and 32-row kernels planted to
+    scale a block's last row, the 32nd prompt row of a chunk (the last row of an unchecked
+    32-row block) must read what the same row gives alone, so the prompt logprobs run the
+    engine's verified 8-row fallback."""
+    def scale_last_row(kernel):
+        def bad(gemm: BlockGemm, block: torch.Tensor) -> torch.Tensor:
+            out = kernel(gemm, block)
+            if gemm.block_rows in (16, 32):
+                out[-1] = out[-1] * 1.5
+            return out
+        return bad
+
+    planted(scale_last_row)
+    gen = torch.Generator().manual_seed(5)
+    weight, hidden = torch.randn(300, 32, generator=gen), torch.randn(33, 32, generator=gen)
+    engine = StepEngine(weight, EngineConfig(max_num_reqs=4, small_candidate_cap=0))
+    assert engine.logits_kernel.block_rows == 8
+    tokens = torch.randint(0, 300, (33,), generator=gen).tolist()
+    params = SamplingParams(temperature=0.0, prompt_logprobs=True)
+    crowd = engine.step(hidden, [SeqMeta("long", True, 33, 33, 33, prompt_tokens=tokens, params=params)])
+    alone = engine.step(hidden[31:], [SeqMeta("pair", True, 2, 2, 2, prompt_tokens=tokens[31:], params=params)])
+    assert crowd.prompt_logprobs[0][31] == alone.prompt_logprobs[0][0]
+
+
 def test_engine_falls_back_to_single_rows_when_every_block_breaks(planted):
     planted(last_row_off())
     weight = torch.randn(500, 48)
