@@ -188,18 +188,10 @@ def test_engine_falls_back_from_a_planted_kernel(planted):
 
 
 def test_engine_steps_run_on_the_fallback_kernel(planted):
-    """With the 16-row kernels planted to scale a block's last row, a request's logprob
+    """With the 16-row kernels planted to nudge a block's last row, a request's logprob
     alone and as the 16th of 16 requests (the last row of a 16-row block) must agree: the
     step runs the verified 8-row fallback, not the configured block."""
-    def scale_last_row(kernel):
-        def bad(gemm: BlockGemm, block: torch.Tensor) -> torch.Tensor:
-            out = kernel(gemm, block)
-            if gemm.block_rows == 16:
-                out[-1] = out[-1] * 1.5
-            return out
-        return bad
-
-    planted(scale_last_row)
+    planted(last_row_off(lambda gemm: gemm.block_rows == 16))
     gen = torch.Generator().manual_seed(4)
     weight, hidden = torch.randn(300, 32, generator=gen), torch.randn(16, 32, generator=gen)
     engine = StepEngine(weight, EngineConfig(max_num_reqs=16, logits_block_rows=16, small_candidate_cap=0))
@@ -213,18 +205,10 @@ def test_engine_steps_run_on_the_fallback_kernel(planted):
 
 def test_prompt_logprobs_run_on_the_verified_kernel(planted):
     """Prompt-logprob rows go through the LM head too: with 16- and 32-row kernels planted to
-    scale a block's last row, the 32nd prompt row of a chunk (the last row of an unchecked
+    nudge a block's last row, the 32nd prompt row of a chunk (the last row of an unchecked
     32-row block) must read what the same row gives alone, so the prompt logprobs run the
     engine's verified 8-row fallback."""
-    def scale_last_row(kernel):
-        def bad(gemm: BlockGemm, block: torch.Tensor) -> torch.Tensor:
-            out = kernel(gemm, block)
-            if gemm.block_rows in (16, 32):
-                out[-1] = out[-1] * 1.5
-            return out
-        return bad
-
-    planted(scale_last_row)
+    planted(last_row_off(lambda gemm: gemm.block_rows in (16, 32)))
     gen = torch.Generator().manual_seed(5)
     weight, hidden = torch.randn(300, 32, generator=gen), torch.randn(33, 32, generator=gen)
     engine = StepEngine(weight, EngineConfig(max_num_reqs=4, small_candidate_cap=0))
