@@ -713,12 +713,12 @@ def _write_exact_rows(
     raw = logits.to(torch.float32)
     rows = _expand(params, raw.shape[1])
     num_top = out.top_ids.shape[1]
+    failed = torch.zeros(out.tokens.shape[0], dtype=torch.bool, device=out.tokens.device)
     for i in row_index:
         error = _exact_row_error(raw[i], rows, i)
         out.error[i] = error
         if error != RowError.OK:
-            out.tokens[i], out.logprob[i], out.rank[i] = PLACEHOLDER_TOKEN, 0.0, 0
-            out.top_ids[i], out.top_logprobs[i], out.needs_exact[i] = -1, 0.0, False
+            failed[i] = True
             continue
         token, logprob, rank, top_ids, top_lps = _exact_row(raw[i], rows, i, cfg, num_top, compute_logprobs)
         out.tokens[i] = token
@@ -729,7 +729,7 @@ def _write_exact_rows(
         out.rank[i] = rank
         out.top_ids[i] = torch.tensor(top_ids, dtype=torch.int64)
         out.top_logprobs[i] = torch.tensor(top_lps, dtype=torch.float64)
-        out.needs_exact[i] = False
+    _write_placeholders(out, failed)
 
 
 def sample_exact(
