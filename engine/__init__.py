@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.ledger import SamplerInputs, prepare_sampler_inputs
-from engine.params import SamplingParams, SeqMeta
+from engine.host.ledger import SamplerInputs, prepare_sampler_inputs
+from engine.host.params import SamplingParams, SeqMeta
 
 _DEVICE_SIDE = {"StepEngine", "EngineConfig", "StepOutput"}
 _DECODE_LOOP = {"DecodeLoop", "LoopConfig", "Completion", "generate"}
@@ -22,11 +22,11 @@ def __getattr__(name: str) -> Any:
     # The device side imports torch; the host ledger (and `python -m engine
     # explain`) should not pay for that, so it loads on first use.
     if name in _DEVICE_SIDE:
-        from engine import step_engine
+        from engine.step import step_engine
 
         return getattr(step_engine, name)
     if name in _DECODE_LOOP:
-        from engine import decode_loop
+        from engine.loop import decode_loop
 
         return getattr(decode_loop, name)
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

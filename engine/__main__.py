@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine import explain as explain_mod
+from engine.cli import explain as explain_mod
 
 
 def _explain_parser(sub: argparse._SubParsersAction) -> None:
@@ -55,7 +55,7 @@ def _print_explained(args: argparse.Namespace, seqs: list, max_draft: int, keep:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["demo"]:
-        from engine import demo  # imports torch and the model: only for the demo
+        from engine.cli import demo  # imports torch and the model: only for the demo
 
         return demo.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m engine")

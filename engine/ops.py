@@ -12,7 +12,7 @@ import torch
 
 # Rows per GEMM call in batch-invariant mode when no verified kernel is given (the
 # prompt-logprob chunks). Every call sees exactly this many rows; that this gives every
-# row one reduction order is what `engine.invariance` probes for the kernels it picks.
+# row one reduction order is what `engine.step.invariance` probes for the kernels it picks.
 DEFAULT_BLOCK_ROWS = 32
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -48,7 +48,7 @@ class BlockGemm:
     """`x @ weight.T` as one GEMM call per block of exactly `block_rows` rows: the unit of
     work the batch-invariant modes rely on. Whether one call shape really gives every row of
     the block one summation order, whatever its position and its neighbours, depends on the
-    GEMM library, the CPU and the thread count; `engine.invariance` checks it where the code
+    GEMM library, the CPU and the thread count; `engine.step.invariance` checks it where the code
     runs and picks a `BlockGemm` that holds.
 
     `kernel` names an entry of `BLOCK_KERNELS`; `packed` is its prepared form of `weight`
@@ -122,7 +122,7 @@ def get_logits(
     so every GEMM call has the same shape and a row's logits are bit-identical
     whatever the row count and the row's place in the batch, provided the block
     kernel keeps that promise on this machine: `kernel` is a `BlockGemm` of
-    `weight` that `engine.invariance` has verified (its block size then replaces
+    `weight` that `engine.step.invariance` has verified (its block size then replaces
     `block_rows`); without one, `mm` blocks of `block_rows` rows, unchecked.
     Plain mode lets the GEMM pick its kernel by row count, which changes the
     reduction order and so the low bits.

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.sampler import RowParams, SampleOutput
+from graphs.step_fields import RowParams, SampleOutput
 
 _ALIGN = 8  # bytes; every field starts 8-aligned so any dtype view is legal
 
@@ -269,17 +269,17 @@ class StepBuffers:
         reqs, rows = bucket, self.rows_for(bucket)
         f = self.fields
         return RowParams(
-            temperature=f["temperature"][:reqs],
-            top_k=f["top_k"][:reqs],
-            top_p=f["top_p"][:reqs],
-            min_p=f["min_p"][:reqs],
-            seed=f["seed"][:reqs],
-            sample_position=f["sample_position"][:reqs],
+            temperatures=f["temperature"][:reqs],
+            top_ks=f["top_k"][:reqs],
+            top_ps=f["top_p"][:reqs],
+            min_ps=f["min_p"][:reqs],
+            seeds=f["seed"][:reqs],
+            sample_positions=f["sample_position"][:reqs],
             stop_ids=f["stop_ids"][:reqs],
             row_to_req=f["row_to_req"][:rows],
             local_step=f["local_step"][:rows],
-            suppress_eos=f["suppress_eos"][:rows],
-            forced_token=f["forced_token"][:rows],
+            eos_suppression_rows=f["suppress_eos"][:rows],
+            forced_tokens=f["forced_token"][:rows],
         )
 
     def outputs(self, rows: int) -> SampleOutput:

@@ -50,13 +50,13 @@ from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
 
 from engine.models.llama import LayerWeights, LlamaConfig, LlamaModel, LlamaWeights
 from engine.models.protocol import ForwardBatch
-from engine.params import SamplingParams, SeqMeta
+from engine.host.params import SamplingParams, SeqMeta
 from engine.parallel.sharded_engine import ParallelConfig, ShardedStepEngine
 from engine.parallel.vocab_parallel import VocabShards
-from engine.step_engine import EngineConfig, StepEngine
+from engine.step.step_engine import EngineConfig, StepEngine
 from graphs.capture_safety import CaptureSafetyError, capture_safety_check
 from graphs.replay import CaptureReport, GraphReplayer, simulated_cuda_capture
-from profiling.fake_cuda import FakeCuda
+from profiling.fake_cuda import FakeCuda, project_path
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ def _call_site(err: BaseException) -> str:
     if not frames:
         return "unknown"
     f = frames[-1]
-    return f"{'/'.join(f.filename.rsplit('/', 2)[-2:])}:{f.lineno} ({f.line})"
+    return f"{project_path(f.filename)}:{f.lineno} ({f.line})"
 
 
 @contextmanager

@@ -27,6 +27,7 @@ counted in `pageable_copies` the same way.
 """
 from __future__ import annotations
 
+import os
 import traceback
 from collections import Counter
 from collections.abc import Iterator
@@ -133,11 +134,20 @@ class FakeCuda:
             stack.close()
 
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def project_path(filename: str) -> str:
+    """`filename` relative to the repository root (engine/step/step_engine.py), or as given outside it."""
+    path = os.path.abspath(filename)
+    return os.path.relpath(path, _ROOT) if path.startswith(_ROOT + os.sep) else filename
+
+
 def _call_site() -> str:
-    """The innermost frame outside torch and this module, as folder/file:line."""
+    """The innermost frame outside torch and this module, as a repository path and line."""
     for frame in reversed(traceback.extract_stack()[:-1]):
         if "/torch/" not in frame.filename and not frame.filename.endswith("fake_cuda.py"):
-            return f"{'/'.join(frame.filename.rsplit('/', 2)[-2:])}:{frame.lineno}"
+            return f"{project_path(frame.filename)}:{frame.lineno}"
     return "unknown"
 
 

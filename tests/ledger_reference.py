@@ -3,8 +3,8 @@ for the vectorised ledger. Deliberately naive: cursors, appends, no numpy
 tricks."""
 from __future__ import annotations
 
-from engine.columns import derive_seed
-from engine.params import SeqMeta
+from engine.host.columns import derive_seed
+from engine.host.params import SeqMeta
 
 
 def reference_ledger(seqs: list[SeqMeta], *, max_draft_tokens: int = 0, compaction_keep_tokens: int | None = None, seed_base: int = 0) -> dict:

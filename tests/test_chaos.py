@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from engine import EngineConfig, SamplingParams
-from engine.decode_loop import DecodeLoop, LoopConfig
+from engine.loop.decode_loop import DecodeLoop, LoopConfig
 from engine.models.llama import LlamaConfig, LlamaModel
 from tests.test_decode_loop import assert_no_trace, completions, holds_nothing, loop_state
 

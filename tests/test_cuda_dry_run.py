@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-import engine.sampler as sampler_module
+import engine.sampling.sampler as sampler_module
 from engine import EngineConfig, StepEngine
 from engine.models.llama import LlamaConfig
 from profiling.cuda_dry_run import DryRunConfig, DryRunFailure, main, run
@@ -33,7 +33,7 @@ def test_dry_run_passes_and_reports_ops_per_bucket(capsys: pytest.CaptureFixture
         assert counts and min(counts) > 50, line  # every bucket ran a real step under the check
     assert re.search(r"^  engine +1:\d+  2:\d+$", out, re.M), out  # both buckets of max_num_reqs=2
     # The exact path's flag read after each replay is counted, not hidden.
-    assert re.search(r"engine/step_engine.py:\d+", out)
+    assert re.search(r"engine/step/step_engine.py:\d+", out)
     # The engine's own per-step uploads (staging, source-copy index, draft probabilities)
     # are pinned and asynchronous; what is left pageable is listed, and is not the engine's.
     pageable = out.split("pageable host-to-device copies")[1].split("dry run passed")[0]
@@ -67,7 +67,7 @@ def _host_factory(e: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
 
 def test_a_host_tensor_in_a_device_op_outside_the_graphs_fails_the_dry_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """Eager code after the replay (here the output collection) is held to CUDA's device rules."""
-    import engine.step_engine as step_engine_module
+    import engine.step.step_engine as step_engine_module
 
     original = step_engine_module._host_results
 

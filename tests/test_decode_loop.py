@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, SamplingParams
-from engine.decode_loop import DecodeLoop, LoopConfig, StepEvent, generate, propose_ngram_drafts
+from engine.loop.decode_loop import DecodeLoop, LoopConfig, StepEvent, generate, propose_ngram_drafts
 from engine.models.llama import LlamaConfig, LlamaModel, random_weights
 from engine.models.protocol import ForwardBatch
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.demo import main
+from engine.cli.demo import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -160,7 +160,7 @@ def test_tiny_model_shows_visible_text_and_drafts_off_prints_no_nan(capsys, rest
 
 
 def test_shown_text_escapes_control_characters_and_falls_back_to_token_ids():
-    from engine.demo import shown_text
+    from engine.cli.demo import shown_text
 
     assert shown_text("hi\nthere", [1]) == "'hi\\nthere'"
     assert shown_text("\n\n", [10, 10]) == "'\\n\\n' (token ids [10, 10])"

@@ -7,7 +7,7 @@ import pytest
 
 from engine import prepare_sampler_inputs
 from engine.__main__ import main
-from engine.explain import EXAMPLE_BATCH, parse_request
+from engine.cli.explain import EXAMPLE_BATCH, parse_request
 
 
 def test_parse_request_defaults_follow_spec():
@@ -87,7 +87,7 @@ def test_errors_speak_the_command_line_keys(capsys):
 
 
 def test_every_column_is_explained(capsys):
-    from engine.explain import LEGEND
+    from engine.cli.explain import LEGEND
 
     assert main(["explain", "--example"]) == 0
     out = capsys.readouterr().out

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import SamplingParams, SeqMeta, prepare_sampler_inputs
-from engine.ledger import LedgerInvariantError, _check_invariants
-from engine.request_table import DraftSlots, RequestTable
+from engine.host.ledger import LedgerInvariantError, _check_invariants
+from engine.host.persistent_batch import DraftSlots, RequestTable
 from tests.ledger_reference import reference_ledger
 
 MAX_DRAFTS = 3

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine.invariance import choose_block_gemm, lm_head_candidates
+from engine.step.invariance import choose_block_gemm, lm_head_candidates
 from engine.ops import DEFAULT_BLOCK_ROWS, block_gemm, gather, get_logits
 from graphs.capture_safety import capture_safety_check
 

@@ -14,9 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import engine.prompt_logprobs as prompt_logprobs_module
+import engine.step.prompt_logprobs as prompt_logprobs_module
 from engine import SamplingParams, SeqMeta, prepare_sampler_inputs
-from engine.prompt_logprobs import (
+from engine.step.prompt_logprobs import (
     DEFAULT_CHUNK_ROWS,
     PromptLogprob,
     PromptLogprobAccumulator,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine
-from engine.sampler import SamplerConfig
+from engine.sampling.sampler import SamplerConfig
 from graphs.buckets import BucketTable
 from graphs.capture_safety import CaptureSafetyError
 from graphs.replay import GraphReplayer

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine import rng
+from engine.sampling import rng
 
 
 def _ks_statistic(u: np.ndarray) -> float:

@@ -24,21 +24,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import engine.step_engine as step_engine_module
+import engine.step.step_engine as step_engine_module
 import tests.test_parallel as parallel
 from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine
 from engine.parallel import ParallelConfig, ShardedStepEngine, VocabShards
 from engine.parallel.vocab_parallel import VocabParallelSampler
-from engine.sampler import (
-    PLACEHOLDER_TOKEN,
-    RowError,
-    RowParams,
-    SampleOutput,
-    SamplerConfig,
-    sample,
-    sample_exact,
-    sample_reference,
-)
+from engine.sampling.sampler import PLACEHOLDER_TOKEN, RowError, SamplerConfig, sample, sample_exact, sample_reference
+from graphs.step_fields import RowParams, SampleOutput
 
 VOCAB, HIDDEN, MAX_REQS, MAX_DRAFTS = 300, 24, 8, 2
 EOS = VOCAB - 1
@@ -258,10 +250,10 @@ def test_sampler_flags_non_finite_and_empty_rows_with_a_placeholder():
     good = [0, 6]
     cfg = SamplerConfig(candidate_cap=32, max_logprobs=4)
     params = RowParams.from_numpy(
-        temperature=np.array([1.0, 0.0, 1.0, 0.7, 1.0, 0.0, 0.9], np.float32),
-        top_k=np.array([250, 0, 200, 5, 0, 0, 280], np.int32), top_p=np.ones(rows, np.float32),
-        min_p=np.zeros(rows, np.float32), seed=np.arange(rows, dtype=np.uint64),
-        sample_position=np.full(rows, 3, np.int64), row_to_req=np.arange(rows), local_step=np.zeros(rows, np.int64))
+        temperatures=np.array([1.0, 0.0, 1.0, 0.7, 1.0, 0.0, 0.9], np.float32),
+        top_ks=np.array([250, 0, 200, 5, 0, 0, 280], np.int32), top_ps=np.ones(rows, np.float32),
+        min_ps=np.zeros(rows, np.float32), seeds=np.arange(rows, dtype=np.uint64),
+        sample_positions=np.full(rows, 3, np.int64), row_to_req=np.arange(rows), local_step=np.zeros(rows, np.int64))
     out = sample(logits, params, cfg)
     assert out.error.tolist() == [0, 1, 1, 1, 1, 1, 0]
     failed = out.error != RowError.OK
@@ -494,9 +486,9 @@ def _candidate_rows_worker(rank: int, world: int) -> tuple:
     logits[3, 9] = -math.inf  # the only non-finite logit: no NaN arises from it on its own
     sampler.local_logits[:, : sampler.size].copy_(logits[:, sampler.start : sampler.start + sampler.size])
     params = RowParams.from_numpy(
-        temperature=np.array([0.0, 0.7, 0.0, 1.0], np.float32), top_k=np.array([0, 5, 0, 20], np.int32),
-        top_p=np.ones(4, np.float32), min_p=np.zeros(4, np.float32), seed=np.arange(4, dtype=np.uint64),
-        sample_position=np.zeros(4, np.int64), row_to_req=np.arange(4), local_step=np.zeros(4, np.int64))
+        temperatures=np.array([0.0, 0.7, 0.0, 1.0], np.float32), top_ks=np.array([0, 5, 0, 20], np.int32),
+        top_ps=np.ones(4, np.float32), min_ps=np.zeros(4, np.float32), seeds=np.arange(4, dtype=np.uint64),
+        sample_positions=np.zeros(4, np.int64), row_to_req=np.arange(4), local_step=np.zeros(4, np.int64))
     out = SampleOutput.allocate(4, 5)
     sampler.sample_candidates(4, params, out)
     return out.error.tolist(), out.tokens.tolist(), out.needs_exact.tolist(), torch.isfinite(out.logprob).all().item()

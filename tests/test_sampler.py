@@ -9,8 +9,9 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from engine import rng
-from engine.sampler import RowParams, SampleOutput, SamplerConfig, kept_sets, sample, sample_exact
+from engine.sampling import rng
+from engine.sampling.sampler import SamplerConfig, kept_sets, sample, sample_exact
+from graphs.step_fields import RowParams, SampleOutput
 from graphs.capture_safety import capture_safety_check
 from tests import numpy_sampler_reference as ref
 
@@ -23,12 +24,12 @@ def _params(num_rows: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, se
         return np.broadcast_to(np.asarray(v, dtype=dtype), (num_rows,)).copy()
 
     return RowParams.from_numpy(
-        temperature=arr(temperature, np.float32),
-        top_k=arr(top_k, np.int32),
-        top_p=arr(top_p, np.float32),
-        min_p=arr(min_p, np.float32),
-        seed=arr(np.arange(num_rows) if seed is None else seed, np.uint64),
-        sample_position=arr(np.arange(num_rows) * 3 + 11 if position is None else position, np.int64),
+        temperatures=arr(temperature, np.float32),
+        top_ks=arr(top_k, np.int32),
+        top_ps=arr(top_p, np.float32),
+        min_ps=arr(min_p, np.float32),
+        seeds=arr(np.arange(num_rows) if seed is None else seed, np.uint64),
+        sample_positions=arr(np.arange(num_rows) * 3 + 11 if position is None else position, np.int64),
         row_to_req=np.arange(num_rows),
         local_step=np.zeros(num_rows, np.int64),
         **kw,
@@ -131,7 +132,7 @@ def test_matches_numpy_reference(batch):
     seed = np.array([r[4] for r in rp], dtype=np.uint64)  # exact: a mixed int list would become float64
     params = _params(
         rows, temperature=t, top_k=k, top_p=p, min_p=m, seed=seed, position=pos,
-        stop_ids=np.array([stop] * rows), suppress_eos=suppress.astype(bool), forced_token=forced,
+        stop_ids=np.array([stop] * rows), eos_suppression_rows=suppress.astype(bool), forced_tokens=forced,
     )
     cfg = SamplerConfig(candidate_cap=cap, max_logprobs=num_top, logprobs_mode=mode)
     refs = ref.sample_rows(logits.numpy(), _specs(rp, stop), num_top=num_top, mode=mode)
@@ -191,7 +192,7 @@ def test_multi_block_rows_match_numpy_reference():
     params = _params(
         24, temperature=[s.temperature for s in specs], top_k=[s.top_k for s in specs], top_p=[s.top_p for s in specs],
         min_p=[s.min_p for s in specs], seed=np.array([s.seed for s in specs], np.uint64), position=[s.position for s in specs],
-        stop_ids=np.array([(0, 1999)] * 24), suppress_eos=np.array([bool(s.suppressed) for s in specs]),
+        stop_ids=np.array([(0, 1999)] * 24), eos_suppression_rows=np.array([bool(s.suppressed) for s in specs]),
     )
     for mode in ("raw", "processed"):
         cfg = SamplerConfig(candidate_cap=64, max_logprobs=3, logprobs_mode=mode)
@@ -337,7 +338,7 @@ def test_forced_tokens_override_the_draw():
     torch.manual_seed(0)
     logits = torch.randn(4, 100)
     forced = np.array([5, -1, 99, 0])
-    params = _params(4, temperature=[0.0, 1.0, 0.5, 1.0], top_k=[0, 0, 3, 0], forced_token=forced)
+    params = _params(4, temperature=[0.0, 1.0, 0.5, 1.0], top_k=[0, 0, 3, 0], forced_tokens=forced)
     out, _ = _fast_then_exact(logits, params, SamplerConfig(candidate_cap=16, max_logprobs=1))
     assert out.tokens[[0, 2, 3]].tolist() == [5, 99, 0]
     lsm = torch.log_softmax(logits.double(), -1)
@@ -353,7 +354,7 @@ def test_eos_suppression():
     suppress = np.array([True, False, True, False, True, True])
     params = _params(
         6, temperature=[0.0, 0.0, 1.0, 1.0, 0.7, 1.0], top_k=[0, 0, 0, 0, 1, 0],
-        stop_ids=np.array([[0, 1]] * 6), suppress_eos=suppress,
+        stop_ids=np.array([[0, 1]] * 6), eos_suppression_rows=suppress,
     )
     out, _ = _fast_then_exact(logits, params, SamplerConfig(candidate_cap=8, max_logprobs=0))
     tokens = out.tokens.tolist()
@@ -362,7 +363,7 @@ def test_eos_suppression():
     # Many seeds: a suppressed plain row never emits a stop id, even when they
     # hold all but e^-28 of the mass.
     n = 5000
-    many = _params(n, stop_ids=np.array([[0, 1]] * n), suppress_eos=np.ones(n, bool))
+    many = _params(n, stop_ids=np.array([[0, 1]] * n), eos_suppression_rows=np.ones(n, bool))
     drawn = sample(logits[:1].expand(n, 40), many, SamplerConfig(candidate_cap=8, max_logprobs=0)).tokens
     assert not bool(((drawn == 0) | (drawn == 1)).any())
 
@@ -419,10 +420,10 @@ def test_padding_stop_slot_never_unsuppresses_stop_id_zero():
     logits = torch.zeros(2, 16)
     logits[:, 0] = 10.0  # token 0 would win by far
     params = RowParams.from_numpy(
-        temperature=np.array([0.0, 1.0], np.float32), top_k=np.zeros(2, np.int32), top_p=np.ones(2, np.float32),
-        min_p=np.zeros(2, np.float32), seed=np.array([1, 2], np.uint64), sample_position=np.zeros(2, np.int64),
+        temperatures=np.array([0.0, 1.0], np.float32), top_ks=np.zeros(2, np.int32), top_ps=np.ones(2, np.float32),
+        min_ps=np.zeros(2, np.float32), seeds=np.array([1, 2], np.uint64), sample_positions=np.zeros(2, np.int64),
         row_to_req=np.arange(2), local_step=np.zeros(2, np.int64),
-        stop_ids=np.array([[0, -1], [0, -1]]), suppress_eos=np.array([True, True]),
+        stop_ids=np.array([[0, -1], [0, -1]]), eos_suppression_rows=np.array([True, True]),
     )
     out = sample(logits, params, SamplerConfig(candidate_cap=4, max_logprobs=2))
     assert (out.tokens != 0).all()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-import engine.step_engine as step_engine_module
+import engine.step.step_engine as step_engine_module
 from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine
 from graphs.capture_safety import CaptureSafetyError
 

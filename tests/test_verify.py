@@ -8,8 +8,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.sampler import RowParams, SampleOutput, SamplerConfig, sample, sample_exact, sample_reference
-from engine.verify import (
+from engine.sampling.sampler import SamplerConfig, sample, sample_exact, sample_reference
+from graphs.step_fields import RowParams, SampleOutput
+from engine.sampling.verify import (
     accept_strict,
     draft_in_top_k,
     emitted_mask,
@@ -33,12 +34,12 @@ def _draw(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
 
 def _row_params(req: dict[str, np.ndarray], row_to_req: np.ndarray, local_step: np.ndarray, **kw) -> RowParams:
     return RowParams.from_numpy(
-        temperature=req["temperature"],
-        top_k=req["top_k"],
-        top_p=req["top_p"],
-        min_p=req["min_p"],
-        seed=req["seed"],
-        sample_position=req["position"],
+        temperatures=req["temperature"],
+        top_ks=req["top_k"],
+        top_ps=req["top_p"],
+        min_ps=req["min_p"],
+        seeds=req["seed"],
+        sample_positions=req["position"],
         row_to_req=row_to_req,
         local_step=local_step,
         **kw,
@@ -72,7 +73,7 @@ def _batches(draw):
     stop_ids = np.where(rng.random((rows, 2)) < 0.5, rng.integers(0, vocab, (rows, 2)), -1)
     forced = np.where(rng.random(rows) < 0.15, rng.integers(0, vocab, rows), -1)
     params = _row_params(
-        req, np.arange(rows), np.zeros(rows, np.int64), stop_ids=stop_ids, suppress_eos=rng.random(rows) < 0.5, forced_token=forced
+        req, np.arange(rows), np.zeros(rows, np.int64), stop_ids=stop_ids, eos_suppression_rows=rng.random(rows) < 0.5, forced_tokens=forced
     )
     return logits, params, req, forced
 
@@ -275,12 +276,12 @@ def test_rejection_with_processed_targets_and_degenerate_drafts():
     logits = torch.randn(k + 1, vocab, generator=gen) * 2
     for temperature, top_k, top_p in ((1.0, 4, 1.0), (0.0, 0, 1.0), (1.3, 0, 0.7)):
         params = RowParams.from_numpy(
-            temperature=np.full(1, temperature, np.float32),
-            top_k=np.full(1, top_k, np.int32),
-            top_p=np.full(1, top_p, np.float32),
-            min_p=np.zeros(1, np.float32),
-            seed=np.zeros(1, np.uint64),
-            sample_position=np.zeros(1, np.int64),
+            temperatures=np.full(1, temperature, np.float32),
+            top_ks=np.full(1, top_k, np.int32),
+            top_ps=np.full(1, top_p, np.float32),
+            min_ps=np.zeros(1, np.float32),
+            seeds=np.zeros(1, np.uint64),
+            sample_positions=np.zeros(1, np.int64),
             row_to_req=np.zeros(k + 1, np.int64),
             local_step=np.arange(k + 1),
         )
@@ -324,7 +325,7 @@ def test_bonus_is_the_samplers_token():
     # Row 0's draft is its own draw with q = one-hot: p(d) > 0 and accepted w.p. p(d).
     row_drafts = torch.where(torch.from_numpy(local_step) == 0, tokens, -1)
     out_tokens = torch.empty_like(tokens)
-    seed, position = params.seed, params.sample_position[params.row_to_req] + params.local_step
+    seed, position = params.seeds, params.sample_positions[params.row_to_req] + params.local_step
     num_accepted = verify_rejection(
         p, row_drafts, None, seed, position, params.row_to_req, params.local_step, num_reqs, out_tokens, row_tokens=tokens
     )
@@ -406,8 +407,8 @@ def _padded_batch():
     logits = torch.cat([torch.randn(real_rows, vocab, generator=gen) * 3, torch.zeros(4, vocab)])
     neutral = RowParams.neutral(4, 10)
     params = RowParams(
-        **{**vars(neutral), "row_to_req": row_to_req, "local_step": local_step, "seed": torch.tensor([5, 6, 7, 0]),
-           "temperature": torch.tensor([1.0, 0.0, 0.8, 1.0])}
+        **{**vars(neutral), "row_to_req": row_to_req, "local_step": local_step, "seeds": torch.tensor([5, 6, 7, 0]),
+           "temperatures": torch.tensor([1.0, 0.0, 0.8, 1.0])}
     )
     drafts = torch.tensor([4, 9, -1, -1, 2, -1, -1, -1, -1, -1])
     return logits, params, drafts, real_rows
@@ -419,12 +420,12 @@ def test_padding_rows_are_inert_and_finite():
     assert torch.isfinite(p).all()
     q = torch.softmax(torch.randn(p.shape, dtype=torch.float64), -1)
     q[real_rows:] = 0  # padding rows carry no draft distribution
-    position = params.sample_position[params.row_to_req] + params.local_step
+    position = params.sample_positions[params.row_to_req] + params.local_step
     tokens = _draw(logits, params)
     results = []
     for rows in (slice(None), slice(0, real_rows)):
         out_tokens = torch.empty_like(drafts[rows])
-        sub = (p[rows], drafts[rows], q[rows], params.seed, position[rows], params.row_to_req[rows], params.local_step[rows])
+        sub = (p[rows], drafts[rows], q[rows], params.seeds, position[rows], params.row_to_req[rows], params.local_step[rows])
         num_accepted = verify_rejection(*sub, 4, out_tokens, row_tokens=tokens[rows], top_k_space=torch.tensor([3, 0, 5, 2]))
         strict = accept_strict(tokens[rows], drafts[rows], params.row_to_req[rows], params.local_step[rows], 4)
         results.append((num_accepted[:3], out_tokens[:real_rows], strict[:3]))
@@ -441,7 +442,7 @@ def test_everything_is_capture_safe():
         "num_accepted_strict": torch.empty(reqs, dtype=torch.int64),
     }
     tokens = _draw(logits, params)
-    position = params.sample_position[params.row_to_req] + params.local_step
+    position = params.sample_positions[params.row_to_req] + params.local_step
     k_space = torch.tensor([3, 0, 5, 2])
     with capture_safety_check(static):
         p = target_probs(logits, params)
@@ -453,7 +454,7 @@ def test_everything_is_capture_safe():
         emitted_mask(static["num_accepted_strict"], params.row_to_req, params.local_step)
         for q in (None, torch.softmax(logits.double(), -1)):
             verify_rejection(
-                p, drafts, q, params.seed, position, params.row_to_req, params.local_step, reqs, static["out_tokens"],
+                p, drafts, q, params.seeds, position, params.row_to_req, params.local_step, reqs, static["out_tokens"],
                 row_tokens=tokens, top_k_space=k_space, max_top_k=8, out=static["num_accepted"],
             )
-            verify_rejection(p, drafts, q, params.seed, position, params.row_to_req, params.local_step, reqs, static["out_tokens"])
+            verify_rejection(p, drafts, q, params.seeds, position, params.row_to_req, params.local_step, reqs, static["out_tokens"])

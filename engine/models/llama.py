@@ -11,7 +11,7 @@ Two execution modes share every weight and the cache:
   shape, so every linear layer runs one GEMM per fixed `[row_block, K]` row block
   (the token rows are zero-padded up to a multiple of `row_block`). That one call shape
   gives every row one summation order is probed when the model is built
-  (`engine.invariance`); a projection whose kernel fails falls back to another kernel or
+  (`engine.step.invariance`); a projection whose kernel fails falls back to another kernel or
   to a block size dividing `row_block`, and `batch_invariant_verified` says whether the
   whole promise (projections and attention tiles) holds. Attention works on fixed `[row_block, key_block]`
   score tiles aligned to absolute cache positions: the softmax maximum is exact in
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.invariance import bmm_tiles_invariant, choose_block_gemm, warn_not_invariant
+from engine.step.invariance import bmm_tiles_invariant, choose_block_gemm, warn_not_invariant
 from engine.models.protocol import ForwardBatch, check_forward_args
 from engine.ops import BlockGemm, block_gemm
 
@@ -110,7 +110,7 @@ class LlamaWeights:
         faster than F.linear (fast mode's padded steps, the batch-invariant mode's row
         blocks); other row counts gain nothing. Its summation order may differ from
         F.linear's; whether it is one order for every row of a block is probed
-        (`engine.invariance`) before the batch-invariant mode relies on it."""
+        (`engine.step.invariance`) before the batch-invariant mode relies on it."""
         if rows not in self._packed:
             pack = lambda w: block_gemm(w, "mkl_packed", rows)  # noqa: E731
             self._packed[rows] = [
@@ -273,7 +273,7 @@ class LlamaModel:
         self._rope_sin = angles.sin().to(device=self.device, dtype=dtype)
 
     def _probe_invariant_kernels(self) -> bool:
-        """Pick every projection's block GEMM (`engine.invariance`): the first of MKL-packed
+        """Pick every projection's block GEMM (`engine.step.invariance`): the first of MKL-packed
         (when `mkl_packed`) and plain `mm`, at `row_block` rows and then at each smaller
         divisor of it (the forward pads to whole `row_block` blocks, which they split
         evenly), that is batch-invariant here; probe the attention tiles' two bmm shapes.

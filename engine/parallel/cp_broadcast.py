@@ -28,8 +28,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.ledger import SamplerInputs, _exclusive_cumsum
-from engine.params import SeqMeta
+from engine.host.ledger import SamplerInputs, _exclusive_cumsum
+from engine.host.params import SeqMeta
 
 _ALIGN = 8
 

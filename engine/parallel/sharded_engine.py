@@ -1,7 +1,7 @@
 """ShardedStepEngine: the StepEngine's step over a vocab-sharded LM head.
 
     step(hidden, seqs on the driver / None or seqs on followers)
-      -> driver: ledger, stop ids, drafts         (engine.ledger, once per step)
+      -> driver: ledger, stop ids, drafts         (engine.host.ledger, once per step)
       -> broadcast: header check + packed ledger  (cp_broadcast)
       -> strategy: "candidates" when the batch allows it, else "gather" (counted)
       -> stage + copy, replay the bucket's graph of that strategy:
@@ -25,13 +25,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.ledger import SamplerInputs, prepare_sampler_inputs
+from engine.host.ledger import SamplerInputs, prepare_sampler_inputs
 from engine.ops import DEFAULT_BLOCK_ROWS, gather
-from engine.params import SeqMeta
+from engine.host.params import SeqMeta
 from engine.parallel.cp_broadcast import LedgerBroadcaster, StepPlan, batch_fingerprint, config_fingerprint
 from engine.parallel.vocab_parallel import STRATEGIES, VocabParallelSampler, VocabShards, candidate_ineligibility
-from engine.prompt_logprobs import PromptRowResults
-from engine.step_engine import EngineConfig, StepArrays, StepEngine, StepOutput
+from engine.step.prompt_logprobs import PromptRowResults
+from engine.step.step_engine import EngineConfig, StepArrays, StepEngine, StepOutput
 from graphs.replay import CaptureReport, GraphReplayer
 from profiling.ranges import stage
 

@@ -1,7 +1,7 @@
 """Vocab-parallel logits and sampling over torch.distributed (docs/contract.md §2 across ranks).
 
 Each rank holds rows [start, stop) of the LM head. Shard boundaries fall on
-the sampler's normaliser blocks (`engine.sampler.BLOCK`): a block never spans
+the sampler's normaliser blocks (`engine.sampling.sampler.BLOCK`): a block never spans
 two ranks, so every rank computes whole blocks exactly as the unsharded
 sampler does, and the gathered block masses are the same f32 numbers. That is
 what makes the sharded results bit-identical, not just close.
@@ -38,24 +38,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.ledger import SamplerInputs
+from engine.host.ledger import SamplerInputs
 from engine.ops import gather, get_logits
-from engine.prompt_logprobs import PromptRowResults, _top_n_ids
-from engine.sampler import (
-    BLOCK,
-    PLACEHOLDER_TOKEN,
-    RowError,
-    RowParams,
-    SampleOutput,
-    SamplerConfig,
-    _block_log_normaliser,
-    _expand,
-    decide_on_candidates,
-    fail_rows,
-    order_candidates,
-    sample,
-    suppression_and_shift,
-)
+from engine.step.prompt_logprobs import PromptRowResults, _top_n_ids
+from engine.sampling.sampler import BLOCK, PLACEHOLDER_TOKEN, RowError, SamplerConfig, _block_log_normaliser, _expand, decide_on_candidates, fail_rows, order_candidates, sample, suppression_and_shift
+from graphs.step_fields import RowParams, SampleOutput
 
 STRATEGIES = ("gather", "candidates")
 
@@ -217,7 +204,7 @@ class VocabParallelSampler:
         """Strategy "candidates": two small all-gathers, then the sampler's
         filters and race over the merged global top C. Capture-safe.
 
-        The decisions are `engine.sampler`'s own (`order_candidates`,
+        The decisions are `engine.sampling.sampler`'s own (`order_candidates`,
         `suppression_and_shift`, `decide_on_candidates`); only where the
         numbers come from differs (merged candidates, gathered block masses)."""
         tp, c, vocab = self.shards.tp, self.num_candidates, self.shards.vocab
@@ -263,7 +250,7 @@ class VocabParallelSampler:
         log_z = torch.log(block_mass[:, 0].contiguous().to(torch.float64).sum(-1))
         log_z_raw = torch.log(block_mass[:, 1].contiguous().to(torch.float64).sum(-1))
 
-        # From here on: engine.sampler.sample over the merged candidates. A
+        # From here on: engine.sampling.sampler.sample over the merged candidates. A
         # row whose kept set could reach past them is flagged for the exact
         # path; so is every row the global top C cannot settle.
         d = decide_on_candidates(cand_raw, cand_ids, boundary_raw, valid, shift, log_z, rows, c, True, vocab)
@@ -317,7 +304,7 @@ class VocabParallelSampler:
         batch_invariant: bool,
         block_rows: int,
     ) -> PromptRowResults:
-        """engine.prompt_logprobs.compute_prompt_logprobs over a sharded head.
+        """engine.step.prompt_logprobs.compute_prompt_logprobs over a sharded head.
 
         Eager, outside the graph, in chunks of at most the static row count:
         each chunk's logits are all-gathered (both strategies; prompt rows

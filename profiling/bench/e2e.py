@@ -35,13 +35,13 @@ from pathlib import Path
 
 import torch
 
-from engine.decode_loop import DecodeLoop, LoopConfig
-from engine.demo import CHAT_PROMPTS
+from engine.loop.decode_loop import DecodeLoop, LoopConfig
+from engine.cli.demo import CHAT_PROMPTS
 from engine.models.gguf_loader import cache_dir, file_digest, load_gguf, load_smollm2, smollm2_gguf_path
 from engine.models.llama import LlamaConfig, LlamaWeights
 from engine.models.tokenizer import ChatMLTokenizer
-from engine.params import SamplingParams
-from engine.step_engine import EngineConfig
+from engine.host.params import SamplingParams
+from engine.step.step_engine import EngineConfig
 from profiling.bench._timing import print_table
 from profiling.bench.peer import missing_peer_notice, run_under_peer
 

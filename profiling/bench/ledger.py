@@ -13,8 +13,8 @@ import argparse
 
 import numpy as np
 
-from engine.params import SamplingParams, SeqMeta
-from engine.request_table import DraftSlots, RequestTable
+from engine.host.params import SamplingParams, SeqMeta
+from engine.host.persistent_batch import DraftSlots, RequestTable
 from profiling.bench._timing import median_us, print_table, ratio
 
 try:

@@ -1,7 +1,7 @@
 """Side by side with vLLM's CPU sampler, in one process, on the same inputs.
 
 Two parts, each case with per-request seeds:
-- sampler: ours (`engine.sampler.sample`, plus `sample_exact` for the rows it
+- sampler: ours (`engine.sampling.sampler.sample`, plus `sample_exact` for the rows it
   flags) against vLLM's V1 `Sampler` on the same LM-like logits (a Zipf-like
   profile with a per-row sharpness, see `profiling.bench.sample`);
 - tail: our `StepEngine.step` (public API, default config: batch-invariant LM
@@ -44,9 +44,10 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from engine.params import SamplingParams, SeqMeta
-from engine.sampler import RowParams, SampleOutput, SamplerConfig, sample, sample_exact
-from engine.step_engine import EngineConfig, StepEngine
+from engine.host.params import SamplingParams, SeqMeta
+from engine.sampling.sampler import SamplerConfig, sample, sample_exact
+from graphs.step_fields import RowParams, SampleOutput
+from engine.step.step_engine import EngineConfig, StepEngine
 from profiling.bench._timing import print_table
 from profiling.bench.sample import lm_like_logits
 
@@ -161,12 +162,12 @@ def vllm_metadata(v: SimpleNamespace, case: str, batch: int) -> object:
 def our_row_params(case: str, batch: int) -> RowParams:
     p = case_params(case)
     return RowParams.from_numpy(
-        temperature=np.full(batch, p["temperature"], np.float32),
-        top_k=np.full(batch, p["top_k"], np.int32),
-        top_p=np.full(batch, p["top_p"], np.float32),
-        min_p=np.full(batch, p["min_p"], np.float32),
-        seed=np.arange(batch, dtype=np.uint64),
-        sample_position=np.full(batch, 100, np.int64),
+        temperatures=np.full(batch, p["temperature"], np.float32),
+        top_ks=np.full(batch, p["top_k"], np.int32),
+        top_ps=np.full(batch, p["top_p"], np.float32),
+        min_ps=np.full(batch, p["min_p"], np.float32),
+        seeds=np.arange(batch, dtype=np.uint64),
+        sample_positions=np.full(batch, 100, np.int64),
         row_to_req=np.arange(batch),
         local_step=np.zeros(batch, np.int64),
     )
@@ -177,8 +178,8 @@ def our_sampler_config(case: str) -> SamplerConfig:
     serve steps where every request is greedy."""
     engine = EngineConfig()
     if case == "greedy":
-        return dataclasses.replace(engine.sampler, candidate_cap=engine.small_candidate_cap)
-    return engine.sampler
+        return dataclasses.replace(engine.sampling.sampler, candidate_cap=engine.small_candidate_cap)
+    return engine.sampling.sampler
 
 
 def decode_seqs(case: str, batch: int) -> list[SeqMeta]:

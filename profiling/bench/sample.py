@@ -16,7 +16,8 @@ import argparse
 import numpy as np
 import torch
 
-from engine.sampler import RowParams, SampleOutput, SamplerConfig, kept_sets, sample, sample_exact
+from engine.sampling.sampler import SamplerConfig, kept_sets, sample, sample_exact
+from graphs.step_fields import RowParams, SampleOutput
 from profiling.bench._timing import median_us, print_table, ratio
 
 CASES = {
@@ -40,12 +41,12 @@ def lm_like_logits(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
 
 def _params(rows: int, temperature: float, top_k: int, top_p: float) -> RowParams:
     return RowParams.from_numpy(
-        temperature=np.full(rows, temperature, np.float32),
-        top_k=np.full(rows, top_k, np.int32),
-        top_p=np.full(rows, top_p, np.float32),
-        min_p=np.zeros(rows, np.float32),
-        seed=np.arange(rows, dtype=np.uint64),
-        sample_position=np.full(rows, 100, np.int64),
+        temperatures=np.full(rows, temperature, np.float32),
+        top_ks=np.full(rows, top_k, np.int32),
+        top_ps=np.full(rows, top_p, np.float32),
+        min_ps=np.zeros(rows, np.float32),
+        seeds=np.arange(rows, dtype=np.uint64),
+        sample_positions=np.full(rows, 100, np.int64),
         row_to_req=np.arange(rows),
         local_step=np.zeros(rows, np.int64),
     )

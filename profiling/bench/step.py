@@ -18,9 +18,9 @@ import argparse
 import numpy as np
 import torch
 
-from engine.params import SamplingParams
-from engine.request_table import DraftSlots, RequestTable
-from engine.step_engine import EngineConfig, StepEngine
+from engine.host.params import SamplingParams
+from engine.host.persistent_batch import DraftSlots, RequestTable
+from engine.step.step_engine import EngineConfig, StepEngine
 from profiling.bench._timing import median_us, print_table, ratio
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

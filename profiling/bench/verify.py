@@ -19,8 +19,9 @@ import numpy as np
 import torch
 
 from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine
-from engine.sampler import RowParams, SampleOutput, SamplerConfig, sample
-from engine.verify import accept_strict, target_probs, verify_rejection
+from engine.sampling.sampler import SamplerConfig, sample
+from graphs.step_fields import RowParams, SampleOutput
+from engine.sampling.verify import accept_strict, target_probs, verify_rejection
 from profiling.bench._timing import median_us, print_table, ratio
 
 MAX_DRAFTS = 3
@@ -64,12 +65,12 @@ def _engine_table(
 
 def _row_params(num_reqs: int, drafts: int, device: torch.device) -> RowParams:
     return RowParams.from_numpy(
-        temperature=np.ones(num_reqs, np.float32),
-        top_k=np.where(np.arange(num_reqs) % 2 == 1, 50, 0).astype(np.int32),
-        top_p=np.ones(num_reqs, np.float32),
-        min_p=np.zeros(num_reqs, np.float32),
-        seed=np.arange(num_reqs, dtype=np.uint64),
-        sample_position=np.full(num_reqs, 40, np.int64),
+        temperatures=np.ones(num_reqs, np.float32),
+        top_ks=np.where(np.arange(num_reqs) % 2 == 1, 50, 0).astype(np.int32),
+        top_ps=np.ones(num_reqs, np.float32),
+        min_ps=np.zeros(num_reqs, np.float32),
+        seeds=np.arange(num_reqs, dtype=np.uint64),
+        sample_positions=np.full(num_reqs, 40, np.int64),
         row_to_req=np.repeat(np.arange(num_reqs), 1 + drafts),
         local_step=np.tile(np.arange(1 + drafts), num_reqs),
         device=device,
@@ -92,7 +93,7 @@ def _ops_table(vocab: int, batch_sizes: tuple[int, ...], repeats: int, warmup: i
             out = SampleOutput.allocate(rows, cfg.max_logprobs, device)
             last = params.local_step == drafts
             row_drafts = torch.where(last, -1, torch.randint(vocab, (rows,), generator=gen).to(device))
-            position = params.sample_position[params.row_to_req] + params.local_step
+            position = params.sample_positions[params.row_to_req] + params.local_step
             out_tokens = torch.empty(rows, dtype=torch.int64, device=device)
             num_accepted = torch.empty(num_reqs, dtype=torch.int64, device=device)
 
@@ -104,7 +105,7 @@ def _ops_table(vocab: int, batch_sizes: tuple[int, ...], repeats: int, warmup: i
                 sample(logits, params, cfg, out)
                 p = target_probs(logits, params)
                 verify_rejection(
-                    p, row_drafts, None, params.seed, position, params.row_to_req, params.local_step, num_reqs,
+                    p, row_drafts, None, params.seeds, position, params.row_to_req, params.local_step, num_reqs,
                     out_tokens, row_tokens=out.tokens, out=num_accepted,
                 )
 

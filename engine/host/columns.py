@@ -14,7 +14,7 @@ from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
-from engine.params import SeqMeta
+from engine.host.params import SeqMeta
 
 
 def derive_seed(request_id: Hashable, seed_base: int = 0) -> int:

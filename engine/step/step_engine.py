@@ -39,19 +39,20 @@ from typing import Hashable, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from engine.ledger import SamplerInputs, prepare_sampler_inputs
-from engine.invariance import choose_block_gemm, lm_head_candidates, warn_not_invariant
+from engine.host.ledger import SamplerInputs, prepare_sampler_inputs
+from engine.step.invariance import choose_block_gemm, lm_head_candidates, warn_not_invariant
 from engine.ops import gather, get_logits
-from engine.params import SamplingParams, SeqMeta
-from engine.prompt_logprobs import (
+from engine.host.params import SamplingParams, SeqMeta
+from engine.step.prompt_logprobs import (
     DEFAULT_CHUNK_ROWS,
     PromptLogprob,
     PromptLogprobAccumulator,
     PromptRowResults,
     compute_prompt_logprobs,
 )
-from engine.sampler import RowError, SampleOutput, SamplerConfig, fail_rows, raw_log_normaliser, sample, sample_exact
-from engine.verify import accept_strict, draft_in_top_k, target_probs, verify_rejection
+from engine.sampling.sampler import RowError, SamplerConfig, fail_rows, raw_log_normaliser, sample, sample_exact
+from graphs.step_fields import SampleOutput
+from engine.sampling.verify import accept_strict, draft_in_top_k, target_probs, verify_rejection
 from graphs.buckets import BucketTable
 from graphs.replay import CaptureReport, GraphReplayer, ReplayCounts
 from graphs.static_buffers import READ_FROM_POOL, StepBuffers
@@ -293,7 +294,7 @@ class StepEngine:
         # The engine only reads the head: an nn.Parameter's autograd must not
         # record every step (nor refuse `.numpy()` on what comes out).
         self.weight = lm_head_weight.detach()
-        # The LM head's block GEMM, probed here (engine.invariance): the configured block on
+        # The LM head's block GEMM, probed here (engine.step.invariance): the configured block on
         # MKL-packed weights where there are any (CPU fp32), else the first that holds. A
         # zero-stride stand-in (the sharded engine's) is never read: nothing to probe.
         self.logits_kernel, self.batch_invariant_verified = None, False
@@ -463,7 +464,7 @@ class StepEngine:
         rows = b.rows_for(bucket)
         params = b.params(bucket)
         drafts = b.resolved_drafts[:rows]  # [rows] int64, -1 = none
-        k_req = params.top_k.to(torch.int64) if cfg.top_k_space_verify else None
+        k_req = params.top_ks.to(torch.int64) if cfg.top_k_space_verify else None
         if cfg.verify_mode == "strict":
             allowed = None
             if k_req is not None:
@@ -475,8 +476,8 @@ class StepEngine:
         # Rows without staged probabilities count their draft as one-hot q.
         one_hot = torch.zeros_like(b.draft_probs[:rows]).scatter_(1, drafts.clamp(min=0)[:, None], 1.0)
         q = torch.where(b.fields["has_draft_probs"][:rows, None], b.draft_probs[:rows], one_hot)
-        position = params.sample_position[params.row_to_req] + params.local_step
-        verify_rejection(p, drafts, q, params.seed, position, params.row_to_req, params.local_step, bucket,
+        position = params.sample_positions[params.row_to_req] + params.local_step
+        verify_rejection(p, drafts, q, params.seeds, position, params.row_to_req, params.local_step, bucket,
                          b.emitted[:rows], row_tokens=b.out.tokens[:rows], top_k_space=k_req,
                          max_top_k=cfg.sampler.candidate_cap if k_req is not None else None,
                          out=b.num_accepted[:bucket])

@@ -6,14 +6,14 @@ and row j of it produces position `sample_position_i + j`. `row_to_req` and
 token row r is asked to predict (the draft at query position j + 1), -1 on a
 request's last row, which has none. Every function here is capture-safe: no
 host syncs, no value-dependent shapes, no generator state; randomness comes
-from `engine.rng` keyed by (request seed, the row's absolute position, stream).
+from `engine.sampling.rng` keyed by (request seed, the row's absolute position, stream).
 
 Padding rows must point at a padding request (its results are cut off) or
 carry a `local_step` larger than any real row's (e.g. 1 + max_draft_tokens):
 then they never change a real request's `num_accepted`. They stay finite.
 
 Strict mode (`accept_strict`): a draft is accepted while it equals its row's
-own draw (`engine.sampler.sample`); the emitted tokens are the draws of rows
+own draw (`engine.sampling.sampler.sample`); the emitted tokens are the draws of rows
 0..num_accepted, so the output equals decoding one token per step.
 
 Rejection mode (`verify_rejection`, Leviathan et al. 2023): row j accepts its
@@ -45,8 +45,9 @@ import math
 
 import torch
 
-from engine.rng import ACCEPT, RESIDUAL, TARGET, gumbel, uniform
-from engine.sampler import RowParams, _block_log_normaliser, _expand
+from engine.sampling.rng import ACCEPT, RESIDUAL, TARGET, gumbel, uniform
+from engine.sampling.sampler import _block_log_normaliser, _expand
+from graphs.step_fields import RowParams
 
 _NONE = torch.iinfo(torch.int64).max  # scatter-min identity: "no rejection seen"
 
@@ -99,7 +100,7 @@ def emitted_mask(num_accepted: torch.Tensor, row_to_req: torch.Tensor, local_ste
 def target_probs(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
     """The processed distribution each row's draw follows, [rows, V] float64.
 
-    Same definitions as `engine.sampler` (its module docstring): EOS/stop
+    Same definitions as `engine.sampling.sampler` (its module docstring): EOS/stop
     suppression, temperature, top-k, top-p renormalised after top-k, min-p,
     all value-defined with ties kept, p = exp(z - log Z) with the block
     normaliser; kept tokens renormalised. Greedy rows are one-hot at the greedy

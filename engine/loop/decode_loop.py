@@ -33,10 +33,10 @@ import numpy as np
 import torch
 
 from engine.models.protocol import CausalLM, ForwardBatch, PrefixCopy
-from engine.params import SamplingParams
-from engine.prompt_logprobs import PromptLogprob
-from engine.request_table import DraftSlots, RequestTable
-from engine.step_engine import EngineCheckpoint, EngineConfig, StepEngine, StepOutput, TokenLogprob
+from engine.host.params import SamplingParams
+from engine.step.prompt_logprobs import PromptLogprob
+from engine.host.persistent_batch import DraftSlots, RequestTable
+from engine.step.step_engine import EngineCheckpoint, EngineConfig, StepEngine, StepOutput, TokenLogprob
 from profiling.ranges import stage
 
 

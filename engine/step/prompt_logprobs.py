@@ -31,7 +31,7 @@ from typing import Hashable, NamedTuple
 import numpy as np
 import torch
 
-from engine.ledger import SamplerInputs
+from engine.host.ledger import SamplerInputs
 from engine.ops import BlockGemm, gather, get_logits
 
 DEFAULT_CHUNK_ROWS = 8192
@@ -85,7 +85,7 @@ def compute_prompt_logprobs(
     ([num_reqs] int, 0 = off) switches on top-k-space mode per request; use
     `prompt_row_logprobs` for a per-row k. `kernel`: the batch-invariant block
     GEMM of `lm_head_weight` to run (the engine passes the one its probe
-    verified, `engine.invariance`); None: `get_logits`' unchecked default.
+    verified, `engine.step.invariance`); None: `get_logits`' unchecked default.
     """
     counts = inputs.prompt_row_counts
     rows = inputs.selected_prompt_indices

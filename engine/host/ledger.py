@@ -20,8 +20,8 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from engine.columns import Columns
-from engine.params import SeqMeta
+from engine.host.columns import Columns
+from engine.host.params import SeqMeta
 
 
 class LedgerInvariantError(RuntimeError):

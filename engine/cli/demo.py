@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine.decode_loop import Completion, DecodeLoop, LoopConfig
-from engine.params import SamplingParams
-from engine.step_engine import EngineConfig
+from engine.loop.decode_loop import Completion, DecodeLoop, LoopConfig
+from engine.host.params import SamplingParams
+from engine.step.step_engine import EngineConfig
 from profiling import ranges
 from profiling.telemetry import Telemetry, TelemetrySummary
 

@@ -34,8 +34,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from engine.ledger import SamplerInputs, prepare_sampler_inputs
-from engine.params import SamplingParams, SeqMeta
+from engine.host.ledger import SamplerInputs, prepare_sampler_inputs
+from engine.host.params import SamplingParams, SeqMeta
 
 _PARAM_FIELDS = {f.name for f in fields(SamplingParams)}
 _TUPLE_FIELDS = {f.name for f in fields(SamplingParams) if isinstance(f.default, tuple)}  # stop_token_ids

@@ -24,7 +24,7 @@ Definitions every path here shares (the fast path `sample`, the exact path
   smallest id. Filters do not change it (the maximum is always kept); they
   still define the processed distribution reported in "processed" mode.
 - Filtered rows draw by a Gumbel race, argmax over kept tokens of
-  z + G(token id), ties to the smallest id, with G from `engine.rng` keyed by
+  z + G(token id), ties to the smallest id, with G from `engine.sampling.rng` keyed by
   (seed, position, TARGET, token id). The noise of a token does not depend on
   which other tokens are candidates, so a race over the kept candidates gives
   the same token as a race over the whole vocabulary.
@@ -51,14 +51,13 @@ full vocabulary and its results equal what an unlimited C would give.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from enum import IntEnum
-from typing import Sequence
 
-import numpy as np
 import torch
 
-from engine.rng import TARGET, gumbel, uniform
+from engine.sampling.rng import TARGET, gumbel, uniform
+from graphs.step_fields import RowParams, SampleOutput
 
 
 class RowError(IntEnum):
@@ -96,125 +95,6 @@ class SamplerConfig:
 
 
 @dataclass
-class RowParams:
-    """Per-request parameters and the row -> request expansion, as device tensors.
-
-    A row's position is `sample_position[row_to_req] + local_step`. `stop_ids`
-    rows are padded by repeating an id or with -1 (no id). Padding requests use
-    `RowParams.neutral` values (temperature 1, no filter, seed 0): with zero
-    logits they give finite, ignorable results.
-    """
-
-    temperature: torch.Tensor  # [reqs] f32, 0 = greedy
-    top_k: torch.Tensor  # [reqs] int32, 0 = off
-    top_p: torch.Tensor  # [reqs] f32, 1 = off
-    min_p: torch.Tensor  # [reqs] f32, 0 = off
-    seed: torch.Tensor  # [reqs] int64 holding uint64 bits
-    sample_position: torch.Tensor  # [reqs] int64
-    stop_ids: torch.Tensor  # [reqs, S] int64, -1 = no id; never every token of the vocabulary
-    row_to_req: torch.Tensor  # [rows] int64
-    local_step: torch.Tensor  # [rows] int64
-    suppress_eos: torch.Tensor  # [rows] bool
-    forced_token: torch.Tensor  # [rows] int64, -1 = none
-
-    @property
-    def num_rows(self) -> int:
-        return self.row_to_req.shape[0]
-
-    @classmethod
-    def from_numpy(
-        cls,
-        *,
-        temperature: np.ndarray,
-        top_k: np.ndarray,
-        top_p: np.ndarray,
-        min_p: np.ndarray,
-        seed: np.ndarray,
-        sample_position: np.ndarray,
-        row_to_req: np.ndarray,
-        local_step: np.ndarray,
-        stop_ids: np.ndarray | None = None,
-        suppress_eos: np.ndarray | None = None,
-        forced_token: np.ndarray | None = None,
-        device: torch.device | str = "cpu",
-    ) -> RowParams:
-        """Host arrays (the ledger's dtypes: seeds uint64, indices int32) to device tensors."""
-        num_reqs, num_rows = len(temperature), len(row_to_req)
-        if stop_ids is None:
-            stop_ids = np.full((num_reqs, 1), -1, dtype=np.int64)
-        if suppress_eos is None:
-            suppress_eos = np.zeros(num_rows, dtype=bool)
-        if forced_token is None:
-            forced_token = np.full(num_rows, -1, dtype=np.int64)
-        seed = np.asarray(seed)
-        seed_bits = seed.astype(np.uint64).view(np.int64) if seed.dtype != np.int64 else seed
-
-        def tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return torch.as_tensor(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
-
-        return cls(
-            temperature=tensor(temperature, torch.float32),
-            top_k=tensor(top_k, torch.int32),
-            top_p=tensor(top_p, torch.float32),
-            min_p=tensor(min_p, torch.float32),
-            seed=tensor(seed_bits, torch.int64),
-            sample_position=tensor(sample_position, torch.int64),
-            stop_ids=tensor(np.asarray(stop_ids).reshape(num_reqs, -1), torch.int64),
-            row_to_req=tensor(row_to_req, torch.int64),
-            local_step=tensor(local_step, torch.int64),
-            suppress_eos=tensor(suppress_eos, torch.bool),
-            forced_token=tensor(forced_token, torch.int64),
-        )
-
-    @classmethod
-    def neutral(cls, num_reqs: int, num_rows: int, num_stop: int = 1, device: torch.device | str = "cpu") -> RowParams:
-        """Padding values: every request samples plainly at temperature 1 with seed 0."""
-        return cls.from_numpy(
-            temperature=np.ones(num_reqs, np.float32),
-            top_k=np.zeros(num_reqs, np.int32),
-            top_p=np.ones(num_reqs, np.float32),
-            min_p=np.zeros(num_reqs, np.float32),
-            seed=np.zeros(num_reqs, np.uint64),
-            sample_position=np.zeros(num_reqs, np.int64),
-            row_to_req=np.zeros(num_rows, np.int64),
-            local_step=np.zeros(num_rows, np.int64),
-            stop_ids=np.full((num_reqs, num_stop), -1, np.int64),
-            device=device,
-        )
-
-    def rows(self, index: Sequence[int] | torch.Tensor) -> RowParams:
-        """The same requests with only the given rows (used by the exact path)."""
-        index = torch.as_tensor(index, dtype=torch.int64, device=self.row_to_req.device)
-        per_row = {"row_to_req", "local_step", "suppress_eos", "forced_token"}
-        return RowParams(**{f.name: getattr(self, f.name)[index] if f.name in per_row else getattr(self, f.name) for f in fields(self)})
-
-
-@dataclass
-class SampleOutput:
-    """Preallocated results, written in place by `sample` (static addresses)."""
-
-    tokens: torch.Tensor  # [rows] int64
-    logprob: torch.Tensor  # [rows] f32: the emitted token's logprob
-    rank: torch.Tensor  # [rows] int64: 1 + tokens with a strictly larger logit
-    top_ids: torch.Tensor  # [rows, N] int64 (-1 where the processed distribution has fewer tokens)
-    top_logprobs: torch.Tensor  # [rows, N] f32
-    needs_exact: torch.Tensor  # [rows] bool: rerun the row with `sample_exact`
-    error: torch.Tensor  # [rows] int64 `RowError`: nonzero rows hold the placeholder, emit nothing
-
-    @classmethod
-    def allocate(cls, rows: int, num_top: int, device: torch.device | str = "cpu") -> SampleOutput:
-        return cls(
-            tokens=torch.zeros(rows, dtype=torch.int64, device=device),
-            logprob=torch.zeros(rows, dtype=torch.float32, device=device),
-            rank=torch.zeros(rows, dtype=torch.int64, device=device),
-            top_ids=torch.zeros(rows, num_top, dtype=torch.int64, device=device),
-            top_logprobs=torch.zeros(rows, num_top, dtype=torch.float32, device=device),
-            needs_exact=torch.zeros(rows, dtype=torch.bool, device=device),
-            error=torch.zeros(rows, dtype=torch.int64, device=device),
-        )
-
-
-@dataclass
 class _Rows:
     """Per-row parameters expanded from per-request ones."""
 
@@ -236,12 +116,12 @@ class _Rows:
 
 def _expand(params: RowParams, vocab: int) -> _Rows:
     req = params.row_to_req
-    temperature = params.temperature[req]
+    temperature = params.temperatures[req]
     greedy = temperature == 0
-    top_k = params.top_k[req].to(torch.int64)
+    top_k = params.top_ks[req].to(torch.int64)
     k_on = (top_k > 0) & (top_k < vocab)
-    top_p = params.top_p[req].to(torch.float64)
-    min_p = params.min_p[req].to(torch.float64)
+    top_p = params.top_ps[req].to(torch.float64)
+    min_p = params.min_ps[req].to(torch.float64)
     p_on, m_on = top_p < 1, min_p > 0
     stop = params.stop_ids[req]
     return _Rows(
@@ -254,11 +134,11 @@ def _expand(params: RowParams, vocab: int) -> _Rows:
         min_p=min_p,
         m_on=m_on,
         plain=~greedy & ~k_on & ~p_on & ~m_on,
-        seed=params.seed[req],
-        position=params.sample_position[req] + params.local_step,
+        seed=params.seeds[req],
+        position=params.sample_positions[req] + params.local_step,
         stop_ids=stop.clamp(min=0),
-        stop_active=params.suppress_eos[:, None] & (stop >= 0),
-        forced=params.forced_token,
+        stop_active=params.eos_suppression_rows[:, None] & (stop >= 0),
+        forced=params.forced_tokens,
     )
 
 

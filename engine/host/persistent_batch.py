@@ -14,9 +14,9 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from engine.columns import Columns
-from engine.ledger import SamplerInputs, StepSchedule, build_ledger, draft_read_rows, suppression_rows, validate_batch
-from engine.params import SamplingParams, SeqMeta
+from engine.host.columns import Columns
+from engine.host.ledger import SamplerInputs, StepSchedule, build_ledger, draft_read_rows, suppression_rows, validate_batch
+from engine.host.params import SamplingParams, SeqMeta
 
 
 class DraftSlots:

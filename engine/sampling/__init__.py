@@ -1,0 +1,1 @@
+"""Sampling on the device: counter-based randomness, the sampler stages, draft verification."""

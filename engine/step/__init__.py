@@ -1,0 +1,1 @@
+"""One step: config, the captured body over the static buffers, the orchestrator, outputs, prompt logprobs."""
