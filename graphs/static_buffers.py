@@ -19,44 +19,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from graphs.step_fields import RowParams, SampleOutput
+from graphs.step_fields import STEP_FIELDS, RowParams, SampleOutput, StepInputs
 
 _ALIGN = 8  # bytes; every field starts 8-aligned so any dtype view is legal
-
-
-@dataclass(frozen=True)
-class StepField:
-    name: str
-    dtype: torch.dtype
-    per: str  # "row": one per sample-row slot; "req": one per request slot
-    neutral: int | float | bool  # padding value
-    width: int | str = 1  # columns; "stop" / "draft": max stop ids / max draft tokens
-
-
-# Names of RowParams fields where they match; `sample_rows` is the gather index.
-STEP_FIELDS: tuple[StepField, ...] = (
-    StepField("sample_rows", torch.int64, "row", -1),  # out of range: a zero row
-    StepField("row_to_req", torch.int64, "row", 0),
-    StepField("local_step", torch.int64, "row", 0),
-    StepField("suppress_eos", torch.bool, "row", False),
-    StepField("forced_token", torch.int64, "row", -1),
-    StepField("temperature", torch.float32, "req", 1.0),
-    StepField("top_k", torch.int32, "req", 0),
-    StepField("top_p", torch.float32, "req", 1.0),
-    StepField("min_p", torch.float32, "req", 0.0),
-    StepField("seed", torch.int64, "req", 0),
-    StepField("sample_position", torch.int64, "req", 0),
-    StepField("stop_ids", torch.int64, "req", -1, width="stop"),
-    # Drafts (docs/contract.md §1.2, §1.3). row_drafts: the draft a row verifies, staged
-    # from the caller (>= 0), none (-1, a request's last row), or READ_FROM_POOL.
-    StepField("row_drafts", torch.int64, "row", -1),
-    StepField("pool_read_rows", torch.int64, "row", 0),  # mtp_info_read_rows
-    StepField("has_draft_probs", torch.bool, "row", False),  # rejection mode: q staged for this row
-    StepField("write_slot", torch.int64, "req", 0),  # mtp_info_write_slots; 0 = no write
-    StepField("next_draft_tokens", torch.int64, "req", -1, width="draft"),  # proposals for the next step
-    StepField("next_draft_logprobs", torch.float32, "req", 0.0, width="draft"),
-)
-READ_FROM_POOL = -2  # row_drafts value: take the draft from the draft-info pool
 
 _NEUTRAL = {f.name: f.neutral for f in STEP_FIELDS}
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_}
@@ -82,7 +47,7 @@ class StepBuffers:
     draft_probs: torch.Tensor | None  # [max_rows, V] f32, rejection mode only: q of each row's draft
     packed: torch.Tensor  # [nbytes] uint8 on the device: every per-step field
     staging: torch.Tensor  # [nbytes] uint8 on the host (pinned on CUDA)
-    fields: dict[str, torch.Tensor]  # device views into `packed`, full size
+    inputs: StepInputs  # typed device views into `packed`, full size, one per STEP_FIELDS entry
     staged: dict[str, np.ndarray]  # numpy views into `staging`, full size
     _copy_done: torch.cuda.Event | None = None
     # Per staged field: leading entries that may hold non-neutral values.
@@ -150,7 +115,7 @@ class StepBuffers:
             draft_probs=torch.zeros(max_rows, vocab_size, device=device) if draft_probs else None,
             packed=packed,
             staging=staging,
-            fields=fields,
+            inputs=StepInputs(**fields),
             staged=staged,
             _copy_done=torch.cuda.Event() if pinned else None,
         )
@@ -181,28 +146,28 @@ class StepBuffers:
         self,
         *,
         bucket: int,
-        sample_rows: np.ndarray,
+        selected_token_indices: np.ndarray,
         row_to_req: np.ndarray,
         local_step: np.ndarray,
-        suppress_rows: np.ndarray,
-        temperature: np.ndarray,
-        top_k: np.ndarray,
-        top_p: np.ndarray,
-        min_p: np.ndarray,
-        seed: np.ndarray,
-        sample_position: np.ndarray,
+        eos_suppression_rows: np.ndarray,
+        temperatures: np.ndarray,
+        top_ks: np.ndarray,
+        top_ps: np.ndarray,
+        min_ps: np.ndarray,
+        seeds: np.ndarray,
+        sample_positions: np.ndarray,
         stop_ids: np.ndarray,
-        forced_token: np.ndarray | None = None,
+        forced_tokens: np.ndarray | None = None,
         row_drafts: np.ndarray | None = None,
-        pool_read_rows: np.ndarray | None = None,
+        mtp_info_read_rows: np.ndarray | None = None,
         has_draft_probs: np.ndarray | None = None,
-        write_slot: np.ndarray | None = None,
+        mtp_info_write_slots: np.ndarray | None = None,
         next_draft_tokens: np.ndarray | None = None,
         next_draft_logprobs: np.ndarray | None = None,
     ) -> None:
         """Stage one step's arrays (real entries, then padding up to the
         bucket) and issue the single host-to-device copy."""
-        n, rows = len(temperature), len(sample_rows)
+        n, rows = len(temperatures), len(selected_token_indices)
         cap_reqs, cap_rows = bucket, self.rows_for(bucket)
         if n > cap_reqs or rows > cap_rows:
             raise ValueError(f"bucket={bucket}: holds {cap_reqs} requests / {cap_rows} rows, step has {n} / {rows}")
@@ -218,7 +183,7 @@ class StepBuffers:
         # (>= rows_per_req), so per-request reductions over rows (accepted
         # drafts) never count it even when it shares request slot 0.
         for name, real, pad in (
-            ("sample_rows", sample_rows, -1),
+            ("selected_token_indices", selected_token_indices, -1),
             ("row_to_req", row_to_req, pad_req),
             ("local_step", local_step, self.rows_per_req),
         ):
@@ -241,21 +206,21 @@ class StepBuffers:
                 view[count : hw[name]] = _NEUTRAL[name]
             hw[name] = count
 
-        put("suppress_eos", False, rows)
-        s["suppress_eos"][suppress_rows] = True
-        put("forced_token", forced_token, rows)
+        put("eos_suppression_rows", False, rows)
+        s["eos_suppression_rows"][eos_suppression_rows] = True
+        put("forced_tokens", forced_tokens, rows)
         put("row_drafts", row_drafts, rows)
-        put("pool_read_rows", pool_read_rows, rows)
+        put("mtp_info_read_rows", mtp_info_read_rows, rows)
         put("has_draft_probs", has_draft_probs, rows)
-        put("write_slot", write_slot, n)
+        put("mtp_info_write_slots", mtp_info_write_slots, n)
         put("next_draft_tokens", next_draft_tokens, n)
         put("next_draft_logprobs", next_draft_logprobs, n)
-        put("temperature", temperature, n)
-        put("top_k", top_k, n)
-        put("top_p", top_p, n)
-        put("min_p", min_p, n)
-        put("seed", seed.view(np.int64), n)
-        put("sample_position", sample_position, n)
+        put("temperatures", temperatures, n)
+        put("top_ks", top_ks, n)
+        put("top_ps", top_ps, n)
+        put("min_ps", min_ps, n)
+        put("seeds", seeds.view(np.int64), n)
+        put("sample_positions", sample_positions, n)
         put("stop_ids", stop_ids, n)
         non_blocking = self._copy_done is not None
         # Copied as int64 words: torch's CPU byte copy goes through a parallel
@@ -267,19 +232,19 @@ class StepBuffers:
     def params(self, bucket: int) -> RowParams:
         """The sampler's view of a bucket: leading slices of the static fields."""
         reqs, rows = bucket, self.rows_for(bucket)
-        f = self.fields
+        f = self.inputs
         return RowParams(
-            temperatures=f["temperature"][:reqs],
-            top_ks=f["top_k"][:reqs],
-            top_ps=f["top_p"][:reqs],
-            min_ps=f["min_p"][:reqs],
-            seeds=f["seed"][:reqs],
-            sample_positions=f["sample_position"][:reqs],
-            stop_ids=f["stop_ids"][:reqs],
-            row_to_req=f["row_to_req"][:rows],
-            local_step=f["local_step"][:rows],
-            eos_suppression_rows=f["suppress_eos"][:rows],
-            forced_tokens=f["forced_token"][:rows],
+            temperatures=f.temperatures[:reqs],
+            top_ks=f.top_ks[:reqs],
+            top_ps=f.top_ps[:reqs],
+            min_ps=f.min_ps[:reqs],
+            seeds=f.seeds[:reqs],
+            sample_positions=f.sample_positions[:reqs],
+            stop_ids=f.stop_ids[:reqs],
+            row_to_req=f.row_to_req[:rows],
+            local_step=f.local_step[:rows],
+            eos_suppression_rows=f.eos_suppression_rows[:rows],
+            forced_tokens=f.forced_tokens[:rows],
         )
 
     def outputs(self, rows: int) -> SampleOutput:

@@ -10,7 +10,7 @@ row whose EOS and stop ids are suppressed); the ledger hands its row numbers.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, make_dataclass
 from typing import Sequence
 
 import numpy as np
@@ -134,3 +134,48 @@ class SampleOutput:
             needs_exact=torch.zeros(rows, dtype=torch.bool, device=device),
             error=torch.zeros(rows, dtype=torch.int64, device=device),
         )
+
+
+@dataclass(frozen=True)
+class StepField:
+    name: str
+    dtype: torch.dtype
+    per: str  # "row": one per sample-row slot; "req": one per request slot
+    neutral: int | float | bool  # padding value
+    width: int | str = 1  # columns; "stop" / "draft": max stop ids / max draft tokens
+
+
+# One name per concept from the ledger to the kernel (docs/contract.md §1 table);
+# `selected_token_indices` is the gather index of each sample row.
+STEP_FIELDS: tuple[StepField, ...] = (
+    StepField("selected_token_indices", torch.int64, "row", -1),  # out of range: a zero row
+    StepField("row_to_req", torch.int64, "row", 0),
+    StepField("local_step", torch.int64, "row", 0),
+    StepField("eos_suppression_rows", torch.bool, "row", False),
+    StepField("forced_tokens", torch.int64, "row", -1),
+    StepField("temperatures", torch.float32, "req", 1.0),
+    StepField("top_ks", torch.int32, "req", 0),
+    StepField("top_ps", torch.float32, "req", 1.0),
+    StepField("min_ps", torch.float32, "req", 0.0),
+    StepField("seeds", torch.int64, "req", 0),
+    StepField("sample_positions", torch.int64, "req", 0),
+    StepField("stop_ids", torch.int64, "req", -1, width="stop"),
+    # Drafts (docs/contract.md §1.2, §1.3). row_drafts: the draft a row verifies, staged
+    # from the caller (>= 0), none (-1, a request's last row), or READ_FROM_POOL.
+    StepField("row_drafts", torch.int64, "row", -1),
+    StepField("mtp_info_read_rows", torch.int64, "row", 0),  # draft-info pool row each row reads
+    StepField("has_draft_probs", torch.bool, "row", False),  # rejection mode: q staged for this row
+    StepField("mtp_info_write_slots", torch.int64, "req", 0),  # 0 = no write
+    StepField("next_draft_tokens", torch.int64, "req", -1, width="draft"),  # proposals for the next step
+    StepField("next_draft_logprobs", torch.float32, "req", 0.0, width="draft"),
+)
+READ_FROM_POOL = -2  # row_drafts value: take the draft from the draft-info pool
+
+
+# The device views of every declared field, one typed attribute each (leading
+# slices of the packed buffer): `buffers.inputs.row_drafts`, never a string key.
+StepInputs = make_dataclass(
+    "StepInputs",
+    [(f.name, torch.Tensor) for f in STEP_FIELDS],
+    namespace={"__doc__": "Device views of the per-step fields (STEP_FIELDS order), full size."},
+)

@@ -150,7 +150,7 @@ class ShardedStepEngine(StepEngine):
         collectives, the draw, then StepEngine's in-graph verification."""
         b, vp = self.buffers, self.vocab_parallel
         rows = b.rows_for(bucket)
-        gather(b.source, b.fields["sample_rows"][:rows], out=b.hidden[:rows])
+        gather(b.source, b.inputs.selected_token_indices[:rows], out=b.hidden[:rows])
         vp.local_logits_of(
             b.hidden[:rows], self.weight, batch_invariant=self.config.batch_invariant, block_rows=self.config.block_rows
         )
@@ -205,8 +205,8 @@ class ShardedStepEngine(StepEngine):
         arrays = StepArrays.from_inputs(inputs, plan.stop_ids)
         if self.config.max_draft_tokens:
             arrays.row_drafts = plan.row_drafts
-            arrays.pool_read_rows = inputs.mtp_info_read_rows.astype(np.int64)
-            arrays.write_slot = inputs.mtp_info_write_slots.astype(np.int64)
+            arrays.mtp_info_read_rows = inputs.mtp_info_read_rows.astype(np.int64)
+            arrays.mtp_info_write_slots = inputs.mtp_info_write_slots.astype(np.int64)
         self._choose_strategy(inputs)
         return self.run(hidden_states, inputs, arrays, host_start=start)
 

@@ -55,7 +55,8 @@ from graphs.step_fields import SampleOutput
 from engine.sampling.verify import accept_strict, draft_in_top_k, target_probs, verify_rejection
 from graphs.buckets import BucketTable
 from graphs.replay import CaptureReport, GraphReplayer, ReplayCounts
-from graphs.static_buffers import READ_FROM_POOL, StepBuffers
+from graphs.static_buffers import StepBuffers
+from graphs.step_fields import READ_FROM_POOL
 from profiling.ranges import stage
 
 VERIFY_MODES = ("strict", "rejection")
@@ -167,38 +168,38 @@ class EngineConfig:
 class StepArrays:
     """Host arrays one step stages, in batch order (sample rows / requests)."""
 
-    sample_rows: np.ndarray  # [rows] model-output row of each sample row
+    selected_token_indices: np.ndarray  # [rows] model-output row of each sample row
     row_to_req: np.ndarray  # [rows]
     local_step: np.ndarray  # [rows]
-    suppress_rows: np.ndarray  # sample rows with EOS / stop ids masked (min_tokens)
-    temperature: np.ndarray  # [n]
-    top_k: np.ndarray
-    top_p: np.ndarray
-    min_p: np.ndarray
-    seed: np.ndarray  # [n] uint64
-    sample_position: np.ndarray  # [n] int64
+    eos_suppression_rows: np.ndarray  # sample rows with EOS / stop ids masked (min_tokens)
+    temperatures: np.ndarray  # [n]
+    top_ks: np.ndarray
+    top_ps: np.ndarray
+    min_ps: np.ndarray
+    seeds: np.ndarray  # [n] uint64
+    sample_positions: np.ndarray  # [n] int64
     stop_ids: np.ndarray  # [n, max_stop_ids] int64, -1 padded
     row_drafts: np.ndarray | None = None  # [rows] int64: draft, -1 none, READ_FROM_POOL
-    pool_read_rows: np.ndarray | None = None  # [rows]
+    mtp_info_read_rows: np.ndarray | None = None  # [rows]
     has_draft_probs: np.ndarray | None = None  # [rows] bool
     draft_probs: dict[int, torch.Tensor] | None = None  # first sample row -> [k, V] q of its drafts
-    write_slot: np.ndarray | None = None  # [n]
+    mtp_info_write_slots: np.ndarray | None = None  # [n]
     next_draft_tokens: np.ndarray | None = None  # [n, max_draft]
     next_draft_logprobs: np.ndarray | None = None  # [n, max_draft]
 
     @classmethod
     def from_inputs(cls, inputs: SamplerInputs, stop_ids: np.ndarray) -> StepArrays:
         return cls(
-            sample_rows=inputs.selected_token_indices,
+            selected_token_indices=inputs.selected_token_indices,
             row_to_req=inputs.row_to_req,
             local_step=inputs.local_step,
-            suppress_rows=inputs.eos_suppression_rows,
-            temperature=inputs.temperatures,
-            top_k=inputs.top_ks,
-            top_p=inputs.top_ps,
-            min_p=inputs.min_ps,
-            seed=inputs.seeds,
-            sample_position=inputs.sample_positions,
+            eos_suppression_rows=inputs.eos_suppression_rows,
+            temperatures=inputs.temperatures,
+            top_ks=inputs.top_ks,
+            top_ps=inputs.top_ps,
+            min_ps=inputs.min_ps,
+            seeds=inputs.seeds,
+            sample_positions=inputs.sample_positions,
             stop_ids=stop_ids,
         )
 
@@ -206,13 +207,13 @@ class StepArrays:
         """The arrays of requests [a, b), renumbered from 0."""
         r0 = int(sample_offsets[a])
         r1 = int(sample_offsets[b - 1] + sample_counts[b - 1])
-        per_row = ("sample_rows", "row_to_req", "local_step", "row_drafts", "pool_read_rows", "has_draft_probs")
-        per_req = ("temperature", "top_k", "top_p", "min_p", "seed", "sample_position", "stop_ids", "write_slot",
+        per_row = ("selected_token_indices", "row_to_req", "local_step", "row_drafts", "mtp_info_read_rows", "has_draft_probs")
+        per_req = ("temperatures", "top_ks", "top_ps", "min_ps", "seeds", "sample_positions", "stop_ids", "mtp_info_write_slots",
                    "next_draft_tokens", "next_draft_logprobs")
         part = {name: None if getattr(self, name) is None else getattr(self, name)[r0:r1] for name in per_row}
         part.update({name: None if getattr(self, name) is None else getattr(self, name)[a:b] for name in per_req})
         part["row_to_req"] = part["row_to_req"] - a
-        part["suppress_rows"] = self.suppress_rows[(self.suppress_rows >= r0) & (self.suppress_rows < r1)] - r0
+        part["eos_suppression_rows"] = self.eos_suppression_rows[(self.eos_suppression_rows >= r0) & (self.eos_suppression_rows < r1)] - r0
         part["draft_probs"] = (
             None if self.draft_probs is None
             else {row - r0: q for row, q in self.draft_probs.items() if r0 <= row < r1}
@@ -416,7 +417,7 @@ class StepEngine:
         """The captured part: reads and writes only the static buffers."""
         b = self.buffers
         rows = b.rows_for(bucket)
-        gather(b.source, b.fields["sample_rows"][:rows], out=b.hidden[:rows])
+        gather(b.source, b.inputs.selected_token_indices[:rows], out=b.hidden[:rows])
         get_logits(
             b.hidden[:rows],
             self.weight,
@@ -441,21 +442,21 @@ class StepEngine:
     def _verify_and_store_drafts(self, bucket: int) -> None:
         """Inside the graph: resolve each row's draft, verify, then write the
         draft head's proposals for the next step into each request's write slot."""
-        b, f = self.buffers, self.buffers.fields
+        b, f = self.buffers, self.buffers.inputs
         rows, k = b.rows_for(bucket), self.config.max_draft_tokens
-        staged = f["row_drafts"][:rows]
+        staged = f.row_drafts[:rows]
         # Read before this step's writes: a request that reads and writes the
         # same slot verifies last step's proposals. Resolved into a static
         # buffer so a later eager re-verification reads the same drafts.
-        from_pool = b.pool_tokens[f["pool_read_rows"][:rows]]
+        from_pool = b.pool_tokens[f.mtp_info_read_rows[:rows]]
         torch.where(staged == READ_FROM_POOL, from_pool, staged, out=b.resolved_drafts[:rows])
         self._verify(bucket)
         # Slot 0 is padding and never written: writes aimed at it land in the extra slot.
-        slots = f["write_slot"][:bucket]
+        slots = f.mtp_info_write_slots[:bucket]
         slots = torch.where(slots > 0, slots, torch.full_like(slots, self.config.pool_slots))
         pool_rows = (slots[:, None] * k + torch.arange(k, device=slots.device)).flatten()  # [bucket * k]
-        b.pool_tokens.index_copy_(0, pool_rows, f["next_draft_tokens"][:bucket, :k].flatten())
-        b.pool_logprobs.index_copy_(0, pool_rows, f["next_draft_logprobs"][:bucket, :k].flatten())
+        b.pool_tokens.index_copy_(0, pool_rows, f.next_draft_tokens[:bucket, :k].flatten())
+        b.pool_logprobs.index_copy_(0, pool_rows, f.next_draft_logprobs[:bucket, :k].flatten())
 
     def _verify(self, bucket: int) -> None:
         """num_accepted (and, in rejection mode, the emitted token per row) from
@@ -475,7 +476,7 @@ class StepEngine:
         p = target_probs(b.logits[:rows], params)  # [rows, V] f64
         # Rows without staged probabilities count their draft as one-hot q.
         one_hot = torch.zeros_like(b.draft_probs[:rows]).scatter_(1, drafts.clamp(min=0)[:, None], 1.0)
-        q = torch.where(b.fields["has_draft_probs"][:rows, None], b.draft_probs[:rows], one_hot)
+        q = torch.where(b.inputs.has_draft_probs[:rows, None], b.draft_probs[:rows], one_hot)
         position = params.sample_positions[params.row_to_req] + params.local_step
         verify_rejection(p, drafts, q, params.seeds, position, params.row_to_req, params.local_step, bucket,
                          b.emitted[:rows], row_tokens=b.out.tokens[:rows], top_k_space=k_req,
@@ -580,11 +581,11 @@ class StepEngine:
         drafts_per_req = inputs.sample_counts - 1  # 0 for a prefill chunk (one sample row)
         layout = self._draft_layout(inputs)
         arrays.row_drafts = layout.row_drafts.copy()
-        arrays.pool_read_rows = inputs.mtp_info_read_rows
-        arrays.write_slot = inputs.mtp_info_write_slots
+        arrays.mtp_info_read_rows = inputs.mtp_info_read_rows
+        arrays.mtp_info_write_slots = inputs.mtp_info_write_slots
         limit = self.config.pool_slots
-        for name, slots, bound in (("mtp_read_slot", arrays.pool_read_rows, limit * k),
-                                   ("mtp_write_slot", arrays.write_slot, limit)):
+        for name, slots, bound in (("mtp_read_slot", arrays.mtp_info_read_rows, limit * k),
+                                   ("mtp_write_slot", arrays.mtp_info_write_slots, limit)):
             if len(slots) and slots.max() >= bound:
                 j = int(np.argmax(slots))
                 req = int(inputs.row_to_req[j]) if name == "mtp_read_slot" else j
@@ -833,7 +834,7 @@ class StepEngine:
         """The host part of a step: stage the per-step arrays and issue the one
         host-to-device copy (plus the caller's rows when not zero-copy)."""
         b = self.buffers
-        sample_rows = arrays.sample_rows
+        sample_rows = arrays.selected_token_indices
         with stage("staging copy"):
             if not self._is_source(hidden_states):
                 # Not zero-copy: bring only the sample rows into the static
@@ -847,21 +848,21 @@ class StepEngine:
                     b.draft_probs[row : row + len(q)].copy_(_upload(q, self.device))
             b.load(
                 bucket=bucket,
-                sample_rows=sample_rows,
+                selected_token_indices=sample_rows,
                 row_to_req=arrays.row_to_req,
                 local_step=arrays.local_step,
-                suppress_rows=arrays.suppress_rows,
-                temperature=arrays.temperature,
-                top_k=arrays.top_k,
-                top_p=arrays.top_p,
-                min_p=arrays.min_p,
-                seed=arrays.seed,
-                sample_position=arrays.sample_position,
+                eos_suppression_rows=arrays.eos_suppression_rows,
+                temperatures=arrays.temperatures,
+                top_ks=arrays.top_ks,
+                top_ps=arrays.top_ps,
+                min_ps=arrays.min_ps,
+                seeds=arrays.seeds,
+                sample_positions=arrays.sample_positions,
                 stop_ids=arrays.stop_ids,
                 row_drafts=arrays.row_drafts,
-                pool_read_rows=arrays.pool_read_rows,
+                mtp_info_read_rows=arrays.mtp_info_read_rows,
                 has_draft_probs=arrays.has_draft_probs,
-                write_slot=arrays.write_slot,
+                mtp_info_write_slots=arrays.mtp_info_write_slots,
                 next_draft_tokens=arrays.next_draft_tokens,
                 next_draft_logprobs=arrays.next_draft_logprobs,
             )
@@ -870,7 +871,7 @@ class StepEngine:
         """After the replay: redo flagged rows exactly, re-verify if needed,
         and copy the real rows out before the next replay overwrites them."""
         b = self.buffers
-        rows, capacity, n = len(arrays.row_to_req), b.rows_for(bucket), len(arrays.temperature)
+        rows, capacity, n = len(arrays.row_to_req), b.rows_for(bucket), len(arrays.temperatures)
         params, out = b.params(bucket), b.outputs(capacity)
         with stage("exact rows"):
             flags = out.needs_exact[:rows].cpu()
