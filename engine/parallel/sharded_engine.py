@@ -31,7 +31,8 @@ from engine.host.params import SeqMeta
 from engine.parallel.cp_broadcast import LedgerBroadcaster, StepPlan, batch_fingerprint, config_fingerprint
 from engine.parallel.vocab_parallel import STRATEGIES, VocabParallelSampler, VocabShards, candidate_ineligibility
 from engine.step.prompt_logprobs import PromptRowResults
-from engine.step.step_engine import EngineConfig, StepArrays, StepEngine, StepOutput
+from engine.step.staging import StepArrays
+from engine.step.step_engine import EngineConfig, StepEngine, StepOutput
 from graphs.replay import CaptureReport, GraphReplayer
 from profiling.ranges import stage
 
