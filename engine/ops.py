@@ -10,12 +10,17 @@ from dataclasses import dataclass
 
 import torch
 
-# Rows per GEMM call in batch-invariant mode when no verified kernel is given (the
-# prompt-logprob chunks). Every call sees exactly this many rows; that this gives every
-# row one reduction order is what `engine.step.invariance` probes for the kernels it picks.
-DEFAULT_BLOCK_ROWS = 32
-
 _INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def default_block_rows(device: torch.device | str) -> int:
+    """Rows per LM-head GEMM call in batch-invariant mode where none is configured: the one
+    default of `get_logits` and of the engine (`EngineConfig.block_rows`). 16 on CPU, 64 on
+    CUDA. Every block streams the whole weight once, so wider blocks mean fewer weight
+    reads for big buckets and more wasted rows for small ones; on CUDA one block covers
+    bucket 64, so the weight is read once. That one call shape gives every row one
+    reduction order is what `engine.step.invariance` probes for the kernels it picks."""
+    return 64 if torch.device(device).type == "cuda" else 16
 
 
 def gather(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -91,8 +96,8 @@ BLOCK_KERNELS: dict[str, Callable[[BlockGemm, torch.Tensor], torch.Tensor]] = {
 
 def block_gemm(weight: torch.Tensor, kernel: str, block_rows: int) -> BlockGemm | None:
     """`weight` [N, K] prepared for `kernel` at `block_rows`-row blocks, or None where the
-    kernel does not apply. `mkl_packed` needs a dense fp32 CPU weight and a torch with MKL
-    (so not the sharded engine's zero-stride stand-in); measured at H = 576, V = 49152,
+    kernel does not apply. `mkl_packed` needs a dense fp32 CPU weight and a torch with MKL;
+    measured at H = 576, V = 49152,
     16-row blocks, 2 AVX-512 cores: 8.8 ms per block against 12.6 ms for `mm`."""
     if block_rows < 1:
         raise ValueError(f"block_rows={block_rows}: must be >= 1")
@@ -111,7 +116,7 @@ def get_logits(
     weight: torch.Tensor,
     out: torch.Tensor | None = None,
     batch_invariant: bool = False,
-    block_rows: int = DEFAULT_BLOCK_ROWS,
+    block_rows: int | None = None,
     kernel: BlockGemm | None = None,
 ) -> torch.Tensor:
     """LM-head logits: `hidden` [rows, H] x `weight` [V, H]^T, computed in the
@@ -123,7 +128,8 @@ def get_logits(
     whatever the row count and the row's place in the batch, provided the block
     kernel keeps that promise on this machine: `kernel` is a `BlockGemm` of
     `weight` that `engine.step.invariance` has verified (its block size then replaces
-    `block_rows`); without one, `mm` blocks of `block_rows` rows, unchecked.
+    `block_rows`); without one, `mm` blocks of `block_rows` rows (None:
+    `default_block_rows` of the weight's device), unchecked.
     Plain mode lets the GEMM pick its kernel by row count, which changes the
     reduction order and so the low bits.
     """
@@ -131,6 +137,8 @@ def get_logits(
         raise ValueError(
             f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)}: expected [rows, H] and [vocab, H]"
         )
+    if block_rows is None:
+        block_rows = default_block_rows(weight.device)
     if block_rows < 1:
         raise ValueError(f"block_rows={block_rows}: must be >= 1")
     if kernel is not None and (kernel.weight.data_ptr(), kernel.weight.shape, kernel.weight.dtype) != (

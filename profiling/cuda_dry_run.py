@@ -53,7 +53,9 @@ from engine.models.protocol import ForwardBatch
 from engine.host.params import SamplingParams, SeqMeta
 from engine.parallel.sharded_engine import ParallelConfig, ShardedStepEngine
 from engine.parallel.vocab_parallel import VocabShards
-from engine.step.step_engine import EngineConfig, StepEngine
+from engine.step.config import EngineConfig
+from engine.step.lm_head import FULL_CANDIDATES, SMALL_CANDIDATES
+from engine.step.step_engine import StepEngine
 from graphs.capture_safety import CaptureSafetyError, capture_safety_check
 from graphs.replay import CaptureReport, GraphReplayer, simulated_cuda_capture
 from profiling.fake_cuda import FakeCuda, project_path
@@ -175,9 +177,8 @@ class _Run:
         # Small finite values: on a real GPU uninitialised memory could hold NaN.
         return torch.empty(shape, dtype=self.cfg.dtype, device="cuda").normal_(0.0, 0.02)
 
-    def capture(self, name: str, replayer: GraphReplayer | None) -> None:
-        if replayer is not None:
-            self.report.add_capture(name, replayer.capture(progress=False))
+    def capture(self, name: str, replayer: GraphReplayer) -> None:
+        self.report.add_capture(name, replayer.capture(progress=False))
 
     @contextmanager
     def steps(self, name: str, count: int) -> Iterator[None]:
@@ -196,8 +197,8 @@ def _engine(run: _Run) -> None:
     cfg = run.cfg
     engine = StepEngine(run.weight(cfg.vocab, cfg.hidden),
                         EngineConfig(device="cuda", max_num_reqs=cfg.max_num_reqs, eos_token_id=2))
-    run.capture("engine", engine.replayer)
-    run.capture("engine small-candidate", engine.small_replayer)
+    run.capture("engine", engine.replayers[FULL_CANDIDATES])
+    run.capture("engine small-candidate", engine.replayers[SMALL_CANDIDATES])
     n = min(5, cfg.max_num_reqs)
     greedy = lambda i: SamplingParams(temperature=0.0, seed=i)  # noqa: E731
     with_prompt_logprobs = lambda i: SamplingParams(temperature=0.5, seed=i, prompt_logprobs=True, logprobs=2)  # noqa: E731
@@ -214,8 +215,8 @@ def _drafts(run: _Run, mode: str) -> None:
     cfg, k = run.cfg, run.cfg.max_draft_tokens
     engine = StepEngine(run.weight(cfg.vocab, cfg.hidden), EngineConfig(
         device="cuda", max_num_reqs=cfg.max_num_reqs, max_draft_tokens=k, verify_mode=mode))
-    run.capture(f"drafts {mode}", engine.replayer)
-    run.capture(f"drafts {mode} small-candidate", engine.small_replayer)
+    run.capture(f"drafts {mode}", engine.replayers[FULL_CANDIDATES])
+    run.capture(f"drafts {mode} small-candidate", engine.replayers[SMALL_CANDIDATES])
     n = min(4, cfg.max_num_reqs)
     drafts = [list(range(10 + i, 10 + i + k)) for i in range(n)]
     draft_logprobs = None

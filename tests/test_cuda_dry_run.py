@@ -33,11 +33,12 @@ def test_dry_run_passes_and_reports_ops_per_bucket(capsys: pytest.CaptureFixture
         assert counts and min(counts) > 50, line  # every bucket ran a real step under the check
     assert re.search(r"^  engine +1:\d+  2:\d+$", out, re.M), out  # both buckets of max_num_reqs=2
     # The exact path's flag read after each replay is counted, not hidden.
-    assert re.search(r"engine/step/step_engine.py:\d+", out)
+    assert re.search(r"engine/step/collect.py:\d+", out)
     # The engine's own per-step uploads (staging, source-copy index, draft probabilities)
     # are pinned and asynchronous; what is left pageable is listed, and is not the engine's.
     pageable = out.split("pageable host-to-device copies")[1].split("dry run passed")[0]
     assert "step_engine.py" not in pageable and "static_buffers.py" not in pageable, pageable
+    assert not any(f"engine/step/{name}.py" in pageable for name in ("body", "collect", "drafts", "lm_head")), pageable
     assert "dry run passed" in out
 
 
@@ -67,15 +68,15 @@ def _host_factory(e: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
 
 def test_a_host_tensor_in_a_device_op_outside_the_graphs_fails_the_dry_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """Eager code after the replay (here the output collection) is held to CUDA's device rules."""
-    import engine.step.step_engine as step_engine_module
+    import engine.step.collect as collect_module
 
-    original = step_engine_module._host_results
+    original = collect_module._host_results
 
     def planted(out, *, want_top):
         out.tokens + torch.ones(out.tokens.shape[0], dtype=torch.int64)  # a host vector in a device op
         return original(out, want_top=want_top)
 
-    monkeypatch.setattr(step_engine_module, "_host_results", planted)
+    monkeypatch.setattr(collect_module, "_host_results", planted)
     with pytest.raises(DryRunFailure, match=r"StepEngine: aten.add.Tensor .*devices(?s:.*)test_cuda_dry_run.py"):
         run(SMALL)
 

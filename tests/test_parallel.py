@@ -8,6 +8,7 @@ compares against the single-process StepEngine / ledger over the same inputs.
 """
 from __future__ import annotations
 
+import copy
 import datetime
 import os
 import pickle
@@ -21,7 +22,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine, prepare_sampler_inputs
-from engine.ops import gather
+import engine.parallel.vocab_parallel as vocab_parallel_module
+from engine.ops import default_block_rows, gather
 from engine.parallel import (
     LedgerBroadcaster,
     ParallelConfig,
@@ -295,3 +297,64 @@ def test_batch_fingerprint_sees_lengths_and_ids() -> None:
     assert batch_fingerprint(seqs) != batch_fingerprint(seqs[:-1])
     assert batch_fingerprint(seqs) != batch_fingerprint([replace(seqs[0], request_id="x"), *seqs[1:]])
     assert request_key(12) == 12 and request_key("a") == request_key("a") != request_key("b")
+
+
+@pytest.fixture
+def one_rank_group():
+    """This process as a gloo group of one: the sharded engine in-process, tp = 1."""
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_lm_head_block_size_for_sampled_and_prompt_rows(one_rank_group, monkeypatch) -> None:
+    """EngineConfig.block_rows (default: engine.ops.default_block_rows) is the one LM-head
+    block size: the vocab-parallel head runs it for the sampled rows and the prompt
+    logprobs alike, and matches the unsharded engine bit for bit."""
+    blocks = []
+    real_get_logits = vocab_parallel_module.get_logits
+
+    def recording_get_logits(hidden, weight, **kwargs):
+        blocks.append(kwargs.get("block_rows"))
+        return real_get_logits(hidden, weight, **kwargs)
+
+    monkeypatch.setattr(vocab_parallel_module, "get_logits", recording_get_logits)
+    prompt = SeqMeta("p", True, 6, 6, 6, prompt_tokens=np.arange(6), params=SamplingParams(prompt_logprobs=2, logprobs=1))
+    for block_rows, expected in ((None, default_block_rows("cpu")), (8, 8)):
+        config = replace(CONFIG, logits_block_rows=block_rows)
+        assert config.block_rows == expected
+        sharded = ShardedStepEngine(_weight(), VOCAB, config, ParallelConfig(strategy="gather"))
+        reference = StepEngine(_weight(), config)
+        sharded.capture()
+        reference.capture()
+        blocks.clear()
+        for seed in range(3):
+            seqs, hidden = random_batch(seed, eligible=True)
+            seqs = [prompt, *seqs[: MAX_REQS - 1]]
+            hidden = torch.cat([torch.randn(6, HIDDEN, generator=torch.Generator().manual_seed(50 + seed)),
+                                hidden[: sum(s.seqlen_q for s in seqs[1:])]])
+            got = sharded.step(hidden, seqs)
+            assert got.prompt_logprobs[0] and _outputs(got) == _outputs(reference.step(hidden, seqs))
+        assert len(blocks) >= 6 and set(blocks) == {expected}  # per step: the sampled rows, a prompt chunk
+
+
+def test_rollback_restores_the_sharded_heads_counters(one_rank_group) -> None:
+    engine = ShardedStepEngine(_weight(), VOCAB, CONFIG, ParallelConfig(strategy="candidates", k_cap=50))
+    engine.capture()
+    seqs, hidden = random_batch(0, eligible=True)
+    engine.step(hidden, seqs)
+    mark, before = engine.checkpoint(), copy.deepcopy(engine.parallel_stats)
+    engine.step(hidden, seqs)
+    assert engine.parallel_stats != before
+    engine.rollback(mark)
+    assert engine.parallel_stats == before
+    engine.step(hidden, seqs)  # the restored counters count on
+    assert engine.parallel_stats.candidate_steps == before.candidate_steps + 1
+
+
+def test_the_sharded_engine_overrides_no_private_method() -> None:
+    """Composition: what differs lives in its LM-head strategy, not in overrides of StepEngine's internals."""
+    private = {name for name in vars(ShardedStepEngine) if name.startswith("_") and not name.startswith("__")}
+    assert not private & set(dir(StepEngine))

@@ -24,7 +24,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import engine.step.step_engine as step_engine_module
+import engine.step.lm_head as lm_head_module
 import tests.test_parallel as parallel
 from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine
 from engine.parallel import ParallelConfig, ShardedStepEngine, VocabShards
@@ -276,7 +276,7 @@ def _state(engine: StepEngine) -> tuple:
     b = engine.buffers
     tensors = [b.staging, b.packed, b.source, b.pool_tokens, b.pool_logprobs, b.logits, *vars(b.out).values()]
     return ([t.clone() for t in tensors], copy.deepcopy(engine.stats), engine.prompt_logprobs.snapshot(),
-            [r.counts() for r in engine.all_replayers])
+            [r.counts() for r in engine.replayers.values()])
 
 
 def _assert_same_state(a: tuple, b: tuple) -> None:
@@ -399,16 +399,16 @@ def test_an_exception_inside_a_step_leaves_stats_and_partial_prompt_logprobs_as_
     engine = StepEngine(_weight(), config)
     engine.step(_chunk_hidden(0), [_chunk(0), _chunk(0, "q")])
     before = _state(engine)
-    real = step_engine_module.compute_prompt_logprobs
+    real = lm_head_module.compute_prompt_logprobs
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(step_engine_module, "compute_prompt_logprobs", interrupted)
+    monkeypatch.setattr(lm_head_module, "compute_prompt_logprobs", interrupted)
     with pytest.raises(KeyboardInterrupt):
         engine.step(_chunk_hidden(4), [_chunk(4), _chunk(4, "q")])
     assert before[1:] == _state(engine)[1:]
-    monkeypatch.setattr(step_engine_module, "compute_prompt_logprobs", real)
+    monkeypatch.setattr(lm_head_module, "compute_prompt_logprobs", real)
     got = [_fields(engine.step(_chunk_hidden(s), [_chunk(s), _chunk(s, "q")])) for s in (4, 8)]
     assert got == want[1:]
 

@@ -3,11 +3,13 @@ really reads the static buffers, bad input is rejected before any buffer is
 touched (docs/contract.md §4, §6; issue 4 item 7)."""
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
 
-import engine.step.step_engine as step_engine_module
+import engine.step.lm_head as lm_head_module
 from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine
 from graphs.capture_safety import CaptureSafetyError
 
@@ -195,6 +197,34 @@ def test_chunked_prefill_reports_tokens_and_prompt_logprobs_on_the_last_chunk():
     assert [lp.token for lp in out2.prompt_logprobs[0]] == prompt[1:].tolist()
 
 
+def _never_captured(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "never captured" in str(w.message)]
+
+
+def test_use_graphs_without_capture_warns_once_per_engine_and_runs_eagerly():
+    seqs, hidden, _ = random_batch(3, seed=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first, second = [StepEngine(_weight("cpu"), EngineConfig(max_num_reqs=4, device="cpu")) for _ in range(2)]
+        outs = [first.step(hidden, seqs) for _ in range(3)]
+        assert len(_never_captured(caught)) == 1  # not one per step
+        second.step(hidden, seqs)
+    messages = _never_captured(caught)
+    assert len(messages) == 2  # one per engine
+    assert "capture()" in messages[0] and "use_graphs=False" in messages[0]
+    assert not any(out.replayed for out in outs)
+    assert first.stats.eager_steps == 3 and first.stats.replays == 0
+    captured = StepEngine(_weight("cpu"), EngineConfig(max_num_reqs=4, device="cpu"))
+    captured.capture()
+    eager = StepEngine(_weight("cpu"), EngineConfig(max_num_reqs=4, device="cpu", use_graphs=False))
+    with warnings.catch_warnings(record=True) as quiet:
+        warnings.simplefilter("always")
+        replayed = captured.step(hidden, seqs)
+        eager.step(hidden, seqs)
+    assert _never_captured(quiet) == [] and replayed.replayed
+    _same(outs[0], replayed)
+
+
 def _buffer_snapshot(engine: StepEngine) -> list[torch.Tensor]:
     return [t.clone() for t in engine.buffers.static_tensors().values()] + [engine.buffers.staging.clone()]
 
@@ -250,14 +280,14 @@ def test_config_errors(kwargs, match):
     ],
 )
 def test_capture_rejects_a_planted_hazard_inside_the_step(monkeypatch, plant, match):
-    real_sample = step_engine_module.sample
+    real_sample = lm_head_module.sample
 
     def sample_with_hazard(*args, **kwargs):
         out = real_sample(*args, **kwargs)
         plant(out)
         return out
 
-    monkeypatch.setattr(step_engine_module, "sample", sample_with_hazard)
+    monkeypatch.setattr(lm_head_module, "sample", sample_with_hazard)
     engine = StepEngine(_weight("cpu"), EngineConfig(max_num_reqs=2, device="cpu"))
     with pytest.raises(CaptureSafetyError, match=match):
         engine.capture()

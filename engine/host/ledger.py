@@ -182,7 +182,7 @@ def _arange(n: int) -> np.ndarray:
     return _ARANGE[:n]
 
 
-def _exclusive_cumsum(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def exclusive_cumsum(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     ends = np.cumsum(counts, dtype=np.int32)
     return ends - counts, ends
 
@@ -231,8 +231,8 @@ def build_ledger(
         q_start = seqlen_k - seqlen_q
         clip = np.clip(cols.prompt_len - compaction_keep_tokens - q_start, 0, seqlen_q - 1)
         out_lens = np.where(is_prompt, seqlen_q - clip, seqlen_q).astype(np.int32)
-    out_offsets, out_ends = _exclusive_cumsum(out_lens)
-    query_offsets = out_offsets if out_lens is seqlen_q else _exclusive_cumsum(seqlen_q)[0]
+    out_offsets, out_ends = exclusive_cumsum(out_lens)
+    query_offsets = out_offsets if out_lens is seqlen_q else exclusive_cumsum(seqlen_q)[0]
     num_output_rows = int(out_ends[-1]) if n else 0
 
     # Sample rows: one per prefill chunk (its last row, even for a non-last
@@ -243,7 +243,7 @@ def build_ledger(
     sample_positions += 1
     if any_prompt:
         sample_counts = np.where(is_prompt, 1, seqlen_q).astype(np.int32)
-        sample_offsets, sample_ends = _exclusive_cumsum(sample_counts)
+        sample_offsets, sample_ends = exclusive_cumsum(sample_counts)
         first_sample_row = np.where(is_prompt, out_ends - 1, out_offsets)
         sample_positions = np.where(is_prompt, seqlen_k, sample_positions)
     else:
@@ -329,7 +329,7 @@ def _prompt_rows(
     prompt_row_counts = np.where(wants, schedule.seqlen_q - is_last_chunk, 0).astype(np.int32)
     if not wants.any():
         return None, None, prompt_row_counts
-    prompt_offsets, prompt_ends = _exclusive_cumsum(prompt_row_counts)
+    prompt_offsets, prompt_ends = exclusive_cumsum(prompt_row_counts)
     total = int(prompt_ends[-1])
     prompt_row_to_req = np.repeat(np.arange(n, dtype=np.int32), prompt_row_counts)
     j = np.arange(total, dtype=np.int32) - prompt_offsets[prompt_row_to_req]

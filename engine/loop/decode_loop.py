@@ -36,7 +36,10 @@ from engine.models.protocol import CausalLM, ForwardBatch, PrefixCopy
 from engine.host.params import SamplingParams
 from engine.step.prompt_logprobs import PromptLogprob
 from engine.host.persistent_batch import DraftSlots, RequestTable
-from engine.step.step_engine import EngineCheckpoint, EngineConfig, StepEngine, StepOutput, TokenLogprob
+from engine.step.checkpoint import EngineCheckpoint
+from engine.step.config import EngineConfig
+from engine.step.outputs import StepOutput, TokenLogprob
+from engine.step.step_engine import StepEngine
 from profiling.ranges import stage
 
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.host.ledger import SamplerInputs, _exclusive_cumsum
+from engine.host.ledger import SamplerInputs, exclusive_cumsum
 from engine.host.params import SeqMeta
 
 _ALIGN = 8
@@ -307,7 +307,7 @@ class LedgerBroadcaster:
             arrays[f.name] = raw[offset : offset + nbytes].view(f.dtype).reshape(shape).copy()
         n = int(header[_SLOT["num_reqs"]])
         sample_counts, out_lens = arrays.pop("sample_counts"), arrays.pop("out_lens")
-        sample_offsets = _exclusive_cumsum(sample_counts)[0]
+        sample_offsets = exclusive_cumsum(sample_counts)[0]
         row_to_req = np.repeat(np.arange(n, dtype=np.int32), sample_counts)
         local_step = np.arange(len(row_to_req), dtype=np.int32) - sample_offsets[row_to_req]
         inputs = SamplerInputs(
@@ -329,7 +329,7 @@ class LedgerBroadcaster:
             mtp_info_read_rows=arrays.pop("mtp_info_read_rows", None),
             request_ids=tuple(arrays.pop("request_keys").tolist()),
             num_output_rows=int(out_lens.sum()),
-            out_offsets=_exclusive_cumsum(out_lens)[0],
+            out_offsets=exclusive_cumsum(out_lens)[0],
             out_lens=out_lens,
             query_offsets=arrays.pop("query_offsets"),
             sample_offsets=sample_offsets,

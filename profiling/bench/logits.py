@@ -10,7 +10,7 @@ import argparse
 
 import torch
 
-from engine.ops import DEFAULT_BLOCK_ROWS, get_logits
+from engine.ops import default_block_rows, get_logits
 from profiling.bench._timing import median_us, print_table, ratio
 
 
@@ -19,12 +19,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes, few repeats (smoke test)")
     parser.add_argument("--hidden", type=int, default=576, help="hidden size H (576: SmolLM2-135M, 1024 also typical)")
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--block-rows", type=int, default=DEFAULT_BLOCK_ROWS)
+    parser.add_argument("--block-rows", type=int, default=None, help="default: engine.ops.default_block_rows(device)")
     parser.add_argument("--repeats", type=int, default=None)
     args = parser.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else None
+    args.block_rows = args.block_rows or default_block_rows(device)
     if args.quick:
         hidden_size, vocab, row_counts, repeats = 64, 2048, (1, 16, 64), args.repeats or 3
     else:

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def host_only():
             inputs = work.ledger(args.drafts)
-            replayed._validate(replayed.source, inputs)
+            replayed.validate(replayed.source, inputs)
             arrays = replayed.step_arrays(inputs, work.stop_ids, draft_tokens=work.drafts)
             replayed.stage_step(replayed.source, arrays, bucket)
 
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def host_256():
         inputs = work.ledger(3)
-        big._validate(big.source, inputs)
+        big.validate(big.source, inputs)
         big.stage_step(big.source, big.step_arrays(inputs, work.stop_ids, draft_tokens=work.drafts), 256)
 
     t = median_us(host_256, repeats=50 if args.quick else 300, warmup=10, sync=sync)

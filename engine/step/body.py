@@ -1,0 +1,100 @@
+"""The captured step: one bucket's device work, a function of the static buffers alone.
+
+    gather       the sample rows of the hidden-state source    -> buffers.hidden
+    LM head      logits and the draw (the engine's `LMHead`)    -> buffers.out
+    hidden check rows whose hidden state is not finite fail
+    verify       each row's draft (the caller's or the pool's)  -> buffers.num_accepted
+    draft pool   next step's proposals into the write slots
+
+It reads its inputs from `buffers.inputs.<field>` (staged by the host before
+the replay) and writes only static tensors, so a CUDA graph can capture it and
+the CPU "replay" can call it again over the same addresses (graphs/replay.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.ops import gather
+from engine.sampling.sampler import RowError, fail_rows
+from engine.sampling.verify import accept_strict, draft_in_top_k, target_probs, verify_rejection
+from engine.step.config import EngineConfig
+from graphs.static_buffers import StepBuffers
+from graphs.step_fields import READ_FROM_POOL
+
+
+@dataclass(frozen=True)
+class StepBody:
+    """The step of one graph set, called with the bucket (`GraphReplayer`'s step function).
+
+    `logits_and_sample(bucket)` is the LM head's part: from `buffers.hidden`
+    to `buffers.out` (local logits and the sampler, or a shard's logits and
+    the collectives of a vocab-parallel head)."""
+
+    buffers: StepBuffers
+    config: EngineConfig
+    logits_and_sample: Callable[[int], None]
+
+    def __call__(self, bucket: int) -> None:
+        b = self.buffers
+        rows = b.rows_for(bucket)
+        gather(b.source, b.inputs.selected_token_indices[:rows], out=b.hidden[:rows])  # [rows, H]
+        self.logits_and_sample(bucket)
+        fail_non_finite_hidden(b, rows)
+        if self.config.max_draft_tokens:
+            verify_and_store_drafts(b, self.config, bucket)
+
+
+def fail_non_finite_hidden(buffers: StepBuffers, rows: int) -> None:
+    """Rows whose gathered hidden state holds a NaN or inf fail with that cause
+    (their logits are not finite either; the hidden state is where the fault is)."""
+    fail_rows(buffers.outputs(rows), ~torch.isfinite(buffers.hidden[:rows]).all(-1), RowError.HIDDEN_NOT_FINITE)
+
+
+def verify_and_store_drafts(buffers: StepBuffers, config: EngineConfig, bucket: int) -> None:
+    """Resolve each row's draft, verify, then write the draft head's proposals
+    for the next step into each request's write slot."""
+    b, f = buffers, buffers.inputs
+    rows, k = b.rows_for(bucket), config.max_draft_tokens
+    staged = f.row_drafts[:rows]
+    # Read before this step's writes: a request that reads and writes the
+    # same slot verifies last step's proposals. Resolved into a static
+    # buffer so a later eager re-verification reads the same drafts.
+    from_pool = b.pool_tokens[f.mtp_info_read_rows[:rows]]
+    torch.where(staged == READ_FROM_POOL, from_pool, staged, out=b.resolved_drafts[:rows])
+    verify_drafts(b, config, bucket)
+    # Slot 0 is padding and never written: writes aimed at it land in the extra slot.
+    slots = f.mtp_info_write_slots[:bucket]
+    slots = torch.where(slots > 0, slots, torch.full_like(slots, config.pool_slots))
+    pool_rows = (slots[:, None] * k + torch.arange(k, device=slots.device)).flatten()  # [bucket * k]
+    b.pool_tokens.index_copy_(0, pool_rows, f.next_draft_tokens[:bucket, :k].flatten())
+    b.pool_logprobs.index_copy_(0, pool_rows, f.next_draft_logprobs[:bucket, :k].flatten())
+
+
+def verify_drafts(buffers: StepBuffers, config: EngineConfig, bucket: int) -> None:
+    """num_accepted (and, in rejection mode, the emitted token per row) from
+    the rows' draws and their resolved drafts. Also run eagerly after the
+    exact rows changed some draws."""
+    b = buffers
+    rows = b.rows_for(bucket)
+    params = b.params(bucket)
+    drafts = b.resolved_drafts[:rows]  # [rows] int64, -1 = none
+    k_req = params.top_ks.to(torch.int64) if config.top_k_space_verify else None
+    if config.verify_mode == "strict":
+        allowed = None
+        if k_req is not None:
+            allowed = draft_in_top_k(b.logits[:rows], drafts, k_req[params.row_to_req], config.sampler.candidate_cap)
+        accept_strict(b.out.tokens[:rows], drafts, params.row_to_req, params.local_step, bucket,
+                      draft_allowed=allowed, out=b.num_accepted[:bucket])
+        return
+    p = target_probs(b.logits[:rows], params)  # [rows, V] f64
+    # Rows without staged probabilities count their draft as one-hot q.
+    one_hot = torch.zeros_like(b.draft_probs[:rows]).scatter_(1, drafts.clamp(min=0)[:, None], 1.0)
+    q = torch.where(b.inputs.has_draft_probs[:rows, None], b.draft_probs[:rows], one_hot)
+    position = params.sample_positions[params.row_to_req] + params.local_step
+    verify_rejection(p, drafts, q, params.seeds, position, params.row_to_req, params.local_step, bucket,
+                     b.emitted[:rows], row_tokens=b.out.tokens[:rows], top_k_space=k_req,
+                     max_top_k=config.sampler.candidate_cap if k_req is not None else None,
+                     out=b.num_accepted[:bucket])

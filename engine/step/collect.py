@@ -1,0 +1,69 @@
+"""After the replay: the rows the graph left to the host, and the copy out.
+
+    exact rows   rows whose kept set may reach past the candidates, redone over
+                 the full vocabulary (eager), drafts re-verified against them
+    output copy  the real rows of the static outputs, copied to the host before
+                 the next replay overwrites them
+    rescoring    rejection mode: a residual draw's own logprob and rank
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.sampling.sampler import raw_log_normaliser, sample_exact
+from engine.step.body import verify_drafts
+from engine.step.config import EngineConfig, EngineStats
+from engine.step.staging import StepArrays
+from graphs.static_buffers import StepBuffers
+from graphs.step_fields import SampleOutput
+from profiling.ranges import stage
+
+
+def collect(buffers: StepBuffers, config: EngineConfig, bucket: int, arrays: StepArrays, stats: EngineStats, *,
+            want_top: bool, want_logprobs: bool = True) -> dict[str, np.ndarray]:
+    """Redo flagged rows exactly, re-verify if needed, and copy the real rows
+    out: per sample row tokens, logprob, rank, error (and top_ids /
+    top_logprobs with `want_top`), per request num_accepted. Host arrays."""
+    b = buffers
+    rows, capacity, n = len(arrays.row_to_req), b.rows_for(bucket), len(arrays.temperatures)
+    params, out = b.params(bucket), b.outputs(capacity)
+    with stage("exact rows"):
+        flags = out.needs_exact[:rows].cpu()
+        if bool(flags.any()):
+            index = torch.nonzero(flags).flatten()
+            sample_exact(b.logits[:capacity], params, config.sampler, index, out, compute_logprobs=want_logprobs)
+            stats.exact_rows += len(index)
+            if config.max_draft_tokens:
+                verify_drafts(b, config, bucket)  # the drafts were checked against the fast path's draws
+    with stage("output copy"):
+        result = _host_results(b.outputs(rows), want_top=want_top)
+        k = config.max_draft_tokens
+        result["num_accepted"] = b.num_accepted[:n].to("cpu", copy=True).numpy() if k else np.zeros(n, np.int64)
+        if k and config.verify_mode == "rejection":
+            emitted = b.emitted[:rows].to("cpu", copy=True).numpy()
+            # A failed row emits nothing: no residual draw to rescore.
+            changed = np.flatnonzero((emitted >= 0) & (emitted != result["tokens"]) & (result["error"] == 0))
+            if len(changed):
+                # A residual draw is not the row's own draw: its logprob and rank differ.
+                _rescore(b.logits[changed], emitted[changed], result, changed)
+            result["tokens"] = np.where(emitted >= 0, emitted, result["tokens"])
+    return result
+
+
+def _rescore(logits: torch.Tensor, tokens: np.ndarray, result: dict, rows: np.ndarray) -> None:
+    """Raw logprob and rank of `tokens` at `rows` (rejection mode's residual draws)."""
+    raw = logits.to(torch.float32)
+    token_t = torch.as_tensor(tokens, device=raw.device)[:, None]
+    value = raw.gather(1, token_t)  # [rows, 1]
+    lse = raw_log_normaliser(raw, raw.amax(-1))  # the sampler's own normaliser
+    result["logprob"][rows] = (value.squeeze(1).to(torch.float64) - lse).cpu().numpy()
+    result["rank"][rows] = ((raw > value).sum(-1) + 1).cpu().numpy()
+
+
+def _host_results(out: SampleOutput, *, want_top: bool) -> dict[str, np.ndarray]:
+    """Copy the real rows of the outputs to the host. A copy also on CPU, where
+    `.cpu()` would return the static buffer itself and the next step would
+    overwrite the results under the caller's feet."""
+    names = ("tokens", "logprob", "rank", "error") + (("top_ids", "top_logprobs") if want_top else ())
+    return {name: getattr(out, name).to("cpu", copy=True).numpy() for name in names}

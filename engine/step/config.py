@@ -1,0 +1,111 @@
+"""How a StepEngine is set up (`EngineConfig`) and what it counts (`EngineStats`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.ops import default_block_rows
+from engine.sampling.sampler import SamplerConfig
+from engine.step.prompt_logprobs import DEFAULT_CHUNK_ROWS
+from graphs.buckets import BucketTable
+
+VERIFY_MODES = ("strict", "rejection")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_num_reqs: int = 64
+    max_draft_tokens: int = 0
+    verify_mode: str = "strict"  # "strict": accept drafts equal to the draws; "rejection": Leviathan et al.
+    draft_pool_slots: int | None = None  # draft-info pool slots incl. padding slot 0; None: max_num_reqs + 1
+    top_k_space_verify: bool = False  # verify in each request's top-k space (requests need top_k > 0)
+    buckets: tuple[int, ...] | None = None  # None: the default rule of graphs/buckets.py
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    use_graphs: bool = True  # replay captured graphs (call StepEngine.capture() first); False: run eagerly
+    max_source_rows: int = 8192  # rows of the static hidden-state source
+    source_dtype: torch.dtype | None = None  # None: the LM-head weight's dtype
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    # A second set of graphs samples with this many candidates per row instead of
+    # sampler.candidate_cap; a step uses it when every request is greedy or has
+    # 1 <= top_k <= it. Results do not depend on the candidate count (rows whose
+    # answer might lie past the candidates are redone exactly), only speed: a
+    # top-32 of a 49k vocabulary costs a quarter of a top-1024. 0 = off.
+    small_candidate_cap: int = 32
+    batch_invariant: bool = True  # LM head in fixed row blocks: tokens independent of the bucket
+    # Rows per LM-head GEMM in batch-invariant mode, for the sampled rows and the
+    # prompt logprobs alike. None: `engine.ops.default_block_rows` of the device.
+    logits_block_rows: int | None = None
+    eos_token_id: int | None = None
+    max_stop_ids: int = 8  # EOS plus stop_token_ids per request, for min_tokens suppression
+    prompt_logprobs_chunk_rows: int = DEFAULT_CHUNK_ROWS
+    compaction_keep_tokens: int | None = None
+    seed_base: int = 0  # salts the seeds of requests that bring none
+    check_addresses_each_replay: bool = False  # debug: verify static addresses before every replay
+
+    def __post_init__(self) -> None:
+        def positive(name: str, minimum: int = 1) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"EngineConfig.{name}={value!r}: must be an int >= {minimum}")
+
+        for name in ("max_num_reqs", "max_source_rows", "max_stop_ids", "prompt_logprobs_chunk_rows"):
+            positive(name)
+        if self.logits_block_rows is not None:
+            positive("logits_block_rows")
+        positive("max_draft_tokens", 0)
+        if self.verify_mode not in VERIFY_MODES:
+            raise ValueError(f"EngineConfig.verify_mode={self.verify_mode!r}: must be one of {VERIFY_MODES}")
+        if self.draft_pool_slots is not None:
+            positive("draft_pool_slots", 2)
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError) as err:
+                raise ValueError(f"EngineConfig.device={self.device!r}: {err}") from None
+        if self.eos_token_id is not None and (isinstance(self.eos_token_id, bool) or not isinstance(self.eos_token_id, int) or self.eos_token_id < 0):
+            raise ValueError(f"EngineConfig.eos_token_id={self.eos_token_id!r}: must be None or an int >= 0")
+        if self.compaction_keep_tokens is not None:
+            positive("compaction_keep_tokens")
+        if not isinstance(self.sampler, SamplerConfig):
+            raise ValueError(f"EngineConfig.sampler={self.sampler!r}: must be a SamplerConfig")
+        small = self.small_candidate_cap
+        if isinstance(small, bool) or not isinstance(small, int) or (
+            small and not self.sampler.max_logprobs <= small < self.sampler.candidate_cap
+        ):
+            raise ValueError(
+                f"EngineConfig.small_candidate_cap={small!r}: must be 0 (off) or an int in "
+                f"[sampler.max_logprobs={self.sampler.max_logprobs}, sampler.candidate_cap={self.sampler.candidate_cap})"
+            )
+        BucketTable(self.max_num_reqs, self.buckets)  # raises naming the bad bucket
+
+    @property
+    def block_rows(self) -> int:
+        if self.logits_block_rows is not None:
+            return self.logits_block_rows
+        return default_block_rows(self.resolved_device())
+
+    @property
+    def pool_slots(self) -> int:
+        if self.max_draft_tokens == 0:
+            return 1
+        return self.draft_pool_slots if self.draft_pool_slots is not None else self.max_num_reqs + 1
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    replays: int = 0
+    eager_steps: int = 0  # use_graphs=False, or graphs never captured
+    eager_fallbacks: int = 0  # above the largest bucket
+    source_copies: int = 0  # steps whose hidden states were copied into the static source
+    exact_rows: int = 0  # rows redone over the full vocabulary
+    small_candidate_steps: int = 0  # steps sampled with EngineConfig.small_candidate_cap candidates
+    bucket_histogram: dict[int, int] = field(default_factory=dict)
+    host_seconds: float = 0.0  # ledger + validation + staging, summed
+    logits_kernel: str = "plain"  # the LM head's verified block GEMM, e.g. "mkl_packed[16]"; "plain": one GEMM

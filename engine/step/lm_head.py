@@ -1,0 +1,149 @@
+"""The LM head of a step: the strategy a StepEngine is built with.
+
+The engine owns the ledger, the static buffers, the graphs and the host side
+of every step. Its `LMHead` owns what depends on where the vocabulary lives:
+the weight, the captured part from the gathered hidden rows to the sampled
+tokens, which of its graph sets a step uses, what must happen before the
+exact rows read full logits rows, and the prompt logprobs.
+
+- `LocalHead`: the whole head on this device (`StepEngine(weight, config)`).
+- `engine.parallel.sharded_engine.VocabParallelHead`: one rank's vocabulary
+  shard, exchanging full logits rows or candidates with the other ranks.
+"""
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+
+import numpy as np
+import torch
+
+from engine.host.ledger import SamplerInputs
+from engine.ops import BlockGemm, get_logits
+from engine.sampling.sampler import SamplerConfig, sample
+from engine.step.config import EngineConfig, EngineStats
+from engine.step.invariance import choose_block_gemm, lm_head_candidates, warn_not_invariant
+from engine.step.prompt_logprobs import PromptRowResults, compute_prompt_logprobs
+from engine.step.validation import type_name
+from graphs.static_buffers import StepBuffers
+
+
+class LMHead(ABC):
+    """Where a step's logits come from and how its rows are drawn from them."""
+
+    weight: torch.Tensor  # [V, H] (or the head's part of it), read-only
+    vocab_size: int
+    hidden_size: int
+    dtype: torch.dtype  # the weight's: the default dtype of the hidden-state source
+    graph_sets: tuple[str, ...]  # one set of captured graphs each (`StepEngine.replayers`), default first
+    logits_kernel: BlockGemm | None = None  # the verified block GEMM, None: get_logits' own blocks
+    batch_invariant_verified: bool = False
+    stats: object | None = None  # the head's own counters, saved and restored with the engine's
+
+    @abstractmethod
+    def attach(self, buffers: StepBuffers) -> None:
+        """Take the engine's static buffers (once, before any step)."""
+
+    def static_tensors(self) -> dict[str, torch.Tensor]:
+        """Static tensors of the head's own that the graphs use, by name."""
+        return {}
+
+    @abstractmethod
+    def logits_and_sample(self, bucket: int, graphs: str) -> None:
+        """Inside the graph of `graphs`: from `buffers.hidden` to the sampler's `buffers.out`."""
+
+    @abstractmethod
+    def graphs_for(self, inputs: SamplerInputs, rows: int, stats: EngineStats) -> str:
+        """The graph set of this step; `rows`: the static rows its buckets run over."""
+
+    def before_exact_rows(self, graphs: str, bucket: int, rows: int) -> None:
+        """After the replay of `bucket` (`rows` real rows), before the exact rows read
+        `buffers.logits`: full logits rows must be there by then."""
+
+    @abstractmethod
+    def prompt_logprobs(self, hidden_states: torch.Tensor, inputs: SamplerInputs) -> PromptRowResults:
+        """The step's prompt-logprob rows (eager, outside the graph)."""
+
+
+def checked_head_weight(weight: object, device: torch.device, name: str) -> torch.Tensor:
+    """`weight` as the engine reads it: a floating-point [vocab, hidden] tensor on `device`."""
+    if not isinstance(weight, torch.Tensor):
+        raise ValueError(f"{name}: a {type_name(weight)}, expected a torch.Tensor [vocab, hidden]")
+    if not weight.is_floating_point():
+        raise ValueError(f"{name}: dtype {weight.dtype}, expected a floating-point tensor")
+    if weight.dim() != 2:
+        raise ValueError(f"{name}: shape {tuple(weight.shape)} is not [vocab, hidden]")
+    if weight.device.type != device.type:
+        raise ValueError(f"{name} is on {weight.device} but the engine runs on {device}: "
+                         "move the weight or set EngineConfig.device")
+    # The engine only reads the head: an nn.Parameter's autograd must not
+    # record every step (nor refuse `.numpy()` on what comes out).
+    return weight.detach()
+
+
+FULL_CANDIDATES, SMALL_CANDIDATES = "full", "small"
+
+
+class LocalHead(LMHead):
+    """The whole LM head on this device: `weight` [V, H] -> fp32 logits in the
+    engine's static `buffers.logits`, sampled there. Two graph sets: the
+    sampler with `sampler.candidate_cap` candidates, and with
+    `EngineConfig.small_candidate_cap` (unless 0) for steps whose requests
+    are all greedy or top-k within it."""
+
+    def __init__(self, lm_head_weight: torch.Tensor, config: EngineConfig) -> None:
+        device = config.resolved_device()
+        self.weight = checked_head_weight(lm_head_weight, device, "lm_head_weight")
+        self.config = config
+        self.vocab_size, self.hidden_size = self.weight.shape
+        self.dtype = self.weight.dtype
+        # The block GEMM, probed here (engine.step.invariance): the configured block on
+        # MKL-packed weights where there are any (CPU fp32), else the first that holds.
+        if config.batch_invariant:
+            self.logits_kernel, self.batch_invariant_verified = choose_block_gemm(lm_head_candidates(self.weight, config.block_rows))
+            if not self.batch_invariant_verified:
+                warn_not_invariant(f"the LM head {tuple(self.weight.shape)} {self.weight.dtype} on {device}")
+        # One sampler variant per graph set: a captured graph fixes its candidate count.
+        self.samplers: dict[str, SamplerConfig] = {FULL_CANDIDATES: config.sampler}
+        if config.small_candidate_cap:
+            self.samplers[SMALL_CANDIDATES] = dataclasses.replace(config.sampler, candidate_cap=config.small_candidate_cap)
+        self.graph_sets = tuple(self.samplers)
+        self.buffers: StepBuffers | None = None
+
+    def attach(self, buffers: StepBuffers) -> None:
+        self.buffers = buffers
+
+    def logits_and_sample(self, bucket: int, graphs: str) -> None:
+        b = self.buffers
+        rows = b.rows_for(bucket)
+        get_logits(
+            b.hidden[:rows],
+            self.weight,
+            out=b.logits[:rows],
+            batch_invariant=self.config.batch_invariant,
+            block_rows=self.config.block_rows,
+            kernel=self.logits_kernel,
+        )
+        sample(b.logits[:rows], b.params(bucket), self.samplers[graphs], out=b.outputs(rows))
+
+    def graphs_for(self, inputs: SamplerInputs, rows: int, stats: EngineStats) -> str:
+        """The small-candidate graphs when every request is greedy or has 1 <= top_k <= their cap."""
+        if SMALL_CANDIDATES not in self.samplers:
+            return FULL_CANDIDATES
+        cap, top_k = self.config.small_candidate_cap, inputs.top_ks
+        if np.all((inputs.temperatures == 0) | ((top_k >= 1) & (top_k <= cap))):
+            stats.small_candidate_steps += 1
+            return SMALL_CANDIDATES
+        return FULL_CANDIDATES
+
+    def prompt_logprobs(self, hidden_states: torch.Tensor, inputs: SamplerInputs) -> PromptRowResults:
+        return compute_prompt_logprobs(
+            hidden_states,
+            self.weight,
+            inputs,
+            # Top-k-space mode (docs/contract.md §2.1): a target outside the request's top-k reads -inf.
+            top_k=inputs.top_ks if self.config.top_k_space_verify else None,
+            chunk_rows=self.config.prompt_logprobs_chunk_rows,
+            batch_invariant=self.config.batch_invariant,
+            kernel=self.logits_kernel,  # the block GEMM the probe verified, as the sampled rows use
+        )

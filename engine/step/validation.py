@@ -1,0 +1,63 @@
+"""The checks a step passes before it touches any buffer: after them, nothing
+may raise but a bug. Every error is a ValueError naming the request (or the
+argument), the field and the value."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.host.ledger import SamplerInputs
+
+
+def type_name(value: object) -> str:
+    return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
+def is_same_view(hidden: torch.Tensor, source: torch.Tensor) -> bool:
+    """Whether `hidden` is the engine's static source itself (the zero-copy path)."""
+    return (
+        hidden.data_ptr() == source.data_ptr()
+        and hidden.stride() == source.stride()
+        and hidden.dtype == source.dtype
+        and hidden.device == source.device
+    )
+
+
+def check_hidden_states(hidden: object, inputs: SamplerInputs, *, hidden_size: int, device: torch.device,
+                        source: torch.Tensor) -> None:
+    """`hidden` is a floating-point [rows, hidden_size] tensor on `device` with the
+    rows the batch's ledger reads."""
+    if not isinstance(hidden, torch.Tensor):
+        raise ValueError(f"hidden_states: a {type_name(hidden)}, expected a torch.Tensor [rows, {hidden_size}]")
+    if not hidden.is_floating_point():
+        raise ValueError(f"hidden_states: dtype {hidden.dtype}, expected a floating-point tensor (the model's last-layer rows)")
+    if hidden.dim() != 2 or hidden.shape[1] != hidden_size:
+        raise ValueError(f"hidden_states: shape {tuple(hidden.shape)}, expected [rows, {hidden_size}]")
+    if hidden.device.type != device.type:
+        raise ValueError(f"hidden_states: on {hidden.device}, the engine runs on {device}")
+    if hidden.shape[0] < inputs.num_output_rows:
+        fix = " (the engine's static source: raise EngineConfig.max_source_rows)" if is_same_view(hidden, source) else ""
+        raise ValueError(
+            f"hidden_states: {hidden.shape[0]} rows{fix}, but the batch's ledger needs "
+            f"{inputs.num_output_rows} (requests {list(inputs.request_ids)[:4]}"
+            f"{'...' if inputs.num_reqs > 4 else ''})"
+        )
+
+
+def check_ledger(inputs: SamplerInputs, *, vocab_size: int, max_logprobs: int) -> None:
+    """Prompt-logprob targets inside the vocabulary, no more top logprobs than the buffers hold."""
+    targets = inputs.prompt_token_targets
+    if targets is not None and len(targets) and targets.max() >= vocab_size:
+        bad = int(np.flatnonzero(targets >= vocab_size)[0])
+        req = int(np.searchsorted(np.cumsum(inputs.prompt_row_counts), bad, side="right"))
+        raise ValueError(
+            f"request {inputs.request_ids[req]!r}: prompt_tokens: token {int(targets[bad])} "
+            f"is outside the vocabulary ({vocab_size})"
+        )
+    top_n = int(inputs.num_logprobs.max(initial=-1))
+    if top_n > max_logprobs:
+        req = int(np.argmax(inputs.num_logprobs))
+        raise ValueError(
+            f"request {inputs.request_ids[req]!r}: params.logprobs={top_n}: more than "
+            f"SamplerConfig.max_logprobs={max_logprobs}"
+        )
