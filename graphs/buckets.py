@@ -100,6 +100,14 @@ class BucketTable:
             return None
         return int(self._lookup[num_reqs])
 
+    def parts(self, num_reqs: int) -> list[tuple[int, int, int]]:
+        """(first request, end, bucket) of each slice a step of `num_reqs` runs in:
+        the whole step in its bucket, or above the largest bucket the largest
+        bucket's worth of requests at a time (the eager fallback)."""
+        largest = self.largest
+        return [(start, min(start + largest, num_reqs), self.bucket_for(min(largest, num_reqs - start)))
+                for start in range(0, num_reqs, largest)]
+
     def __iter__(self) -> Iterator[int]:
         return iter(self.buckets)
 

@@ -11,6 +11,7 @@ import torch
 
 import engine.step.lm_head as lm_head_module
 from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine
+from graphs.buckets import BucketTable
 from graphs.capture_safety import CaptureSafetyError
 
 VOCAB, HIDDEN, MAX_REQS = 384, 32, 16
@@ -341,3 +342,14 @@ def test_small_candidate_steps_sample_exactly_what_full_candidate_steps_do():
 def test_small_candidate_cap_must_lie_between_max_logprobs_and_candidate_cap(cap):
     with pytest.raises(ValueError, match="small_candidate_cap"):
         EngineConfig(small_candidate_cap=cap)
+
+
+def test_bucket_parts_slice_a_step_above_the_largest_bucket():
+    """BucketTable.parts against a per-request reference: consecutive slices of at most
+    the largest bucket, each in the smallest bucket that holds it."""
+    table = BucketTable(16, (2, 8))
+    for n in range(1, 60):
+        parts = table.parts(n)
+        assert [r for a, b, _ in parts for r in range(a, b)] == list(range(n))
+        assert all(b - a <= 16 and bucket == min(s for s in table if s >= b - a) for a, b, bucket in parts)
+        assert len(parts) == -(-n // 16)

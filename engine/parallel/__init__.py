@@ -2,12 +2,12 @@
 
 cp_broadcast    the driver's ledger, packed once and rebuilt on followers
 vocab_parallel  LM-head shards, full-logit gather or candidate exchange
-sharded_engine  the StepEngine step over a vocab-sharded head
+sharded_engine  StepEngine built with a vocab-parallel LM head (VocabParallelHead)
 """
 from __future__ import annotations
 
 from engine.parallel.cp_broadcast import LedgerBroadcaster, StepPlan, batch_fingerprint, request_key
-from engine.parallel.sharded_engine import ParallelConfig, ParallelStats, ShardedStepEngine
+from engine.parallel.sharded_engine import ParallelConfig, ParallelStats, ShardedStepEngine, VocabParallelHead
 from engine.parallel.vocab_parallel import STRATEGIES, VocabParallelSampler, VocabShards, candidate_count
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "ParallelConfig",
     "ParallelStats",
     "ShardedStepEngine",
+    "VocabParallelHead",
     "STRATEGIES",
     "VocabParallelSampler",
     "VocabShards",

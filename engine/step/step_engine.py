@@ -33,13 +33,13 @@ import dataclasses
 import functools
 import time
 import warnings
-from typing import Hashable, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from engine.host.ledger import SamplerInputs, prepare_sampler_inputs
-from engine.host.params import SamplingParams, SeqMeta
+from engine.host.params import SeqMeta
 from engine.step.body import StepBody
 from engine.step.checkpoint import EngineCheckpoint, copy_counters, restore_counters
 from engine.step.collect import collect
@@ -105,8 +105,12 @@ class StepEngine:
         }
         self.prompt_logprobs = PromptLogprobAccumulator()
         self.stats = EngineStats(logits_kernel="plain" if self.logits_kernel is None else self.logits_kernel.name)
-        self._drafts = StepDrafts(self.vocab_size, config)
-        self._stop_ids = StopIds(config.max_stop_ids, self.vocab_size, config.eos_token_id)
+        # step_arrays(inputs, stop_ids, *, draft_tokens, ...): everything a step stages, its drafts checked.
+        self.step_arrays = StepDrafts(self.vocab_size, config).step_arrays
+        # The ids suppressed while a request is short of min_tokens, [max_stop_ids] int64 -1 padded:
+        # stop_ids_for(request_id, params) for one request, stop_id_matrix(seqs) [n, max_stop_ids].
+        stop_ids = StopIds(config.max_stop_ids, self.vocab_size, config.eos_token_id)
+        self.stop_ids_for, self.stop_id_matrix = stop_ids.for_request, stop_ids.matrix
         self._warned_uncaptured = False
 
     # -- undoing a step ---------------------------------------------------------
@@ -152,15 +156,6 @@ class StepEngine:
         return dataclasses.replace(first, seconds=sum(r.seconds for r in reports), pool_bytes=pools,
                                    graphs_per_bucket=len(reports), logits_kernel=self.stats.logits_kernel)
 
-    def stop_id_matrix(self, seqs: Sequence[SeqMeta]) -> np.ndarray:
-        """[n, max_stop_ids] int64: EOS (unless ignore_eos) and stop ids, -1 padded."""
-        return self._stop_ids.matrix(seqs)
-
-    def stop_ids_for(self, request_id: Hashable, params: SamplingParams) -> np.ndarray:
-        """[max_stop_ids] int64: the ids suppressed while a request is short of
-        min_tokens: EOS (unless ignore_eos) and its stop ids, -1 padded."""
-        return self._stop_ids.for_request(request_id, params)
-
     # -- one step -----------------------------------------------------------------
 
     def step(
@@ -202,21 +197,6 @@ class StepEngine:
             )
         return self.run(hidden_states, inputs, arrays, host_start=start)
 
-    def step_arrays(
-        self,
-        inputs: SamplerInputs,
-        stop_ids: np.ndarray,
-        *,
-        draft_tokens: Sequence[Sequence[int] | None] | np.ndarray | None = None,
-        draft_logprobs: Sequence[np.ndarray | torch.Tensor | None] | None = None,
-        next_drafts: Sequence[Sequence[int] | None] | None = None,
-        next_draft_logprobs: Sequence[Sequence[float] | None] | None = None,
-    ) -> StepArrays:
-        """Everything the step stages, validated (names the request and field).
-        `draft_tokens` may also be an [n, max_draft_tokens] array (vectorised)."""
-        return self._drafts.step_arrays(inputs, stop_ids, draft_tokens=draft_tokens, draft_logprobs=draft_logprobs,
-                                        next_drafts=next_drafts, next_draft_logprobs=next_draft_logprobs)
-
     def validate(self, hidden_states: torch.Tensor, inputs: SamplerInputs) -> None:
         """Every check of a step that needs no device work: after it, nothing may raise but a bug."""
         check_hidden_states(hidden_states, inputs, hidden_size=self.hidden_size, device=self.device,
@@ -257,11 +237,10 @@ class StepEngine:
                 host_start: float) -> tuple[StepOutput, PromptLogprobUpdate | None]:
         n = inputs.num_reqs
         bucket = self.buckets.bucket_for(n)
-        # Above the largest bucket: run eagerly over the same static buffers, the
-        # largest bucket's worth of requests at a time. Rows are independent
-        # (batch-invariant logits, per-row sampling), so this equals one big step.
-        largest = self.buckets.largest
-        parts = [(a, min(a + largest, n), self.buckets.bucket_for(min(a + largest, n) - a)) for a in range(0, n, largest)]
+        # Above the largest bucket: run eagerly over the same static buffers, a
+        # slice at a time. Rows are independent (batch-invariant logits, per-row
+        # sampling), so this equals one big step.
+        parts = self.buckets.parts(n)
         graphs = self.head.graphs_for(inputs, sum(self.buffers.rows_for(p) for _, _, p in parts), self.stats)
         replayer = self.replayers[graphs]
         if bucket is None:
