@@ -235,6 +235,8 @@ class StepEngine:
 
     def _sample(self, hidden_states: torch.Tensor, inputs: SamplerInputs, arrays: StepArrays,
                 host_start: float) -> tuple[StepOutput, PromptLogprobUpdate | None]:
+        """Stage, replay, collect, prompt logprobs, assemble: the validated step
+        (`run` rolls it back if it raises), with the accumulator update to commit."""
         n = inputs.num_reqs
         bucket = self.buckets.bucket_for(n)
         # Above the largest bucket: run eagerly over the same static buffers, a
