@@ -43,6 +43,7 @@ from engine.host.ledger import SamplerInputs, prepare_sampler_inputs
 from engine.step.invariance import choose_block_gemm, lm_head_candidates, warn_not_invariant
 from engine.ops import gather, get_logits
 from engine.host.params import SamplingParams, SeqMeta
+from engine.host.step_fields import STEP_FIELDS
 from engine.step.staging import StepArrays
 from engine.step.prompt_logprobs import (
     DEFAULT_CHUNK_ROWS,
@@ -258,6 +259,7 @@ class StepEngine:
                 f"sample rows, max_num_reqs * (1 + max_draft_tokens) = {max_rows}"
             )
         self.buffers = StepBuffers.allocate(
+            step_fields=STEP_FIELDS,
             max_reqs=config.max_num_reqs,
             max_draft_tokens=config.max_draft_tokens,
             max_source_rows=config.max_source_rows,
@@ -683,6 +685,11 @@ class StepEngine:
                 f"request {inputs.request_ids[req]!r}: params.logprobs={top_n}: more than "
                 f"SamplerConfig.max_logprobs={self.config.sampler.max_logprobs}"
             )
+        forced = inputs.forced_tokens
+        if forced is not None and forced.max() >= self.vocab_size:
+            row = int(np.argmax(forced))
+            raise ValueError(f"request {inputs.request_ids[int(inputs.row_to_req[row])]!r}: "
+                             f"forced_token={int(forced[row])}: outside the vocabulary ({self.vocab_size})")
         self.prompt_logprobs.check(inputs)
 
     @torch.no_grad()  # hidden states that require grad must not make the static buffers record autograd
@@ -790,26 +797,8 @@ class StepEngine:
             if arrays.draft_probs:
                 for row, q in arrays.draft_probs.items():
                     b.draft_probs[row : row + len(q)].copy_(_upload(q, self.device))
-            b.load(
-                bucket=bucket,
-                selected_token_indices=sample_rows,
-                row_to_req=arrays.row_to_req,
-                local_step=arrays.local_step,
-                eos_suppression_rows=arrays.eos_suppression_rows,
-                temperatures=arrays.temperatures,
-                top_ks=arrays.top_ks,
-                top_ps=arrays.top_ps,
-                min_ps=arrays.min_ps,
-                seeds=arrays.seeds,
-                sample_positions=arrays.sample_positions,
-                stop_ids=arrays.stop_ids,
-                row_drafts=arrays.row_drafts,
-                mtp_info_read_rows=arrays.mtp_info_read_rows,
-                has_draft_probs=arrays.has_draft_probs,
-                mtp_info_write_slots=arrays.mtp_info_write_slots,
-                next_draft_tokens=arrays.next_draft_tokens,
-                next_draft_logprobs=arrays.next_draft_logprobs,
-            )
+            b.load(arrays if sample_rows is arrays.selected_token_indices
+                   else dataclasses.replace(arrays, selected_token_indices=sample_rows), bucket)
 
     def _collect(self, bucket: int, arrays: StepArrays, *, want_top: bool, want_logprobs: bool = True) -> dict[str, np.ndarray]:
         """After the replay: redo flagged rows exactly, re-verify if needed,
