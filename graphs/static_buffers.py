@@ -86,7 +86,6 @@ class StepBuffers:
     draft_probs: torch.Tensor | None  # [max_rows, V] f32, rejection mode only: q of each row's draft
     packed: torch.Tensor  # [nbytes] uint8 on the device: every per-step field
     staging: torch.Tensor  # [nbytes] uint8 on the host (pinned on CUDA)
-    step_fields: tuple[FieldSpec, ...]  # the per-step field declaration the buffers were made for
     inputs: Any  # typed device views into `packed` (`step_inputs_class`), full size, one attribute per field
     staged: dict[str, np.ndarray]  # numpy views into `staging`, full size
     _staging_plan: tuple[_Staged, ...]
@@ -175,7 +174,6 @@ class StepBuffers:
             draft_probs=torch.zeros(max_rows, vocab_size, device=device) if draft_probs else None,
             packed=packed,
             staging=staging,
-            step_fields=declared,
             inputs=inputs,
             staged=staged,
             _staging_plan=tuple(plan),
@@ -285,6 +283,8 @@ class StepBuffers:
 def _check_declaration(declared: tuple[FieldSpec, ...], widths: dict[str, int]) -> None:
     """ValueError naming the first declared field these buffers cannot stage."""
     names = [f.name for f in declared]
+    if not {"req", "row"} <= {f.per for f in declared}:
+        raise ValueError("step fields: a declaration needs a per-request and a per-row field (they size a step)")
     for f in declared:
         problem = None
         if names.count(f.name) > 1:
