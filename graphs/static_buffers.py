@@ -4,8 +4,9 @@ Everything a captured graph reads or writes lives here, sized once for the
 largest bucket; a bucket's graph works on leading slices. Per step the host
 packs every index and parameter array into ONE staging area (pinned on CUDA)
 and ONE copy moves it into the device twin, whose typed views are the step's
-inputs. The field list is declared once (`STEP_FIELDS`): the packed layout,
-the staging views and the padding values derive from it.
+inputs. The per-step fields are declared once (engine/host/step_fields.py)
+and handed to `allocate`: the packed layout, the staging views, the typed
+device views, the padding values and the sampler's view derive from it.
 
 Why padding is safe: a padding sample row gets gather index -1, outside the
 hidden-state source, so it reads a zero row (never stray memory or a stale
@@ -14,17 +15,55 @@ parameters, so its logits and draw stay finite and are then cut off.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
-from graphs.step_fields import STEP_FIELDS, RowParams, SampleOutput, StepInputs
+from graphs.step_fields import SAMPLE_STAGE, FieldSpec, RowParams, SampleOutput, step_inputs_class
 
 _ALIGN = 8  # bytes; every field starts 8-aligned so any dtype view is legal
 
-_NEUTRAL = {f.name: f.neutral for f in STEP_FIELDS}
-_NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_}
+# Staged numpy dtype -> device dtype. uint64 (seeds) travels as its int64 bits:
+# torch has no uint64 arithmetic, and the sampler's hash works on the bits.
+_STAGED_AS = {np.dtype(np.uint64): np.dtype(np.int64)}
+_TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
+          np.dtype(np.float32): torch.float32, np.dtype(np.bool_): torch.bool}
+# Step-dependent padding of per-row fields, resolved by `_padding_rules`.
+_PADDING_RULES = ("padding request", "past request rows")
+
+
+def _padding_rules(real_reqs: int, bucket: int, rows_per_req: int) -> dict[str, int]:
+    """The value of each padding rule in a step of `real_reqs` requests.
+
+    Padding rows point at a padding request slot when there is one (neutral
+    parameters); when every slot is real they reuse slot 0, harmless since
+    their gathered row is zero and their result is cut off. A padding row's
+    local_step lies past every real row of its request (>= rows_per_req), so
+    per-request reductions over rows (accepted drafts) never count it even
+    when it shares request slot 0.
+    """
+    return {"padding request": real_reqs if real_reqs < bucket else 0, "past request rows": rows_per_req}
+
+
+class _Staged(NamedTuple):
+    """A declared field with a fixed padding value, as `load` stages it (precomputed at allocate)."""
+
+    name: str
+    per_row: bool
+    padding: int | float | bool
+    row_numbers: bool  # the host value lists the rows where the bool field is True
+    bits: bool  # the host value is viewed as the staged dtype (uint64 -> int64)
+    view: np.ndarray  # full-size numpy view into the staging area
+
+
+class _RulePadded(NamedTuple):
+    """A per-row field whose padding depends on the step: rewritten up to the bucket every step."""
+
+    name: str
+    rule: str  # one of _PADDING_RULES
+    view: np.ndarray
 
 
 @dataclass
@@ -47,16 +86,22 @@ class StepBuffers:
     draft_probs: torch.Tensor | None  # [max_rows, V] f32, rejection mode only: q of each row's draft
     packed: torch.Tensor  # [nbytes] uint8 on the device: every per-step field
     staging: torch.Tensor  # [nbytes] uint8 on the host (pinned on CUDA)
-    inputs: StepInputs  # typed device views into `packed`, full size, one per STEP_FIELDS entry
+    inputs: Any  # typed device views into `packed` (`step_inputs_class`), full size, one attribute per field
     staged: dict[str, np.ndarray]  # numpy views into `staging`, full size
+    _staging_plan: tuple[_Staged, ...]
+    _rule_padded: tuple[_RulePadded, ...]
+    _row_count: str  # the first declared per-row field: its length is the step's sample rows
+    _req_count: str  # the first declared per-request field: its length is the step's requests
+    _sampler_views: tuple[tuple[str, bool, torch.Tensor], ...]  # (name, per row, device view) of RowParams
     _copy_done: torch.cuda.Event | None = None
-    # Per staged field: leading entries that may hold non-neutral values.
-    _high_water: dict[str, int] = field(default_factory=lambda: {f.name: 0 for f in STEP_FIELDS})
+    # Per staged field: leading entries that may hold non-padding values.
+    _high_water: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def allocate(
         cls,
         *,
+        step_fields: Sequence[FieldSpec],
         max_reqs: int,
         max_draft_tokens: int,
         max_source_rows: int,
@@ -69,27 +114,41 @@ class StepBuffers:
         pool_slots: int = 0,
         draft_probs: bool = False,
     ) -> StepBuffers:
+        """Static buffers for the declared per-step fields (and the fixed
+        ones: source, hidden, logits, outputs, draft pool); raises ValueError
+        naming a field the buffers cannot stage."""
+        declared = tuple(step_fields)
         rows_per_req = 1 + max_draft_tokens
         max_rows = max_reqs * rows_per_req
         widths = {"stop": max_stop_ids, "draft": max(max_draft_tokens, 1)}
+        _check_declaration(declared, widths)
         layout, offset = [], 0
-        for f in STEP_FIELDS:
-            width = widths.get(f.width, f.width) if isinstance(f.width, str) else f.width
-            count = (max_rows if f.per == "row" else max_reqs) * width
-            nbytes = count * torch.tensor([], dtype=f.dtype).element_size()
-            layout.append((f, width, offset, nbytes))
+        for f in declared:
+            width = widths[f.width] if isinstance(f.width, str) else f.width
+            dtype = _STAGED_AS.get(np.dtype(f.dtype), np.dtype(f.dtype))
+            nbytes = (max_rows if f.per == "row" else max_reqs) * width * dtype.itemsize
+            layout.append((f, width, dtype, offset, nbytes))
             offset += -(-nbytes // _ALIGN) * _ALIGN
         pinned = device.type == "cuda"
         staging = torch.zeros(offset, dtype=torch.uint8, pin_memory=pinned)
         packed = torch.zeros(offset, dtype=torch.uint8, device=device)
-        fields, staged = {}, {}
+        views, staged, plan, rule_padded = {}, {}, [], []
         host_bytes = staging.numpy()
-        for f, width, start, nbytes in layout:
-            shape = (-1, width) if isinstance(f.width, str) else (-1,)
-            fields[f.name] = packed[start : start + nbytes].view(f.dtype).view(shape)
-            staged[f.name] = host_bytes[start : start + nbytes].view(_NUMPY[f.dtype]).reshape(shape)
-            staged[f.name][...] = f.neutral
+        allocated = _padding_rules(0, max_reqs, rows_per_req)  # no slot is real yet
+        for f, width, dtype, start, nbytes in layout:
+            shape = (-1,) if width == 1 and not isinstance(f.width, str) else (-1, width)
+            views[f.name] = packed[start : start + nbytes].view(_TORCH[dtype]).view(shape)
+            staged[f.name] = host_bytes[start : start + nbytes].view(dtype).reshape(shape)
+            if isinstance(f.padding, str):
+                staged[f.name][...] = allocated[f.padding]
+                rule_padded.append(_RulePadded(f.name, f.padding, staged[f.name]))
+            else:
+                staged[f.name][...] = f.padding
+                plan.append(_Staged(f.name, f.per == "row", f.padding, f.host_form == "row numbers",
+                                    dtype != np.dtype(f.dtype), staged[f.name]))
         packed.copy_(staging)
+        inputs = step_inputs_class(tuple(views))(**views)
+        sampler_views = tuple((f.name, f.per == "row", views[f.name]) for f in declared if f.stage == SAMPLE_STAGE)
         # Draft-info pool (docs/contract.md §1.3): slot 0 is padding and never written:
         # token V - 1, logprob 0 in its first entry and -inf after, so reading
         # it biases nothing. Writes aimed at slot 0 land in the extra last slot.
@@ -115,9 +174,15 @@ class StepBuffers:
             draft_probs=torch.zeros(max_rows, vocab_size, device=device) if draft_probs else None,
             packed=packed,
             staging=staging,
-            inputs=StepInputs(**fields),
+            inputs=inputs,
             staged=staged,
+            _staging_plan=tuple(plan),
+            _rule_padded=tuple(rule_padded),
+            _row_count=next(f.name for f in declared if f.per == "row"),
+            _req_count=next(f.name for f in declared if f.per == "req"),
+            _sampler_views=sampler_views,
             _copy_done=torch.cuda.Event() if pinned else None,
+            _high_water={f.name: 0 for f in declared},
         )
 
     def rows_for(self, bucket: int) -> int:
@@ -142,86 +207,46 @@ class StepBuffers:
         named.update({f"out.{k}": v for k, v in vars(self.out).items()})
         return named
 
-    def load(
-        self,
-        *,
-        bucket: int,
-        selected_token_indices: np.ndarray,
-        row_to_req: np.ndarray,
-        local_step: np.ndarray,
-        eos_suppression_rows: np.ndarray,
-        temperatures: np.ndarray,
-        top_ks: np.ndarray,
-        top_ps: np.ndarray,
-        min_ps: np.ndarray,
-        seeds: np.ndarray,
-        sample_positions: np.ndarray,
-        stop_ids: np.ndarray,
-        forced_tokens: np.ndarray | None = None,
-        row_drafts: np.ndarray | None = None,
-        mtp_info_read_rows: np.ndarray | None = None,
-        has_draft_probs: np.ndarray | None = None,
-        mtp_info_write_slots: np.ndarray | None = None,
-        next_draft_tokens: np.ndarray | None = None,
-        next_draft_logprobs: np.ndarray | None = None,
-    ) -> None:
-        """Stage one step's arrays (real entries, then padding up to the
-        bucket) and issue the single host-to-device copy."""
-        n, rows = len(temperatures), len(selected_token_indices)
+    def load(self, arrays: Any, bucket: int) -> None:
+        """Stage one step's host arrays (real entries, then padding up to the
+        bucket) and issue the single host-to-device copy.
+
+        `arrays` has one attribute per declared field (`StepArrays`, or any
+        object with those names), in batch order; None stages padding only.
+        The first declared per-row and per-request fields (never None) give
+        the step's sample rows and requests."""
+        rows = len(getattr(arrays, self._row_count))
+        n = len(getattr(arrays, self._req_count))
         cap_reqs, cap_rows = bucket, self.rows_for(bucket)
         if n > cap_reqs or rows > cap_rows:
             raise ValueError(f"bucket={bucket}: holds {cap_reqs} requests / {cap_rows} rows, step has {n} / {rows}")
         if self._copy_done is not None:
             # The previous step's copy may still read the staging area.
             self._copy_done.synchronize()
-        s = self.staged
-        # Padding rows point at a padding request slot when there is one
-        # (neutral parameters); when every slot is real they reuse slot 0,
-        # harmless since their gathered row is zero and their result is cut off.
-        pad_req = n if n < cap_reqs else 0
-        # A padding row's local_step lies past every real row of its request
-        # (>= rows_per_req), so per-request reductions over rows (accepted
-        # drafts) never count it even when it shares request slot 0.
-        for name, real, pad in (
-            ("selected_token_indices", selected_token_indices, -1),
-            ("row_to_req", row_to_req, pad_req),
-            ("local_step", local_step, self.rows_per_req),
-        ):
-            s[name][:rows] = real
-            s[name][rows:cap_rows] = pad
-        # Fields with a fixed neutral value: write the real entries, then reset
-        # only what an earlier step left non-neutral past them. Everything
-        # beyond a field's high-water mark is neutral already (allocate wrote
-        # it, fill_garbage raises the marks), so a steady batch pays nothing
-        # for padding.
+        step_padding = _padding_rules(n, cap_reqs, self.rows_per_req)
+        for name, rule, view in self._rule_padded:
+            view[:rows] = getattr(arrays, name)
+            view[rows:cap_rows] = step_padding[rule]
+        # A fixed padding value: write the real entries, then reset only what
+        # an earlier step left past them. Everything beyond a field's
+        # high-water mark holds its padding already (allocate wrote it,
+        # fill_garbage raises the marks), so a steady batch pays nothing for
+        # padding.
         hw = self._high_water
-
-        def put(name: str, real: np.ndarray | bool | None, count: int) -> None:
-            view = s[name]
+        for name, per_row, padding, row_numbers, bits, view in self._staging_plan:
+            real = getattr(arrays, name)
+            count = rows if per_row else n
             if real is None:
                 count = 0
+            elif row_numbers:
+                view[:count] = False
             else:
-                view[:count] = real
+                view[:count] = real.view(view.dtype) if bits else real
             if hw[name] > count:
-                view[count : hw[name]] = _NEUTRAL[name]
+                view[count : hw[name]] = padding
             hw[name] = count
-
-        put("eos_suppression_rows", False, rows)
-        s["eos_suppression_rows"][eos_suppression_rows] = True
-        put("forced_tokens", forced_tokens, rows)
-        put("row_drafts", row_drafts, rows)
-        put("mtp_info_read_rows", mtp_info_read_rows, rows)
-        put("has_draft_probs", has_draft_probs, rows)
-        put("mtp_info_write_slots", mtp_info_write_slots, n)
-        put("next_draft_tokens", next_draft_tokens, n)
-        put("next_draft_logprobs", next_draft_logprobs, n)
-        put("temperatures", temperatures, n)
-        put("top_ks", top_ks, n)
-        put("top_ps", top_ps, n)
-        put("min_ps", min_ps, n)
-        put("seeds", seeds.view(np.int64), n)
-        put("sample_positions", sample_positions, n)
-        put("stop_ids", stop_ids, n)
+            if row_numbers and real is not None:
+                view[real] = True
         non_blocking = self._copy_done is not None
         # Copied as int64 words: torch's CPU byte copy goes through a parallel
         # path that costs milliseconds on a busy 2-core machine.
@@ -230,22 +255,9 @@ class StepBuffers:
             self._copy_done.record()
 
     def params(self, bucket: int) -> RowParams:
-        """The sampler's view of a bucket: leading slices of the static fields."""
+        """The sampler's view of a bucket: leading slices of the sample-stage fields."""
         reqs, rows = bucket, self.rows_for(bucket)
-        f = self.inputs
-        return RowParams(
-            temperatures=f.temperatures[:reqs],
-            top_ks=f.top_ks[:reqs],
-            top_ps=f.top_ps[:reqs],
-            min_ps=f.min_ps[:reqs],
-            seeds=f.seeds[:reqs],
-            sample_positions=f.sample_positions[:reqs],
-            stop_ids=f.stop_ids[:reqs],
-            row_to_req=f.row_to_req[:rows],
-            local_step=f.local_step[:rows],
-            eos_suppression_rows=f.eos_suppression_rows[:rows],
-            forced_tokens=f.forced_tokens[:rows],
-        )
+        return RowParams(**{name: view[: rows if per_row else reqs] for name, per_row, view in self._sampler_views})
 
     def outputs(self, rows: int) -> SampleOutput:
         """Leading `rows` of the sampler's output buffers (views, no copy)."""
@@ -266,3 +278,31 @@ class StepBuffers:
             else:
                 tensor.random_(0, 2**20, generator=generator)
 
+
+
+def _check_declaration(declared: tuple[FieldSpec, ...], widths: dict[str, int]) -> None:
+    """ValueError naming the first declared field these buffers cannot stage."""
+    names = [f.name for f in declared]
+    if not {"req", "row"} <= {f.per for f in declared}:
+        raise ValueError("step fields: a declaration needs a per-request and a per-row field (they size a step)")
+    for f in declared:
+        problem = None
+        if names.count(f.name) > 1:
+            problem = "declared twice"
+        elif f.per not in ("req", "row"):
+            problem = f"per={f.per!r}: must be 'req' or 'row'"
+        elif _STAGED_AS.get(np.dtype(f.dtype), np.dtype(f.dtype)) not in _TORCH:
+            problem = f"dtype={np.dtype(f.dtype)}: not one of {sorted(str(d) for d in (*_TORCH, *_STAGED_AS))}"
+        elif isinstance(f.width, str) and f.width not in widths:
+            problem = f"width={f.width!r}: must be an int or one of {sorted(widths)}"
+        elif isinstance(f.padding, str) and (f.padding not in _PADDING_RULES or f.per != "row"):
+            problem = f"padding={f.padding!r}: a rule is one of {_PADDING_RULES}, for a per-row field"
+        if problem:
+            raise ValueError(f"step field {f.name!r}: {problem}")
+    sampled = {f.name for f in declared if f.stage == SAMPLE_STAGE}
+    wanted = {f.name for f in fields(RowParams)}
+    if sampled != wanted:
+        raise ValueError(
+            f"step fields of stage {SAMPLE_STAGE!r}: {sorted(sampled)}, but the sampler's view RowParams "
+            f"reads {sorted(wanted)} (missing {sorted(wanted - sampled)}, extra {sorted(sampled - wanted)})"
+        )

@@ -3,15 +3,20 @@
 `engine/sampling/` (which computes on them). Neutral ground: nothing here
 imports `engine`.
 
-Field names are the row ledger's (docs/contract.md §1): `temperatures`,
-`top_ks`, `sample_positions`, `eos_suppression_rows`, ... from the ledger to
-the kernel. On the device `eos_suppression_rows` is a per-row mask (True on a
-row whose EOS and stop ids are suppressed); the ledger hands its row numbers.
+The per-step fields themselves are declared once, on the host side
+(`engine/host/step_fields.py`, numpy only), and handed to
+`StepBuffers.allocate`; `FieldSpec` is what graphs/ reads of a declared
+field. Field names are the row ledger's (docs/contract.md §1):
+`temperatures`, `top_ks`, `sample_positions`, `eos_suppression_rows`, ...
+from the ledger to the kernel. On the device `eos_suppression_rows` is a
+per-row mask (True on a row whose EOS and stop ids are suppressed); the
+ledger hands its row numbers.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields, make_dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 import torch
@@ -136,46 +141,29 @@ class SampleOutput:
         )
 
 
-@dataclass(frozen=True)
-class StepField:
+class FieldSpec(Protocol):
+    """What graphs/ reads of a declared per-step field (engine/host/step_fields.py)."""
+
     name: str
-    dtype: torch.dtype
-    per: str  # "row": one per sample-row slot; "req": one per request slot
-    neutral: int | float | bool  # padding value
-    width: int | str = 1  # columns; "stop" / "draft": max stop ids / max draft tokens
+    dtype: type  # numpy dtype; uint64 is staged as its int64 bits
+    per: str  # "req": one entry per request slot; "row": one per sample-row slot
+    padding: int | float | bool | str  # a value, or a rule resolved per step ("padding request", "past request rows")
+    stage: str  # "sample": part of the sampler's view, `RowParams`
+    width: int | str  # columns: an int, or "stop" / "draft" (max stop ids / max draft tokens)
+    host_form: str  # "slots", or "row numbers": the host hands the rows where the bool field is True
 
 
-# One name per concept from the ledger to the kernel (docs/contract.md §1 table);
-# `selected_token_indices` is the gather index of each sample row.
-STEP_FIELDS: tuple[StepField, ...] = (
-    StepField("selected_token_indices", torch.int64, "row", -1),  # out of range: a zero row
-    StepField("row_to_req", torch.int64, "row", 0),
-    StepField("local_step", torch.int64, "row", 0),
-    StepField("eos_suppression_rows", torch.bool, "row", False),
-    StepField("forced_tokens", torch.int64, "row", -1),
-    StepField("temperatures", torch.float32, "req", 1.0),
-    StepField("top_ks", torch.int32, "req", 0),
-    StepField("top_ps", torch.float32, "req", 1.0),
-    StepField("min_ps", torch.float32, "req", 0.0),
-    StepField("seeds", torch.int64, "req", 0),
-    StepField("sample_positions", torch.int64, "req", 0),
-    StepField("stop_ids", torch.int64, "req", -1, width="stop"),
-    # Drafts (docs/contract.md §1.2, §1.3). row_drafts: the draft a row verifies, staged
-    # from the caller (>= 0), none (-1, a request's last row), or READ_FROM_POOL.
-    StepField("row_drafts", torch.int64, "row", -1),
-    StepField("mtp_info_read_rows", torch.int64, "row", 0),  # draft-info pool row each row reads
-    StepField("has_draft_probs", torch.bool, "row", False),  # rejection mode: q staged for this row
-    StepField("mtp_info_write_slots", torch.int64, "req", 0),  # 0 = no write
-    StepField("next_draft_tokens", torch.int64, "req", -1, width="draft"),  # proposals for the next step
-    StepField("next_draft_logprobs", torch.float32, "req", 0.0, width="draft"),
-)
+# The stage whose fields make up `RowParams`, the sampler's view.
+SAMPLE_STAGE = "sample"
 READ_FROM_POOL = -2  # row_drafts value: take the draft from the draft-info pool
 
 
-# The device views of every declared field, one typed attribute each (leading
-# slices of the packed buffer): `buffers.inputs.row_drafts`, never a string key.
-StepInputs = make_dataclass(
-    "StepInputs",
-    [(f.name, torch.Tensor) for f in STEP_FIELDS],
-    namespace={"__doc__": "Device views of the per-step fields (STEP_FIELDS order), full size."},
-)
+@functools.lru_cache(maxsize=None)
+def step_inputs_class(names: tuple[str, ...]) -> type:
+    """The typed device views of a declaration: one tensor attribute per field
+    (`buffers.inputs.row_drafts`, never a string key), in declaration order."""
+    return make_dataclass(
+        "StepInputs",
+        [(name, torch.Tensor) for name in names],
+        namespace={"__doc__": "Device views of the per-step fields (declaration order), full size."},
+    )

@@ -14,6 +14,7 @@ def reference_ledger(seqs: list[SeqMeta], *, max_draft_tokens: int = 0, compacti
     prompt_sel, prompt_targets = [], []
     positions, temps, top_ks, top_ps, min_ps, seeds = [], [], [], [], [], []
     mtp_first, mtp_seqlens, mtp_write, mtp_read = [], [], [], []
+    forced = []  # per sample row: the request's forced token on its first row, else -1
     any_prompt_lp = False
     for i, s in enumerate(seqs):
         p = s.params
@@ -37,6 +38,7 @@ def reference_ledger(seqs: list[SeqMeta], *, max_draft_tokens: int = 0, compacti
             sel.append(r)
             row_to_req.append(i)
             local_step.append(j)
+            forced.append(s.forced_token if j == 0 and s.forced_token is not None else -1)
         if s.is_prompt and p.num_prompt_logprobs >= 0:
             any_prompt_lp = True
             n = s.seqlen_q - (1 if last_chunk else 0)
@@ -76,6 +78,7 @@ def reference_ledger(seqs: list[SeqMeta], *, max_draft_tokens: int = 0, compacti
         mtp_seqlens_q=mtp_seqlens if max_draft_tokens > 0 else None,
         mtp_info_write_slots=mtp_write if max_draft_tokens > 0 else None,
         mtp_info_read_rows=mtp_read if max_draft_tokens > 0 else None,
+        forced_tokens=forced if any(s.forced_token is not None for s in seqs) else None,
         num_output_rows=out_cursor,
         num_query_tokens=query_cursor,
     )

@@ -2,6 +2,8 @@
 cases for each docs/contract.md §1 rule, every validation error, and the columnar table."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -78,6 +80,19 @@ def test_vectorised_ledger_equals_reference(seqs, mtp_drafts):
     assert got.selected_token_indices.dtype == np.int32
     assert got.sample_positions.dtype == np.int64
     assert got.seeds.dtype == np.uint64
+
+
+@settings(max_examples=500, deadline=None)
+@given(batches(), st.data())
+def test_forced_tokens_equal_reference(seqs, data):
+    """A request's forced token lands on its first sample row (prefill: its
+    only row; decode: the row before any draft), every other row -1."""
+    forced = data.draw(st.lists(st.one_of(st.none(), st.integers(0, 2**31 - 1)), min_size=len(seqs), max_size=len(seqs)))
+    seqs = [dataclasses.replace(s, forced_token=t) for s, t in zip(seqs, forced)]
+    got = assert_matches_reference(seqs, max_draft_tokens=MAX_DRAFTS)
+    assert (got.forced_tokens is None) == all(t is None for t in forced)
+    if got.forced_tokens is not None:
+        assert got.forced_tokens.dtype == np.int64
 
 
 @settings(max_examples=1000, deadline=None)
@@ -340,6 +355,9 @@ def test_sampling_params_errors_name_field_and_value(kwargs, match):
         (dict(is_prompt=False, seqlen_q=1, seqlen_k=5, prompt_len=4, mtp_write_slot=-1), "mtp_write_slot=-1"),
         (dict(is_prompt=1, seqlen_q=1, seqlen_k=5, prompt_len=4), "is_prompt=1"),
         (dict(is_prompt=True, seqlen_q=1, seqlen_k=2**31, prompt_len=4), "seqlen_k=2147483648"),
+        (dict(is_prompt=False, seqlen_q=1, seqlen_k=5, prompt_len=4, num_generated=1, forced_token=-1), "forced_token=-1"),
+        (dict(is_prompt=False, seqlen_q=1, seqlen_k=5, prompt_len=4, num_generated=1, forced_token=True), "forced_token=True"),
+        (dict(is_prompt=False, seqlen_q=1, seqlen_k=5, prompt_len=4, num_generated=1, forced_token=3.0), "forced_token=3.0"),
     ],
 )
 def test_seq_meta_errors_name_request_field_and_value(kwargs, match):

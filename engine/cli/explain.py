@@ -14,6 +14,7 @@ Batch syntax, one argument per request (`KIND:ID[:key=value,...]`):
 
 Keys: len (prompt_len), q (seqlen_q), k (seqlen_k), gen (num_generated),
 drafts (decode: seqlen_q = 1 + drafts), read / write (draft-info slots),
+forced (forced_token: the token the request's first sample row emits),
 plp (prompt_logprobs: 0 = target only, N = with top-N), and any
 SamplingParams field (temperature, top_k, top_p, min_p, seed, min_tokens,
 logprobs, stop_token_ids: one id or several joined by '/', as 5/6). Defaults: a prefill covers the whole prompt (q = k = len); a
@@ -36,12 +37,13 @@ import numpy as np
 
 from engine.host.ledger import SamplerInputs, prepare_sampler_inputs
 from engine.host.params import SamplingParams, SeqMeta
+from engine.host.step_fields import STEP_FIELDS, StepField
 
 _PARAM_FIELDS = {f.name for f in fields(SamplingParams)}
 _TUPLE_FIELDS = {f.name for f in fields(SamplingParams) if isinstance(f.default, tuple)}  # stop_token_ids
 # The command-line key of each SeqMeta field it sets, so that errors speak the user's words.
 _KEY_OF_FIELD = {"prompt_len": "len", "seqlen_q": "q", "seqlen_k": "k", "num_generated": "gen",
-                 "mtp_read_slot": "read", "mtp_write_slot": "write"}
+                 "mtp_read_slot": "read", "mtp_write_slot": "write", "forced_token": "forced"}
 _SEQ_KEYS = {*_KEY_OF_FIELD.values(), "drafts", "plp"}
 
 EXAMPLE_BATCH = [
@@ -100,6 +102,7 @@ def parse_request(spec: str) -> SeqMeta:
         seqlen_q = values.pop("q", 1 + drafts)
         seqlen_k = values.pop("k", prompt_len + gen + seqlen_q - 1)
     read, write = values.pop("read", 0), values.pop("write", 0)
+    forced = values.pop("forced", None)
     try:
         params = SamplingParams(**values)
     except (TypeError, ValueError) as err:
@@ -116,6 +119,7 @@ def parse_request(spec: str) -> SeqMeta:
         params=params,
         mtp_read_slot=read,
         mtp_write_slot=write,
+        forced_token=forced,
     )
 
 
@@ -174,6 +178,51 @@ LEGEND = """\
                slot this step writes"""
 
 
+FIELDS_LEGEND = """\
+  per          one entry per request slot or per sample-row slot of a graph bucket (x stop: one
+               column per EngineConfig.max_stop_ids, x draft: per max_draft_tokens)
+  padding      what a padding slot holds: 'padding request' = a padding request slot (0 when every
+               slot is real), 'past request rows' = 1 + max_draft_tokens (past every real row)
+  read by      the stage of the captured step that reads the field
+  from         ledger; params.X = that SamplingParams field, via the request columns; engine or
+               step(arg) = built by the engine from its config or that step() argument
+  this step    the values this batch stages (ledger fields only; - = not known without an engine)"""
+
+
+def _preview(values: np.ndarray | None, width: int = 24) -> str:
+    """The leading values that fit in about `width` characters: [1.0, 0.7, 1.0, ...] ->
+    '1 0.7 1 ... (12)'; None -> 'none' (the field stages padding only)."""
+    if values is None:
+        return "none"
+    shown: list[str] = []
+    for v in values.tolist():
+        text = f"{v:g}" if isinstance(v, float) else str(v)
+        if shown and len(" ".join(shown)) + 1 + len(text) > width:
+            return " ".join(shown) + f" ... ({len(values)})"
+        shown.append(text)
+    return " ".join(shown) or "-"
+
+
+def field_table(inputs: SamplerInputs, step_fields: Sequence[StepField] = STEP_FIELDS) -> str:
+    """Every declared per-step field: its layout, padding, reader, source and this step's values."""
+    rows = []
+    for f in step_fields:
+        per = "request" if f.per == "req" else "row"
+        rows.append([
+            f.name,
+            per if f.width == 1 else f"{per} x {f.width}",
+            np.dtype(f.dtype).name,
+            f.padding,
+            f.stage,
+            f.source,
+            _preview(getattr(inputs, f.name)) if f.from_ledger else "-",
+            f.meaning,
+        ])
+    headers = ["field", "per", "dtype", "padding", "read by", "from", "this step", "meaning"]
+    return "\n".join([f"Step fields: what the captured step reads, {len(rows)} declared "
+                      "(engine/host/step_fields.py)", _table(headers, rows), FIELDS_LEGEND])
+
+
 def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     cells = [[str(c) for c in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
@@ -181,8 +230,15 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, cells)])
 
 
-def render(seqs: Sequence[SeqMeta], inputs: SamplerInputs, *, max_draft_tokens: int, bucket: int | None) -> str:
-    """The per-request ledger table and the flat row map."""
+def render(
+    seqs: Sequence[SeqMeta],
+    inputs: SamplerInputs,
+    *,
+    max_draft_tokens: int,
+    bucket: int | None,
+    step_fields: Sequence[StepField] = STEP_FIELDS,
+) -> str:
+    """The per-request ledger table, the flat row map and the staged step fields."""
     n = inputs.num_reqs
     prompt_offsets = np.concatenate([[0], np.cumsum(inputs.prompt_row_counts)])
     suppressed = set(inputs.eos_suppression_rows.tolist())
@@ -256,6 +312,7 @@ def render(seqs: Sequence[SeqMeta], inputs: SamplerInputs, *, max_draft_tokens: 
             f"index is out of range on purpose (they read a zero row) and request slots "
             f"{_ranges(np.arange(n, bucket))} carry neutral parameters."
         )
+    parts.append(field_table(inputs, step_fields))
     return "\n\n".join(parts)
 
 
@@ -265,10 +322,12 @@ def explain(
     max_draft_tokens: int = 0,
     compaction_keep_tokens: int | None = None,
     bucket: int | None = None,
+    step_fields: Sequence[StepField] = STEP_FIELDS,
 ) -> str:
+    """The ledger of one step as tables (see the module docstring)."""
     inputs = prepare_sampler_inputs(
         seqs, max_draft_tokens=max_draft_tokens, compaction_keep_tokens=compaction_keep_tokens
     )
     if bucket is not None and bucket < len(seqs):
         raise ValueError(f"bucket={bucket}: smaller than the batch ({len(seqs)} requests)")
-    return render(seqs, inputs, max_draft_tokens=max_draft_tokens, bucket=bucket)
+    return render(seqs, inputs, max_draft_tokens=max_draft_tokens, bucket=bucket, step_fields=step_fields)

@@ -1,10 +1,13 @@
 """Per-request columns, declared once.
 
-Every per-request field the ledger and the sampler read is declared in
+Every per-request field the ledger and the sampler read is a column of
 `REQUEST_COLUMNS`: its name, dtype, how to read it from a `SeqMeta`, and its
-neutral value for padding requests. Storage is grouped by dtype into one 2-D
-array per group, so gathering a batch's columns is one fancy-index per group
-(three `take`s, not one per field), and adding a field is one line here.
+neutral value for padding requests. The sampling parameters come from the
+step-field declaration (`engine/host/step_fields.py`: `temperatures`,
+`top_ks`, ... under the names the kernel reads, padded as it pads them); the
+other columns are what only the ledger reads. Storage is grouped by dtype
+into one 2-D array per group, so gathering a batch's columns is one
+fancy-index per group (three `take`s, not one per field).
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from typing import Callable, Hashable, Sequence
 import numpy as np
 
 from engine.host.params import SeqMeta
+from engine.host.step_fields import PARAM_FIELDS, StepField
 
 
 def derive_seed(request_id: Hashable, seed_base: int = 0) -> int:
@@ -35,38 +39,40 @@ class Column:
     neutral: object  # value for padding requests: no NaN, no inf, no filter
 
 
+def _param_reader(f: StepField) -> Callable[[SeqMeta, int], object]:
+    """How a sampling-parameter column reads its SeqMeta."""
+    attr = f.param
+    if attr == "seed":
+        # A request without a seed samples with one the engine derives (docs/contract.md §2).
+        return lambda s, base: s.params.seed if s.params.seed is not None else derive_seed(s.request_id, base)
+    return lambda s, _: getattr(s.params, attr)
+
+
 REQUEST_COLUMNS: tuple[Column, ...] = (
     Column("prompt_len", np.int32, lambda s, _: s.prompt_len, 1),
     Column("num_generated", np.int32, lambda s, _: s.num_generated, 0),
     Column("min_tokens", np.int32, lambda s, _: s.params.min_tokens, 0),
-    Column("top_k", np.int32, lambda s, _: s.params.top_k, 0),
     Column("num_logprobs", np.int32, lambda s, _: s.params.num_logprobs, -1),
     Column("num_prompt_logprobs", np.int32, lambda s, _: s.params.num_prompt_logprobs, -1),
     Column("mtp_write_slot", np.int32, lambda s, _: s.mtp_write_slot, 0),
-    Column("temperature", np.float32, lambda s, _: s.params.temperature, 1.0),
-    Column("top_p", np.float32, lambda s, _: s.params.top_p, 1.0),
-    Column("min_p", np.float32, lambda s, _: s.params.min_p, 0.0),
-    Column(
-        "seed",
-        np.uint64,
-        lambda s, base: s.params.seed if s.params.seed is not None else derive_seed(s.request_id, base),
-        0,
-    ),
+    *(Column(f.name, f.dtype, _param_reader(f), f.padding) for f in PARAM_FIELDS),
 )
 
 _GROUP_DTYPES: tuple[type, ...] = tuple(dict.fromkeys(c.dtype for c in REQUEST_COLUMNS))
-# name -> (group index, column index inside the group)
-_LOCATION: dict[str, tuple[int, int]] = {}
-for _g, _dtype in enumerate(_GROUP_DTYPES):
-    for _j, _col in enumerate(c for c in REQUEST_COLUMNS if c.dtype is _dtype):
-        _LOCATION[_col.name] = (_g, _j)
-_GROUP_WIDTHS = tuple(sum(1 for c in REQUEST_COLUMNS if c.dtype is d) for d in _GROUP_DTYPES)
+_GROUP_COLUMNS: tuple[tuple[Column, ...], ...] = tuple(
+    tuple(c for c in REQUEST_COLUMNS if c.dtype is d) for d in _GROUP_DTYPES
+)
+# (group index, column index inside the group, column), and the same by name
+_PLACED: tuple[tuple[int, int, Column], ...] = tuple(
+    (g, j, col) for g, group in enumerate(_GROUP_COLUMNS) for j, col in enumerate(group)
+)
+_LOCATION: dict[str, tuple[int, int]] = {col.name: (g, j) for g, j, col in _PLACED}
 
 
 class Columns:
     """Per-request columns for `n` requests: one [n, width] array per dtype.
 
-    `cols.temperature` is a column view (no copy). `take(index)` gathers rows
+    `cols.temperatures` is a column view (no copy). `take(index)` gathers rows
     of every group at once.
     """
 
@@ -77,7 +83,7 @@ class Columns:
 
     @classmethod
     def empty(cls, n: int) -> Columns:
-        cols = cls(tuple(np.empty((n, w), dtype=d) for d, w in zip(_GROUP_DTYPES, _GROUP_WIDTHS)))
+        cols = cls(tuple(np.empty((n, len(group)), dtype=d) for d, group in zip(_GROUP_DTYPES, _GROUP_COLUMNS)))
         cols.fill_neutral(slice(None))
         return cols
 
@@ -89,14 +95,14 @@ class Columns:
         return cols
 
     def write_row(self, row: int, seq: SeqMeta, seed_base: int = 0) -> None:
-        for col in REQUEST_COLUMNS:
-            g, j = _LOCATION[col.name]
-            self.groups[g][row, j] = col.read(seq, seed_base)
+        groups = self.groups
+        for g, j, col in _PLACED:
+            groups[g][row, j] = col.read(seq, seed_base)
 
     def fill_neutral(self, rows: slice | np.ndarray) -> None:
-        for col in REQUEST_COLUMNS:
-            g, j = _LOCATION[col.name]
-            self.groups[g][rows, j] = col.neutral
+        groups = self.groups
+        for g, j, col in _PLACED:
+            groups[g][rows, j] = col.neutral
 
     def add_at(self, name: str, rows: np.ndarray, values: np.ndarray) -> None:
         g, j = _LOCATION[name]
@@ -114,9 +120,7 @@ def _column_view(g: int, j: int) -> property:
     return property(lambda self: self.groups[g][:, j], doc=f"column {j} of dtype group {g} (a view)")
 
 
-# One read-only property per declared column (`cols.temperature`), made here
+# One read-only property per declared column (`cols.temperatures`), made here
 # so a new column needs no edit in this class.
 for _name, (_g, _j) in _LOCATION.items():
     setattr(Columns, _name, _column_view(_g, _j))
-
-COLUMN_NAMES: tuple[str, ...] = tuple(c.name for c in REQUEST_COLUMNS)

@@ -15,13 +15,14 @@ Cursors, in array form:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, make_dataclass
 from typing import Hashable, Sequence
 
 import numpy as np
 
 from engine.host.columns import Columns
 from engine.host.params import SeqMeta
+from engine.host.step_fields import PARAM_FIELDS
 
 
 class LedgerInvariantError(RuntimeError):
@@ -38,9 +39,11 @@ class StepSchedule:
     seqlen_k: np.ndarray  # [n] int32
     mtp_read_slot: np.ndarray  # [n] int32, after the take-once rule
     prompt_tokens: Sequence[np.ndarray | None]  # per request, only read for prompt-logprob targets
+    forced_tokens: np.ndarray | None = None  # [n] int64, -1 = none; None: no request has one
 
     @classmethod
     def from_seqs(cls, seqs: Sequence[SeqMeta]) -> StepSchedule:
+        forced = [s.forced_token for s in seqs]
         return cls(
             request_ids=[s.request_id for s in seqs],
             is_prompt=np.fromiter((s.is_prompt for s in seqs), dtype=bool, count=len(seqs)),
@@ -48,13 +51,22 @@ class StepSchedule:
             seqlen_k=np.fromiter((s.seqlen_k for s in seqs), dtype=np.int32, count=len(seqs)),
             mtp_read_slot=np.fromiter((s.mtp_read_slot for s in seqs), dtype=np.int32, count=len(seqs)),
             prompt_tokens=[s.prompt_tokens for s in seqs],
+            forced_tokens=None if forced.count(None) == len(forced) else np.array(
+                [-1 if t is None else t for t in forced], dtype=np.int64),
         )
 
 
+# The sampling parameters, one [n] array per request column of the step-field
+# declaration (temperatures float32, top_ks int32, top_ps, min_ps, seeds uint64).
+_ParameterArrays = make_dataclass("_ParameterArrays", [(f.name, np.ndarray) for f in PARAM_FIELDS])
+
+
 @dataclass
-class SamplerInputs:
+class SamplerInputs(_ParameterArrays):
     """The ledger's outputs (docs/contract.md §1 table) plus the per-request layout the
-    engine needs to cut results back into requests. Host numpy arrays."""
+    engine needs to cut results back into requests. Host numpy arrays. The
+    parameter arrays (`temperatures`, `top_ks`, `top_ps`, `min_ps`, `seeds`)
+    are the request columns of the step-field declaration, passed through."""
 
     selected_token_indices: np.ndarray  # [sample_rows] int32: model-output row of each sample row
     selected_prompt_indices: np.ndarray | None  # [prompt_rows] int32
@@ -62,11 +74,6 @@ class SamplerInputs:
     sample_positions: np.ndarray  # [n] int64: position produced by the request's first sample row
     row_to_req: np.ndarray  # [sample_rows] int32
     local_step: np.ndarray  # [sample_rows] int32
-    temperatures: np.ndarray  # [n] float32
-    top_ks: np.ndarray  # [n] int32
-    top_ps: np.ndarray  # [n] float32
-    min_ps: np.ndarray  # [n] float32
-    seeds: np.ndarray  # [n] uint64
     eos_suppression_rows: np.ndarray  # [<= sample_rows] int32
     mtp_first_token_positions: np.ndarray | None  # [n] int32
     mtp_seqlens_q: np.ndarray | None  # [n] int32
@@ -85,6 +92,9 @@ class SamplerInputs:
     is_last_chunk: np.ndarray  # [n] bool
     num_logprobs: np.ndarray  # [n] int32, -1 = off
     num_prompt_logprobs: np.ndarray  # [n] int32, -1 = off
+    # [sample_rows] int64: a request's first sample row holds its forced token,
+    # every other row -1; None when no request of the step has one.
+    forced_tokens: np.ndarray | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -280,18 +290,19 @@ def build_ledger(
             read_slot = np.where(is_prompt, 0, read_slot)
         mtp_read = draft_read_rows(read_slot, max_draft_tokens, row_to_req, local_step, sample_ends - 1)
 
+    forced_tokens = None
+    if schedule.forced_tokens is not None:
+        forced_tokens = np.full(num_sample_rows, -1, dtype=np.int64)
+        forced_tokens[sample_offsets] = schedule.forced_tokens
+
     inputs = SamplerInputs(
+        **{f.name: getattr(cols, f.name) for f in PARAM_FIELDS},
         selected_token_indices=selected_token_indices,
         selected_prompt_indices=selected_prompt_indices,
         prompt_token_targets=prompt_token_targets,
         sample_positions=sample_positions,
         row_to_req=row_to_req,
         local_step=local_step,
-        temperatures=cols.temperature,
-        top_ks=cols.top_k,
-        top_ps=cols.top_p,
-        min_ps=cols.min_p,
-        seeds=cols.seed,
         eos_suppression_rows=eos_suppression_rows,
         mtp_first_token_positions=mtp_first,
         mtp_seqlens_q=mtp_seqlens,
@@ -309,6 +320,7 @@ def build_ledger(
         is_last_chunk=is_last_chunk,
         num_logprobs=cols.num_logprobs,
         num_prompt_logprobs=cols.num_prompt_logprobs,
+        forced_tokens=forced_tokens,
     )
     planned = int(seqlen_q.sum()) - (int((seqlen_q - 1)[is_prompt].sum()) if any_prompt else 0)
     _check_invariants(inputs, planned_sample_rows=planned)

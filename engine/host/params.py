@@ -110,6 +110,9 @@ class SeqMeta:
 
     `seqlen_k` is the context length after this step's tokens. In a decode step
     `seqlen_q = 1 + drafts`; the first query token is the last generated one.
+    `forced_token`: the token the request's first sample row emits this step
+    whatever its logits say (a "golden" token, docs/contract.md §2); None = sample.
+    The engine checks it lies inside the vocabulary.
     """
 
     request_id: Hashable
@@ -122,6 +125,7 @@ class SeqMeta:
     params: SamplingParams = field(default_factory=SamplingParams)
     mtp_read_slot: int = 0
     mtp_write_slot: int = 0
+    forced_token: int | None = None
 
     def __post_init__(self) -> None:
         problem = self.problem()
@@ -176,6 +180,9 @@ class SeqMeta:
             )
         if self.params.num_prompt_logprobs >= 0 and self.is_prompt and self.prompt_tokens is None:
             return "params.prompt_logprobs: requested but prompt_tokens is None (targets come from the prompt)"
+        forced = self.forced_token
+        if forced is not None and (not _is_int(forced) or not 0 <= forced <= INT32_MAX):
+            return f"forced_token={forced!r}: must be None or an int token id >= 0"
         return None
 
     @property

@@ -1,69 +1,60 @@
 """The host arrays one step stages into the static buffers, in batch order.
 
-`StepArrays` holds what `StepBuffers.load` copies: the ledger's per-row and
-per-request arrays under the names of the step-field declaration
-(`graphs/step_fields.py`), plus the step's drafts.
+`StepArrays` holds what `StepBuffers.load` copies: one attribute per
+declared per-step field (`engine/host/step_fields.py`), under the same
+names, plus the drafts' distributions for the rejection-mode buffer. Its
+attributes, `from_inputs` and the split into parts all derive from the
+declaration.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, make_dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from engine.host.ledger import SamplerInputs
+from engine.host.step_fields import FROM_LEDGER_FIELDS, STEP_FIELDS
+
+if TYPE_CHECKING:
+    import torch
+
+# One attribute per declared field; None: the step stages padding only
+# (no drafts, no forced token, ...).
+_StagedFields = make_dataclass(
+    "_StagedFields", [(f.name, "np.ndarray | None", field(default=None)) for f in STEP_FIELDS]
+)
 
 
 @dataclass
-class StepArrays:
-    """Host arrays one step stages, in batch order (sample rows / requests)."""
+class StepArrays(_StagedFields):
+    """Host arrays one step stages, in batch order (sample rows / requests).
 
-    selected_token_indices: np.ndarray  # [rows] model-output row of each sample row
-    row_to_req: np.ndarray  # [rows]
-    local_step: np.ndarray  # [rows]
-    eos_suppression_rows: np.ndarray  # sample rows with EOS / stop ids masked (min_tokens)
-    temperatures: np.ndarray  # [n]
-    top_ks: np.ndarray
-    top_ps: np.ndarray
-    min_ps: np.ndarray
-    seeds: np.ndarray  # [n] uint64
-    sample_positions: np.ndarray  # [n] int64
-    stop_ids: np.ndarray  # [n, max_stop_ids] int64, -1 padded
-    row_drafts: np.ndarray | None = None  # [rows] int64: draft, -1 none, READ_FROM_POOL
-    mtp_info_read_rows: np.ndarray | None = None  # [rows]
-    has_draft_probs: np.ndarray | None = None  # [rows] bool
+    Per-row fields have one entry per sample row, per-request ones one per
+    request (`stop_ids` [n, max_stop_ids], the next drafts [n, max_draft]);
+    `eos_suppression_rows` lists row numbers, as the ledger hands them."""
+
     draft_probs: dict[int, torch.Tensor] | None = None  # first sample row -> [k, V] q of its drafts
-    mtp_info_write_slots: np.ndarray | None = None  # [n]
-    next_draft_tokens: np.ndarray | None = None  # [n, max_draft]
-    next_draft_logprobs: np.ndarray | None = None  # [n, max_draft]
 
     @classmethod
     def from_inputs(cls, inputs: SamplerInputs, stop_ids: np.ndarray) -> StepArrays:
-        return cls(
-            selected_token_indices=inputs.selected_token_indices,
-            row_to_req=inputs.row_to_req,
-            local_step=inputs.local_step,
-            eos_suppression_rows=inputs.eos_suppression_rows,
-            temperatures=inputs.temperatures,
-            top_ks=inputs.top_ks,
-            top_ps=inputs.top_ps,
-            min_ps=inputs.min_ps,
-            seeds=inputs.seeds,
-            sample_positions=inputs.sample_positions,
-            stop_ids=stop_ids,
-        )
+        """The ledger's fields, and the stop-id matrix [n, max_stop_ids] the engine built."""
+        return cls(stop_ids=stop_ids, **{f.name: getattr(inputs, f.name) for f in FROM_LEDGER_FIELDS})
 
     def requests(self, a: int, b: int, sample_offsets: np.ndarray, sample_counts: np.ndarray) -> StepArrays:
         """The arrays of requests [a, b), renumbered from 0."""
         r0 = int(sample_offsets[a])
         r1 = int(sample_offsets[b - 1] + sample_counts[b - 1])
-        per_row = ("selected_token_indices", "row_to_req", "local_step", "row_drafts", "mtp_info_read_rows", "has_draft_probs")
-        per_req = ("temperatures", "top_ks", "top_ps", "min_ps", "seeds", "sample_positions", "stop_ids", "mtp_info_write_slots",
-                   "next_draft_tokens", "next_draft_logprobs")
-        part = {name: None if getattr(self, name) is None else getattr(self, name)[r0:r1] for name in per_row}
-        part.update({name: None if getattr(self, name) is None else getattr(self, name)[a:b] for name in per_req})
-        part["row_to_req"] = part["row_to_req"] - a
-        part["eos_suppression_rows"] = self.eos_suppression_rows[(self.eos_suppression_rows >= r0) & (self.eos_suppression_rows < r1)] - r0
+        part = {}
+        for f in STEP_FIELDS:
+            value = getattr(self, f.name)
+            if value is None:
+                part[f.name] = None
+            elif f.host_form == "row numbers":
+                part[f.name] = value[(value >= r0) & (value < r1)] - r0
+            else:
+                sliced = value[r0:r1] if f.per == "row" else value[a:b]
+                part[f.name] = sliced - a if f.index_of == "req" else sliced
         part["draft_probs"] = (
             None if self.draft_probs is None
             else {row - r0: q for row, q in self.draft_probs.items() if r0 <= row < r1}

@@ -40,6 +40,7 @@ import torch
 
 from engine.host.ledger import SamplerInputs, prepare_sampler_inputs
 from engine.host.params import SeqMeta
+from engine.host.step_fields import STEP_FIELDS
 from engine.step.body import StepBody
 from engine.step.checkpoint import EngineCheckpoint, copy_counters, restore_counters
 from engine.step.collect import collect
@@ -82,6 +83,7 @@ class StepEngine:
                 f"sample rows, max_num_reqs * (1 + max_draft_tokens) = {max_rows}"
             )
         self.buffers = StepBuffers.allocate(
+            step_fields=STEP_FIELDS,
             max_reqs=config.max_num_reqs,
             max_draft_tokens=config.max_draft_tokens,
             max_source_rows=config.max_source_rows,
@@ -316,26 +318,8 @@ class StepEngine:
             if arrays.draft_probs:
                 for row, q in arrays.draft_probs.items():
                     b.draft_probs[row : row + len(q)].copy_(_upload(q, self.device))
-            b.load(
-                bucket=bucket,
-                selected_token_indices=sample_rows,
-                row_to_req=arrays.row_to_req,
-                local_step=arrays.local_step,
-                eos_suppression_rows=arrays.eos_suppression_rows,
-                temperatures=arrays.temperatures,
-                top_ks=arrays.top_ks,
-                top_ps=arrays.top_ps,
-                min_ps=arrays.min_ps,
-                seeds=arrays.seeds,
-                sample_positions=arrays.sample_positions,
-                stop_ids=arrays.stop_ids,
-                row_drafts=arrays.row_drafts,
-                mtp_info_read_rows=arrays.mtp_info_read_rows,
-                has_draft_probs=arrays.has_draft_probs,
-                mtp_info_write_slots=arrays.mtp_info_write_slots,
-                next_draft_tokens=arrays.next_draft_tokens,
-                next_draft_logprobs=arrays.next_draft_logprobs,
-            )
+            b.load(arrays if sample_rows is arrays.selected_token_indices
+                   else dataclasses.replace(arrays, selected_token_indices=sample_rows), bucket)
 
 
 def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:

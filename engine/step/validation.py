@@ -45,7 +45,7 @@ def check_hidden_states(hidden: object, inputs: SamplerInputs, *, hidden_size: i
 
 
 def check_ledger(inputs: SamplerInputs, *, vocab_size: int, max_logprobs: int) -> None:
-    """Prompt-logprob targets inside the vocabulary, no more top logprobs than the buffers hold."""
+    """Prompt-logprob targets and forced tokens inside the vocabulary, no more top logprobs than the buffers hold."""
     targets = inputs.prompt_token_targets
     if targets is not None and len(targets) and targets.max() >= vocab_size:
         bad = int(np.flatnonzero(targets >= vocab_size)[0])
@@ -61,3 +61,8 @@ def check_ledger(inputs: SamplerInputs, *, vocab_size: int, max_logprobs: int) -
             f"request {inputs.request_ids[req]!r}: params.logprobs={top_n}: more than "
             f"SamplerConfig.max_logprobs={max_logprobs}"
         )
+    forced = inputs.forced_tokens
+    if forced is not None and forced.max() >= vocab_size:
+        row = int(np.argmax(forced))
+        raise ValueError(f"request {inputs.request_ids[int(inputs.row_to_req[row])]!r}: "
+                         f"forced_token={int(forced[row])}: outside the vocabulary ({vocab_size})")
