@@ -225,6 +225,8 @@ def test_followers_rebuild_the_drivers_ledger(tmp_path) -> None:
         if seed == 2:  # compaction: output rows and query tokens differ
             seqs = [replace(s, params=replace(s.params, prompt_logprobs=False)) for s in seqs]
             kwargs["compaction_keep_tokens"] = 2
+        if seed == 3:  # forced tokens reach the followers too
+            seqs = [replace(s, forced_token=7 + i) if i % 2 == 0 else s for i, s in enumerate(seqs)]
         batches.append((seqs, hidden, kwargs))
     results = run_ranks(2, _ledger_worker, (batches,), tmp_path)
     for (seqs, hidden, kwargs), (driver, _), (follower, follower_rows) in zip(batches, results[0], results[1]):

@@ -69,6 +69,7 @@ LEDGER_FIELDS: tuple[LedgerField, ...] = (
     LedgerField("mtp_info_write_slots", np.int32, "req", "mtp"),
     LedgerField("selected_token_indices", np.int32, "sample_row"),
     LedgerField("row_drafts", np.int64, "sample_row"),
+    LedgerField("forced_tokens", np.int64, "sample_row"),  # -1 on rows without a forced token
     LedgerField("mtp_info_read_rows", np.int32, "sample_row", "mtp"),
     LedgerField("eos_suppression_rows", np.int32, "suppress_row"),
     LedgerField("selected_prompt_indices", np.int32, "prompt_row", "prompt"),
@@ -299,6 +300,8 @@ class LedgerBroadcaster:
             return plan.stop_ids
         if name == "row_drafts":
             return plan.row_drafts
+        if name == "forced_tokens" and plan.inputs.forced_tokens is None:
+            return np.full(plan.inputs.num_sample_rows, -1, dtype=np.int64)
         return getattr(plan.inputs, name)
 
     def _unpack(self, header: np.ndarray, raw: np.ndarray) -> StepPlan:
@@ -310,6 +313,7 @@ class LedgerBroadcaster:
         sample_offsets = exclusive_cumsum(sample_counts)[0]
         row_to_req = np.repeat(np.arange(n, dtype=np.int32), sample_counts)
         local_step = np.arange(len(row_to_req), dtype=np.int32) - sample_offsets[row_to_req]
+        forced_tokens = arrays.pop("forced_tokens")
         inputs = SamplerInputs(
             selected_token_indices=arrays.pop("selected_token_indices"),
             selected_prompt_indices=arrays.pop("selected_prompt_indices", None),
@@ -339,6 +343,7 @@ class LedgerBroadcaster:
             is_last_chunk=arrays.pop("is_last_chunk"),
             num_logprobs=arrays.pop("num_logprobs"),
             num_prompt_logprobs=arrays.pop("num_prompt_logprobs"),
+            forced_tokens=forced_tokens if (forced_tokens >= 0).any() else None,
         )
         plan = StepPlan(inputs, arrays.pop("stop_ids"), arrays.pop("row_drafts"))
         if arrays:
