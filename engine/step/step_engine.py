@@ -51,7 +51,10 @@ from engine.step.prompt_logprobs import (
     PromptRowResults,
     compute_prompt_logprobs,
 )
-from engine.sampling.sampler import RowError, SamplerConfig, fail_rows, raw_log_normaliser, sample, sample_exact
+from engine.sampling.errors import RowError, fail_rows
+from engine.sampling.exact import sample_exact
+from engine.sampling.normaliser import raw_log_normaliser
+from engine.sampling.sampler import SamplerConfig, sample
 from graphs.step_fields import SampleOutput
 from engine.sampling.verify import accept_strict, draft_in_top_k, target_probs, verify_rejection
 from graphs.buckets import BucketTable

@@ -45,7 +45,8 @@ import numpy as np
 import torch
 
 from engine.host.params import SamplingParams, SeqMeta
-from engine.sampling.sampler import SamplerConfig, sample, sample_exact
+from engine.sampling.exact import sample_exact
+from engine.sampling.sampler import SamplerConfig, sample
 from graphs.step_fields import RowParams, SampleOutput
 from engine.step.step_engine import EngineConfig, StepEngine
 from profiling.bench._timing import print_table
