@@ -10,6 +10,7 @@ benchmarks); `kept_sets` lists each row's kept tokens; verification's
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -63,6 +64,12 @@ def full_row_distribution(raw: torch.Tensor, rows: SamplingRows) -> FullRowDistr
     return FullRowDistribution(valid, weights, block_mass, log_z, zs, zs_ids, p, filters.kept_set(zs, p, rows))
 
 
+def _if_any(needed: torch.Tensor, draw: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`draw()` [rows] int64 when a row of `needed` [rows] bool takes it, else
+    zeros: the exact path is eager, so it skips the draws no row uses."""
+    return draw() if bool(needed.any()) else torch.zeros_like(needed, dtype=torch.int64)
+
+
 def _write_exact_rows(
     logits: torch.Tensor, params: RowParams, cfg: SamplerConfig, index: torch.Tensor, out: SampleOutput,
     compute_logprobs: bool = True,
@@ -70,14 +77,16 @@ def _write_exact_rows(
     """Rows `index` [n] int64 of `out`, decided over the whole vocabulary (eager)."""
     raw = logits.to(torch.float32)[index]  # [n, V]
     vocab = raw.shape[1]
-    rows = expand_rows(params, vocab).select(index)
+    rows = expand_rows(params.rows(index), vocab)
     d = full_row_distribution(raw, rows)
     error = row_errors(raw, ~d.valid.any(-1))
     # The kept set is a prefix of the sorted row: race over the longest one only.
     width = max(1, int(d.kept.kept.sum(-1).max()))
-    raced = gumbel_race(d.zs[:, :width], d.zs_ids[:, :width], d.kept.kept[:, :width], rows.seed, rows.position, vocab)
-    plain = inverse_cdf_draw(d.weights, d.block_mass, plain_uniform(rows))
-    token = drawn_token(rows, greedy_token(raw, torch.arange(vocab, device=raw.device), d.valid, vocab), raced, plain)
+    raced = _if_any(~rows.greedy & ~rows.plain, lambda: gumbel_race(
+        d.zs[:, :width], d.zs_ids[:, :width], d.kept.kept[:, :width], rows.seed, rows.position, vocab))
+    plain = _if_any(rows.plain, lambda: inverse_cdf_draw(d.weights, d.block_mass, plain_uniform(rows)))
+    greedy = _if_any(rows.greedy, lambda: greedy_token(raw, torch.arange(vocab, device=raw.device), d.valid, vocab))
+    token = drawn_token(rows, greedy, raced, plain)
     failed = error != RowError.OK
     token = torch.where(failed, PLACEHOLDER_TOKEN, token)
     out.tokens[index] = token
@@ -139,10 +148,9 @@ def kept_sets(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
     Parameters: `logits` [rows, V] (read as f32) and their `params`.
     """
     raw = logits.to(torch.float32)
-    rows = expand_rows(params, raw.shape[1])
     mask = torch.zeros(raw.shape, dtype=torch.bool, device=raw.device)
     for start in range(0, raw.shape[0], EXACT_CHUNK_ROWS):
-        part = slice(start, start + EXACT_CHUNK_ROWS)
-        d = full_row_distribution(raw[part], rows.select(part))
-        mask[part].scatter_(1, d.zs_ids, d.kept.kept)
+        part = torch.arange(start, min(start + EXACT_CHUNK_ROWS, raw.shape[0]), device=raw.device)
+        d = full_row_distribution(raw[part], expand_rows(params.rows(part), raw.shape[1]))
+        mask[part] = torch.zeros_like(d.valid).scatter_(1, d.zs_ids, d.kept.kept)
     return mask

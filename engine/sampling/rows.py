@@ -7,7 +7,7 @@ token at position `sample_positions[request] + local_step[r]`
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -32,10 +32,6 @@ class SamplingRows:
     stop_ids: torch.Tensor  # [rows, S] int64, clamped to >= 0
     stop_active: torch.Tensor  # [rows, S] bool: this id is suppressed on this row
     forced: torch.Tensor  # [rows] int64, -1 = none
-
-    def select(self, index: torch.Tensor | slice) -> SamplingRows:
-        """The rows at `index` ([n] int64 or a slice): the exact path's rows."""
-        return SamplingRows(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
 
 
 def expand_rows(params: RowParams, vocab: int) -> SamplingRows:
