@@ -34,7 +34,8 @@ from engine.parallel import (
     request_key,
 )
 from engine.parallel.vocab_parallel import candidate_ineligibility
-from engine.sampling.sampler import BLOCK, SamplerConfig
+from engine.sampling.normaliser import BLOCK
+from engine.sampling.sampler import SamplerConfig
 
 VOCAB, HIDDEN, MAX_REQS, MAX_DRAFTS = 4000, 32, 8, 3  # 4000: an uneven last shard with a partial block
 CONFIG = EngineConfig(

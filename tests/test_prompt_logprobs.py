@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import engine.step.prompt_logprobs as prompt_logprobs_module
 from engine import SamplingParams, SeqMeta, prepare_sampler_inputs
+from engine.sampling.sampler import SamplerConfig, sample
 from engine.step.prompt_logprobs import (
     DEFAULT_CHUNK_ROWS,
     PromptLogprob,
@@ -23,6 +24,7 @@ from engine.step.prompt_logprobs import (
     compute_prompt_logprobs,
     prompt_row_logprobs,
 )
+from graphs.step_fields import RowParams
 
 HIDDEN, VOCAB = 6, 50
 
@@ -275,3 +277,26 @@ def test_chunk_at_position_zero_restarts_a_preempted_prompt():
         want = reference_step([seq], hidden, weight, partial)
         assert_same(got[0], want[0])
     assert len(got[0]) == 4
+
+
+def test_a_prompt_token_scores_exactly_as_a_sampled_one():
+    """Prompt logprobs use the sampler's raw-logprob code: the logprob, rank and
+    top-N of a prompt token equal, bit for bit, what the sampler reports when it
+    emits that token (forced) from the same logits row. V = 3000 spans three
+    normaliser blocks; the identity head makes each hidden row its logits row."""
+    rows, vocab, num_top = 24, 3000, 4
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(rows, vocab, generator=gen) * 2
+    targets = torch.randint(0, vocab, (rows,), generator=gen).numpy()
+    got = prompt_row_logprobs(logits, torch.eye(vocab), np.arange(rows), targets, np.full(rows, num_top))
+    params = RowParams.from_numpy(
+        temperatures=np.ones(rows, np.float32), top_ks=np.zeros(rows, np.int32), top_ps=np.ones(rows, np.float32),
+        min_ps=np.zeros(rows, np.float32), seeds=np.arange(rows, dtype=np.uint64), sample_positions=np.zeros(rows, np.int64),
+        row_to_req=np.arange(rows), local_step=np.zeros(rows, np.int64), forced_tokens=targets,
+    )
+    out = sample(logits, params, SamplerConfig(candidate_cap=64, max_logprobs=num_top))
+    assert not bool(out.needs_exact.any()) and out.tokens.tolist() == targets.tolist()
+    assert np.array_equal(got.logprobs, out.logprob.numpy())
+    assert np.array_equal(got.ranks, out.rank.numpy())
+    assert np.array_equal(got.top_ids, out.top_ids.numpy())
+    assert np.array_equal(got.top_logprobs, out.top_logprobs.numpy())

@@ -29,7 +29,9 @@ import tests.test_parallel as parallel
 from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine
 from engine.parallel import ParallelConfig, ShardedStepEngine, VocabShards
 from engine.parallel.vocab_parallel import VocabParallelSampler
-from engine.sampling.sampler import PLACEHOLDER_TOKEN, RowError, SamplerConfig, sample, sample_exact, sample_reference
+from engine.sampling.errors import PLACEHOLDER_TOKEN, RowError
+from engine.sampling.exact import sample_exact, sample_reference
+from engine.sampling.sampler import SamplerConfig, sample
 from graphs.step_fields import RowParams, SampleOutput
 
 VOCAB, HIDDEN, MAX_REQS, MAX_DRAFTS = 300, 24, 8, 2

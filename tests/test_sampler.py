@@ -1,6 +1,7 @@
 """Fused sampler against the sort-based reference, statistics, invariance, edge rows."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -9,8 +10,13 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from engine.sampling import rng
-from engine.sampling.sampler import SamplerConfig, kept_sets, sample, sample_exact
+from engine.sampling import filters, rng
+from engine.sampling.exact import EXACT_CHUNK_ROWS, kept_sets, sample_exact, sample_reference
+from engine.sampling.logprobs import token_logprobs
+from engine.sampling.rows import expand_rows
+from engine.sampling.sampler import SamplerConfig, sample
+from engine.sampling.suppression import suppressed_mask, zero_suppressed_
+from engine.sampling.verify import target_probs
 from graphs.step_fields import RowParams, SampleOutput
 from graphs.capture_safety import capture_safety_check
 from tests import numpy_sampler_reference as ref
@@ -427,3 +433,125 @@ def test_padding_stop_slot_never_unsuppresses_stop_id_zero():
     )
     out = sample(logits, params, SamplerConfig(candidate_cap=4, max_logprobs=2))
     assert (out.tokens != 0).all()
+
+
+# --- one implementation per stage, shared by every path ---------------------------
+
+def _min_p_ignored(real):
+    def planted(zs, p, rows):
+        return real(zs, p, dataclasses.replace(rows, m_on=torch.zeros_like(rows.m_on)))
+    return planted
+
+
+def _top_k_one_more(real):
+    def planted(zs, p, rows):
+        return real(zs, p, dataclasses.replace(rows, top_k=rows.top_k + 1))
+    return planted
+
+
+@pytest.mark.parametrize("plant", [None, _min_p_ignored, _top_k_one_more], ids=["intact", "min-p ignored", "top-k one more"])
+def test_fast_exact_and_verify_paths_share_one_kept_set(monkeypatch, plant):
+    """The fast path (C >= V, so it settles every row itself), the exact path,
+    `kept_sets` and verification's `target_probs` all agree with the numpy
+    reference; a bug planted in `filters.kept_set`, and only there, makes every
+    one of them disagree: none keeps a kept-set definition of its own."""
+    rows_n, vocab = 48, 60
+    logits = torch.randn(rows_n, vocab, generator=torch.Generator().manual_seed(11)) * 1.5
+    top_k = np.where(np.arange(rows_n) % 2, 0, 4)
+    min_p = np.where(np.arange(rows_n) % 2, 0.3, 0.0)
+    params = _params(rows_n, top_k=top_k, min_p=min_p)
+    specs = [ref.RowSpec(temperature=1.0, top_k=int(top_k[i]), min_p=float(min_p[i]), seed=i, position=i * 3 + 11)
+             for i in range(rows_n)]
+    refs = ref.sample_rows(logits.numpy(), specs)
+    decided = [i for i, r in enumerate(refs) if r.decided]
+    assert len(decided) >= 40
+    if plant is not None:
+        monkeypatch.setattr(filters, "kept_set", plant(filters.kept_set))
+    cfg = SamplerConfig(candidate_cap=64, max_logprobs=0)
+    fast = sample(logits, params, cfg)
+    assert not bool(fast.needs_exact.any())
+    exact = sample_reference(logits, params, cfg)
+    kept, support = kept_sets(logits, params), target_probs(logits, params) > 0
+    agrees = {
+        "fast": all(int(fast.tokens[i]) == refs[i].token for i in decided),
+        "exact": all(int(exact.tokens[i]) == refs[i].token for i in decided),
+        "kept_sets": all(np.array_equal(kept[i].numpy(), refs[i].kept) for i in decided),
+        "target_probs": all(np.array_equal(support[i].numpy(), refs[i].kept) for i in decided),
+    }
+    assert all(agrees.values()) if plant is None else not any(agrees.values()), agrees
+
+
+def test_token_logprobs_is_the_samplers_raw_logprob():
+    """`token_logprobs` (what the step engine rescoring a residual draw calls)
+    gives the sampler's own raw logprob and rank bit for bit, and any token's
+    log-softmax value and rank by the definition."""
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(40, 3000, generator=gen) * 2
+    logits[:, 9] = logits[:, 5]  # a tie: both share a rank
+    params = _params(40, temperature=np.tile([0.0, 1.0, 0.7, 1.3], 10), top_k=np.tile([0, 0, 50, 0], 10),
+                     top_p=np.tile([1.0, 1.0, 0.9, 0.8], 10))
+    cfg = SamplerConfig(candidate_cap=64, max_logprobs=0)
+    out, _ = _fast_then_exact(logits, params, cfg)
+    logprob, rank = token_logprobs(logits, out.tokens)
+    assert logprob.dtype == torch.float64 and rank.dtype == torch.int64
+    assert torch.equal(logprob.to(torch.float32), out.logprob) and torch.equal(rank, out.rank)
+    tokens = torch.cat([torch.full((20,), 5), torch.randint(0, 3000, (20,), generator=gen)])
+    logprob, rank = token_logprobs(logits, tokens)
+    value = logits.gather(1, tokens[:, None])
+    assert torch.equal(rank, (logits > value).sum(-1) + 1)
+    assert torch.equal(rank[:20], token_logprobs(logits[:20], torch.full((20,), 9))[1])
+    torch.testing.assert_close(logprob, torch.log_softmax(logits.double(), -1).gather(1, tokens[:, None]).squeeze(1),
+                               rtol=0, atol=1e-6)
+
+
+def test_suppression_gives_one_verdict_per_token_in_every_layout():
+    """`suppressed_mask` and `zero_suppressed_` over a whole row and over
+    vocab-parallel shards of it: duplicate slots, a padding slot landing on
+    suppressed id 0 after it, and a suppressed id whose weight overflowed to
+    inf (a stop id far above the rest at a low temperature) all give weight 0."""
+    vocab = 40
+    stop_ids = np.array([[0, 12, -1], [5, 5, -1], [39, 7, 16], [3, -1, -1]])
+    suppress = np.array([True, True, True, False])
+    rows = expand_rows(_params(4, stop_ids=stop_ids, eos_suppression_rows=suppress), vocab)
+    expected = torch.zeros(4, vocab, dtype=torch.bool)
+    for r in range(4):
+        expected[r, [t for t in stop_ids[r] if t >= 0 and suppress[r]]] = True
+    assert torch.equal(suppressed_mask(rows, vocab), expected)
+    weights = torch.rand(4, vocab, generator=torch.Generator().manual_seed(0))
+    weights[expected] = math.inf
+    full = zero_suppressed_(weights.clone(), rows)
+    assert torch.equal(full, torch.where(expected, 0.0, weights))
+    for first, width in ((0, 16), (16, 16), (32, 8)):
+        shard = zero_suppressed_(weights[:, first : first + width].clone(), rows, first)
+        assert torch.equal(shard, full[:, first : first + width]), (first, width)
+
+
+def test_results_do_not_depend_on_the_logits_memory_layout():
+    """A column-major logits tensor gives the bits of a row-major one on every
+    path: the normaliser's float32 block sums walk each row's tokens in order."""
+    logits = torch.randn(16, 2500, generator=torch.Generator().manual_seed(8)) * 2
+    column_major = logits.t().contiguous().t()
+    params = _params(16, temperature=np.tile([0.0, 1.0, 0.6, 1.2], 4), top_k=np.tile([0, 0, 30, 0], 4),
+                     top_p=np.tile([1.0, 1.0, 0.9, 0.7], 4), min_p=np.tile([0.0, 0.0, 0.0, 0.01], 4))
+    for mode in ("raw", "processed"):
+        cfg = SamplerConfig(candidate_cap=64, max_logprobs=3, logprobs_mode=mode)
+        rows_major, flagged = _fast_then_exact(logits, params, cfg)
+        cols_major, flagged_too = _fast_then_exact(column_major, params, cfg)
+        _assert_same(rows_major, cols_major)
+        assert torch.equal(flagged, flagged_too)
+    assert torch.equal(target_probs(logits, params), target_probs(column_major, params))
+
+
+def test_exact_path_slices_give_the_bits_of_each_row_alone():
+    """The exact path decides rows in slices of EXACT_CHUNK_ROWS: rows on
+    either side of a slice edge equal the same rows run alone."""
+    rows_n = 2 * EXACT_CHUNK_ROWS + 22
+    logits = torch.randn(rows_n, 200, generator=torch.Generator().manual_seed(4)) * 2
+    params = _params(rows_n, temperature=np.tile([0.0, 1.0, 0.8], rows_n)[:rows_n],
+                     top_p=np.tile([1.0, 1.0, 0.9], rows_n)[:rows_n])
+    cfg = SamplerConfig(candidate_cap=16, max_logprobs=3)
+    whole = sample_reference(logits, params, cfg)
+    for i in (0, EXACT_CHUNK_ROWS - 1, EXACT_CHUNK_ROWS, 2 * EXACT_CHUNK_ROWS, rows_n - 1):
+        alone = sample_reference(logits[i : i + 1], params.rows([i]), cfg)
+        for name in FIELDS:
+            assert torch.equal(getattr(whole, name)[i], getattr(alone, name)[0]), (i, name)

@@ -8,7 +8,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.sampling.sampler import SamplerConfig, sample, sample_exact, sample_reference
+from engine.sampling.exact import sample_exact, sample_reference
+from engine.sampling.filters import top_k_mask
+from engine.sampling.sampler import SamplerConfig, sample
 from graphs.step_fields import RowParams, SampleOutput
 from engine.sampling.verify import (
     accept_strict,
@@ -16,7 +18,6 @@ from engine.sampling.verify import (
     emitted_mask,
     restrict_to_top_k,
     target_probs,
-    top_k_mask,
     verify_rejection,
 )
 from graphs.capture_safety import capture_safety_check

@@ -1,7 +1,7 @@
 """Vocab-parallel logits and sampling over torch.distributed (docs/contract.md §2 across ranks).
 
 Each rank holds rows [start, stop) of the LM head. Shard boundaries fall on
-the sampler's normaliser blocks (`engine.sampling.sampler.BLOCK`): a block never spans
+the sampler's normaliser blocks (`engine.sampling.normaliser.BLOCK`): a block never spans
 two ranks, so every rank computes whole blocks exactly as the unsharded
 sampler does, and the gathered block masses are the same f32 numbers. That is
 what makes the sharded results bit-identical, not just close.
@@ -40,8 +40,16 @@ import torch.distributed as dist
 
 from engine.host.ledger import SamplerInputs
 from engine.ops import gather, get_logits
-from engine.step.prompt_logprobs import PromptRowResults, _top_n_ids
-from engine.sampling.sampler import BLOCK, PLACEHOLDER_TOKEN, RowError, SamplerConfig, _block_log_normaliser, _expand, decide_on_candidates, fail_rows, order_candidates, sample, suppression_and_shift
+from engine.sampling.candidates import decide_on_candidates, order_candidates
+from engine.sampling.draw import drawn_token
+from engine.sampling.errors import PLACEHOLDER_TOKEN, RowError, fail_rows
+from engine.sampling.logprobs import candidate_raw_logprobs
+from engine.sampling.normaliser import BLOCK, block_log_normaliser, log_block_total
+from engine.sampling.rows import expand_rows
+from engine.sampling.sampler import SamplerConfig, sample
+from engine.sampling.suppression import suppression_and_shift, zero_suppressed_
+from engine.sampling.temperature import processed_logits
+from engine.step.prompt_logprobs import PromptRowResults, prompt_rows_of
 from graphs.step_fields import RowParams, SampleOutput
 
 STRATEGIES = ("gather", "candidates")
@@ -209,8 +217,7 @@ class VocabParallelSampler:
         numbers come from differs (merged candidates, gathered block masses)."""
         tp, c, vocab = self.shards.tp, self.num_candidates, self.shards.vocab
         raw_local = self.local_logits[:rows_n, : self.size]  # [rows, V_rank] fp32
-        rows = _expand(params, vocab)
-        neg_inf = torch.full((), -math.inf, dtype=torch.float32, device=raw_local.device)
+        rows = expand_rows(params, vocab)
 
         # Phase 1: local top C (padded with -inf / id V when the shard is smaller).
         local_c = min(c, self.size)
@@ -235,62 +242,45 @@ class VocabParallelSampler:
         blocks_send.zero_()
         local_blocks = self.shards.blocks(self.rank)
         scratch = self.block_scratch[:rows_n]
-        torch.sub(raw_local, shift[:, None], out=scratch).div_(rows.temperature[:, None]).exp_()
-        self._zero_suppressed(scratch, rows)
-        blocks_send[:, 0, :local_blocks].copy_(_block_log_normaliser(scratch)[0])
+        zero_suppressed_(processed_logits(raw_local, shift, rows.temperature, out=scratch).exp_(), rows, self.start)
+        blocks_send[:, 0, :local_blocks].copy_(block_log_normaliser(scratch)[0])
         torch.sub(raw_local, raw_max[:, None], out=scratch).exp_()
         # A NaN or inf logit in a shard makes that shard's raw block mass NaN,
         # so every rank sees the row fail from the gathered masses.
         scratch.masked_fill_(~torch.isfinite(raw_local), math.nan)
-        blocks_send[:, 1, :local_blocks].copy_(_block_log_normaliser(scratch)[0])
+        blocks_send[:, 1, :local_blocks].copy_(block_log_normaliser(scratch)[0])
         got = self.gathered_blocks[: tp * rows_n]
         dist.all_gather_single(got, blocks_send, group=self.group)
         by_rank = got.view(tp, rows_n, 2, -1).permute(1, 2, 0, 3).reshape(rows_n, 2, -1)
         block_mass = by_rank.index_select(2, self.block_index)  # [rows, 2, blocks]
-        log_z = torch.log(block_mass[:, 0].contiguous().to(torch.float64).sum(-1))
-        log_z_raw = torch.log(block_mass[:, 1].contiguous().to(torch.float64).sum(-1))
+        log_z = log_block_total(block_mass[:, 0].contiguous())
+        log_z_raw = log_block_total(block_mass[:, 1].contiguous())
 
         # From here on: engine.sampling.sampler.sample over the merged candidates. A
         # row whose kept set could reach past them is flagged for the exact
         # path; so is every row the global top C cannot settle.
-        d = decide_on_candidates(cand_raw, cand_ids, boundary_raw, valid, shift, log_z, rows, c, True, vocab)
+        d = decide_on_candidates(cand_raw, cand_ids, boundary_raw, valid, shift, log_z, rows, True, vocab)
         # Plain rows never reach this path (not eligible) except as bucket
         # padding, whose results are cut off: the race over all candidates
         # keeps them finite.
-        token = torch.where(rows.greedy, d.greedy_token, d.raced)
+        token = drawn_token(rows, d.greedy_token, d.raced)
         # exp(raw - max) sums to >= 1 for a finite row: a non-finite total
         # means a non-finite logit. No unsuppressed candidate is left to the
         # exact path (C < V: a token outside the candidates may be free).
         finite = torch.isfinite(log_z_raw)
         token = torch.where(finite, token, PLACEHOLDER_TOKEN)
-        needs_exact = d.needs_exact(rows, any_valid)
 
         # Raw logprobs: every token with a larger logit than the emitted one
         # is a candidate, so the rank counts over candidates only.
         lse = raw_max.to(torch.float64) + log_z_raw
-        token_raw = torch.where(cand_ids == token[:, None], cand_raw, neg_inf).amax(-1, keepdim=True)
-        out.logprob.copy_(token_raw.squeeze(1).to(torch.float64) - lse)
-        out.rank.copy_((cand_raw > token_raw).sum(-1) + 1)
-        num_top = out.top_ids.shape[1]
-        if num_top:
-            out.top_ids.copy_(cand_ids[:, :num_top])
-            out.top_logprobs.copy_(cand_raw[:, :num_top].to(torch.float64) - lse[:, None])
-            needs_exact = needs_exact | (cand_raw[:, num_top - 1] <= cand_raw[:, -1])
+        lp, top_tie_in_tail = candidate_raw_logprobs(
+            cand_raw, token, cand_raw, cand_ids, lse, out.top_ids.shape[1], True, ids=cand_ids
+        )
+        lp.write(out)
         out.tokens.copy_(token)
-        out.needs_exact.copy_(needs_exact)
+        out.needs_exact.copy_(d.needs_exact(rows, any_valid) | top_tie_in_tail)
         out.error.zero_()
         fail_rows(out, ~finite, RowError.LOGITS_NOT_FINITE)
-
-    def _zero_suppressed(self, e: torch.Tensor, rows) -> None:
-        """Suppressed stop ids inside this shard get weight 0, as in the sampler.
-
-        A product scatter: ids outside the shard (and padding ids) multiply
-        column 0 by 1, so duplicate targets cannot overwrite a zero with a
-        stale value the way a plain scatter of kept values could."""
-        local = rows.stop_ids - self.start
-        inside = rows.stop_active & (local >= 0) & (local < self.size)
-        factor = torch.where(inside, torch.zeros((), dtype=e.dtype, device=e.device), torch.ones((), dtype=e.dtype, device=e.device))
-        e.scatter_reduce_(1, torch.where(inside, local, torch.zeros_like(local)), factor.expand(local.shape), reduce="prod")
 
     # -- prompt logprobs ----------------------------------------------------------
 
@@ -310,34 +300,13 @@ class VocabParallelSampler:
         each chunk's logits are all-gathered (both strategies; prompt rows
         need the whole row for logsumexp and rank, and they are rare), then
         the same arithmetic as the unsharded function gives the same bits."""
-        rows_idx = inputs.selected_prompt_indices
-        targets = inputs.prompt_token_targets
-        if rows_idx is None:
-            rows_idx = targets = np.zeros(0, dtype=np.int32)
-        counts = inputs.prompt_row_counts
-        num_top = np.minimum(np.repeat(np.maximum(inputs.num_prompt_logprobs, 0), counts), self.shards.vocab).astype(np.int32)
-        n = len(rows_idx)
-        max_top = int(num_top.max()) if n else 0
-        logprobs = np.empty(n, dtype=np.float32)
-        ranks = np.empty(n, dtype=np.int64)
-        top_ids = np.zeros((n, max_top), dtype=np.int64)
-        top_logprobs = np.zeros((n, max_top), dtype=np.float32)
-        finite = np.empty(n, dtype=bool)
+        rows_idx, targets, num_top = prompt_rows_of(inputs)
+        results = PromptRowResults.allocate(targets, num_top, self.shards.vocab)
         chunk_rows = min(chunk_rows, self.local_logits.shape[0])
         device = weight.device
-        for start in range(0, n, chunk_rows):
-            stop = min(start + chunk_rows, n)
+        for start in range(0, len(rows_idx), chunk_rows):
+            stop = min(start + chunk_rows, len(rows_idx))
             hidden = gather(hidden_states, torch.as_tensor(rows_idx[start:stop], dtype=torch.int64).to(device))
             self.local_logits_of(hidden, weight, batch_invariant=batch_invariant, block_rows=block_rows)
-            logits = self.all_gather_logits(stop - start)  # [chunk, V] fp32
-            finite[start:stop] = torch.isfinite(logits).all(1).cpu().numpy()
-            target = torch.as_tensor(targets[start:stop], dtype=torch.int64).to(device).unsqueeze(1)
-            ranks[start:stop] = (1 + (logits > logits.gather(1, target)).sum(1)).cpu().numpy()
-            log_norm = torch.logsumexp(logits, dim=1, keepdim=True)
-            logprobs[start:stop] = (logits.gather(1, target) - log_norm).squeeze(1).cpu().numpy()
-            chunk_top = int(num_top[start:stop].max())
-            if chunk_top:
-                ids = _top_n_ids(logits, chunk_top)
-                top_ids[start:stop, :chunk_top] = ids.cpu().numpy()
-                top_logprobs[start:stop, :chunk_top] = (logits.gather(1, ids) - log_norm).cpu().numpy()
-        return PromptRowResults(np.asarray(targets, dtype=np.int32), logprobs, ranks, num_top, top_ids, top_logprobs, finite)
+            results.score(start, self.all_gather_logits(stop - start))  # [chunk, V] fp32
+        return results

@@ -41,12 +41,13 @@ so the output still equals plain decoding).
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-from engine.sampling.rng import ACCEPT, RESIDUAL, TARGET, gumbel, uniform
-from engine.sampling.sampler import _block_log_normaliser, _expand
+from engine.sampling.draw import greedy_token, gumbel_race, inverse_cdf
+from engine.sampling.exact import full_row_distribution
+from engine.sampling.filters import top_k_mask
+from engine.sampling.rng import ACCEPT, RESIDUAL, uniform
+from engine.sampling.rows import expand_rows
 from graphs.step_fields import RowParams
 
 _NONE = torch.iinfo(torch.int64).max  # scatter-min identity: "no rejection seen"
@@ -98,78 +99,33 @@ def emitted_mask(num_accepted: torch.Tensor, row_to_req: torch.Tensor, local_ste
 
 
 def target_probs(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
-    """The processed distribution each row's draw follows, [rows, V] float64.
+    """The processed distribution each row's draw follows.
 
-    Same definitions as `engine.sampling.sampler` (its module docstring): EOS/stop
-    suppression, temperature, top-k, top-p renormalised after top-k, min-p,
-    all value-defined with ties kept, p = exp(z - log Z) with the block
-    normaliser; kept tokens renormalised. Greedy rows are one-hot at the greedy
-    token (largest unsuppressed raw logit, smallest id), forced rows one-hot at
-    the forced token. One full-row sort per row.
+    Parameters: `logits` [rows, V] (read as f32) and their `params`.
+    Returns: [rows, V] f64 by token id: the kept set of
+    `engine.sampling.exact.full_row_distribution` (the sampler's own
+    suppression, temperature, normaliser and filters), renormalised; greedy
+    rows one-hot at the greedy token (largest unsuppressed raw logit,
+    smallest id), forced rows one-hot at the forced token. One full-row sort
+    per row; capture-safe.
 
     float64 because rejection verification compares p(d) with u * q(d) and
     takes max(p - q, 0): in float32 the residual of two close distributions
     is mostly rounding noise, and the sampler's own p is float64 already.
     """
     raw = logits.to(torch.float32)  # [rows, V]
-    num_rows, vocab = raw.shape
-    rows = _expand(params, vocab)
-    neg_inf = torch.full((), -math.inf, dtype=torch.float32, device=raw.device)
-
-    # A padded stop id (-1, clamped to 0) may share a slot index with an active
-    # id 0: count activations instead of scattering booleans, so duplicates
-    # cannot overwrite each other.
-    hits = torch.zeros(num_rows, vocab, dtype=torch.int32, device=raw.device)
-    suppressed = hits.scatter_add_(1, rows.stop_ids, rows.stop_active.to(torch.int32)) > 0  # [rows, V]
-    unsuppressed_raw = torch.where(suppressed, neg_inf, raw)
-    shift = unsuppressed_raw.amax(-1)
-    # Every token suppressed cannot happen for real requests (RowParams says
-    # stop ids never cover the vocabulary); keep such a row finite anyway.
-    shift = torch.where(shift > -math.inf, shift, raw.amax(-1))
-
-    temperature = rows.temperature[:, None]
-    z = torch.where(suppressed, neg_inf, (raw - shift[:, None]) / temperature)  # [rows, V] f32
-    e = torch.sub(raw, shift[:, None]).div_(temperature).exp_()
-    e = torch.where(suppressed, torch.zeros((), dtype=e.dtype, device=e.device), e)
-    _, log_z = _block_log_normaliser(e)
-
-    zs, ids = torch.sort(z, dim=1, descending=True, stable=True)  # ties keep id order
-    p = torch.exp(zs.to(torch.float64) - log_z[:, None])  # [rows, V] f64, sorted
-    zero = torch.zeros((), dtype=p.dtype, device=p.device)
-    alive = zs > -math.inf
-    kth_z = zs.gather(1, (rows.top_k.clamp(min=1, max=vocab) - 1)[:, None])
-    k_mask = ~rows.k_on[:, None] | (zs >= kth_z)
-    k_p = torch.where(rows.k_on[:, None] & k_mask & alive, p, zero)
-    # cumsum's last entry, not sum(): the sampler's mass, rounded the same way.
-    k_mass = torch.where(rows.k_on, k_p.cumsum(-1)[:, -1], torch.ones_like(rows.top_p))
-    cum = torch.where(rows.k_on[:, None], k_p, torch.where(alive, p, zero)).cumsum(-1)
-    reached = cum >= (rows.top_p * k_mass)[:, None]
-    first = reached.to(torch.int8).argmax(-1, keepdim=True)
-    t_star = torch.where(reached.any(-1, keepdim=True), p.gather(1, first), zero)
-    p_mask = ~rows.p_on[:, None] | (p >= t_star)
-    m_mask = ~rows.m_on[:, None] | (p >= (rows.min_p * p[:, 0])[:, None])
-    kept_p = torch.where(alive & k_mask & p_mask & m_mask, p, zero)
+    vocab = raw.shape[1]
+    rows = expand_rows(params, vocab)
+    d = full_row_distribution(raw, rows)
+    kept_p = torch.where(d.kept.kept, d.p, torch.zeros((), dtype=d.p.dtype, device=d.p.device))
     mass = kept_p.sum(-1, keepdim=True)  # > 0 unless every token is a suppressed stop id
     kept_p = kept_p / torch.where(mass > 0, mass, torch.ones_like(mass))
-    probs = torch.empty_like(kept_p).scatter_(1, ids, kept_p)  # back to token order
+    probs = torch.empty_like(kept_p).scatter_(1, d.zs_ids, kept_p)  # back to token order
 
-    ids_v = torch.arange(vocab, device=raw.device)
-    best = unsuppressed_raw.amax(-1, keepdim=True)
-    greedy_token = torch.where(unsuppressed_raw == best, ids_v, vocab).amin(-1)
-    one_hot_token = torch.where(rows.forced >= 0, rows.forced, greedy_token)
-    one_hot = (ids_v == one_hot_token[:, None]).to(torch.float64)
+    ids = torch.arange(vocab, device=raw.device)
+    one_hot_token = torch.where(rows.forced >= 0, rows.forced, greedy_token(raw, ids, d.valid, vocab))
+    one_hot = (ids == one_hot_token[:, None]).to(torch.float64)
     return torch.where((rows.greedy | (rows.forced >= 0))[:, None], one_hot, probs)
-
-
-def top_k_mask(dist: torch.Tensor, k_rows: torch.Tensor, max_k: int | None = None) -> torch.Tensor:
-    """[rows, V] bool: the top-k of each row of `dist`, every value >= the k-th
-    largest (ties at the cut kept); k <= 0 keeps the row whole. k is clamped to
-    `max_k` (a static bound on every row's k; None: the vocabulary)."""
-    vocab = dist.shape[1]
-    width = vocab if max_k is None else min(max_k, vocab)
-    top = torch.topk(dist, width, dim=1).values  # [rows, width], descending
-    kth = top.gather(1, (k_rows.clamp(min=1, max=width) - 1)[:, None])
-    return (k_rows <= 0)[:, None] | (dist >= kth)
 
 
 def restrict_to_top_k(dist: torch.Tensor, k_rows: torch.Tensor, max_k: int | None = None) -> torch.Tensor:
@@ -188,29 +144,6 @@ def draft_in_top_k(scores: torch.Tensor, row_drafts: torch.Tensor, k_rows: torch
     rows without a draft allow nothing. The strict-mode `draft_allowed`."""
     in_top = top_k_mask(scores, k_rows, max_k).gather(1, row_drafts.clamp(min=0)[:, None]).squeeze(1)
     return (row_drafts >= 0) & in_top
-
-
-def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """One token per row from nonnegative `weights` [rows, V] f64 at u [rows] in (0, 1).
-
-    A token of weight 0 is never picked: searchsorted(right) stops at the first
-    cumulative sum strictly above u * total, and rounding past the end falls
-    back to the last token of positive weight. An all-zero row gives token 0.
-    """
-    cum = weights.cumsum(-1)
-    pick = torch.searchsorted(cum, (u * cum[:, -1])[:, None], right=True)
-    ids = torch.arange(weights.shape[1], device=weights.device)
-    last_positive = torch.where(weights > 0, ids, -1).amax(-1, keepdim=True).clamp(min=0)
-    return torch.minimum(pick, last_positive).squeeze(1)
-
-
-def _gumbel_race(dist: torch.Tensor, seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """A draw from `dist` [rows, V] by argmax of log p + G(token id), stream TARGET."""
-    vocab = dist.shape[1]
-    ids = torch.arange(vocab, device=dist.device)
-    race = torch.log(dist) + gumbel(seed[:, None], position[:, None], TARGET, ids)  # log 0 = -inf: never wins
-    best = race.amax(-1, keepdim=True)
-    return torch.where(race == best, ids, vocab).amin(-1).clamp(max=vocab - 1)
 
 
 def verify_rejection(
@@ -283,15 +216,20 @@ def verify_rejection(
     # p == q leaves no residual mass (see the module docstring): draw from p.
     degenerate = ~(residual.sum(-1, keepdim=True) > 0)
     residual = torch.where(degenerate, p, residual)
-    residual_token = _inverse_cdf(residual, uniform(seed_rows, position, RESIDUAL, counter0))
+    residual_token = inverse_cdf(residual, uniform(seed_rows, position, RESIDUAL, counter0))
 
+    if row_tokens is None or top_k_space is not None:
+        vocab = p.shape[1]
+        # log 0 = -inf never wins; a NaN row's winner V is clamped into the vocabulary.
+        raced = gumbel_race(torch.log(p), torch.arange(vocab, device=p.device), None, seed_rows, position, vocab)
+        raced = raced.clamp(max=vocab - 1)
     if row_tokens is None:
-        bonus = _gumbel_race(p, seed_rows, position)
+        bonus = raced
     elif top_k_space is None:
         bonus = row_tokens
     else:
         own_in_support = p.gather(1, row_tokens.clamp(min=0)[:, None]).squeeze(1) > 0
-        bonus = torch.where(own_in_support, row_tokens, _gumbel_race(p, seed_rows, position))
+        bonus = torch.where(own_in_support, row_tokens, raced)
 
     num_accepted = _first_rejection(accepted, row_to_req, local_step, num_reqs, out)
     token = torch.where(accepted, row_drafts, torch.where(has_draft, residual_token, bonus))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.ops import gather
-from engine.sampling.sampler import RowError, fail_rows
+from engine.sampling.errors import RowError, fail_rows
 from engine.sampling.verify import accept_strict, draft_in_top_k, target_probs, verify_rejection
 from engine.step.config import EngineConfig
 from graphs.static_buffers import StepBuffers

@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.sampling.sampler import raw_log_normaliser, sample_exact
+from engine.sampling.exact import sample_exact
+from engine.sampling.logprobs import token_logprobs
 from engine.step.body import verify_drafts
 from engine.step.config import EngineConfig, EngineStats
 from engine.step.staging import StepArrays
@@ -54,11 +55,9 @@ def collect(buffers: StepBuffers, config: EngineConfig, bucket: int, arrays: Ste
 def _rescore(logits: torch.Tensor, tokens: np.ndarray, result: dict, rows: np.ndarray) -> None:
     """Raw logprob and rank of `tokens` at `rows` (rejection mode's residual draws)."""
     raw = logits.to(torch.float32)
-    token_t = torch.as_tensor(tokens, device=raw.device)[:, None]
-    value = raw.gather(1, token_t)  # [rows, 1]
-    lse = raw_log_normaliser(raw, raw.amax(-1))  # the sampler's own normaliser
-    result["logprob"][rows] = (value.squeeze(1).to(torch.float64) - lse).cpu().numpy()
-    result["rank"][rows] = ((raw > value).sum(-1) + 1).cpu().numpy()
+    logprob, rank = token_logprobs(raw, torch.as_tensor(tokens, device=raw.device))
+    result["logprob"][rows] = logprob.cpu().numpy()
+    result["rank"][rows] = rank.cpu().numpy()
 
 
 def _host_results(out: SampleOutput, *, want_top: bool) -> dict[str, np.ndarray]:

@@ -13,7 +13,7 @@ from typing import Hashable, NamedTuple
 import numpy as np
 
 from engine.host.ledger import SamplerInputs
-from engine.sampling.sampler import RowError
+from engine.sampling.errors import RowError
 from engine.step.prompt_logprobs import PromptLogprob
 
 # StepOutput.errors causes of a failed sample row (`RowError` codes).

@@ -6,8 +6,11 @@ fixed chunks of rows so the peak logits tensor is [chunk_rows, vocab] however
 long the prompt. `PromptLogprobAccumulator` keeps each request's values across
 the chunks of a chunked prefill and hands them over once, with the last chunk.
 
-Definitions, per row (logits are the raw fp32 LM-head output):
-- logprob: log-softmax of the logits at the target token;
+Definitions, per row (logits are the raw fp32 LM-head output), those of the
+sampler's raw logprobs (`engine.sampling.logprobs`), so a prompt token scores
+exactly as a sampled one would from the same logits:
+- logprob: log-softmax of the logits at the target token, with the sampler's
+  fixed-block normaliser;
 - rank: 1 + the number of tokens with a strictly larger logit (ties share a
   rank), always counted over the whole vocabulary;
 - top-N: the N largest logits, best first, ties to the smaller token id (so the
@@ -25,6 +28,7 @@ changes no other row's values.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Hashable, NamedTuple
 
@@ -33,6 +37,9 @@ import torch
 
 from engine.host.ledger import SamplerInputs
 from engine.ops import BlockGemm, gather, get_logits
+from engine.sampling.filters import top_k_mask
+from engine.sampling.logprobs import token_logprobs, top_n_ids
+from engine.sampling.normaliser import raw_log_normaliser
 
 DEFAULT_CHUNK_ROWS = 8192
 
@@ -58,6 +65,51 @@ class PromptRowResults:
     top_logprobs: np.ndarray  # [rows, max_top] float32
     finite: np.ndarray  # [rows] bool: the row's logits were all finite (else its values mean nothing)
 
+    @classmethod
+    def allocate(cls, targets: np.ndarray, num_top: np.ndarray, vocab: int) -> PromptRowResults:
+        """Room for rows with these `targets` [n] and top-N counts `num_top` [n]
+        (clamped to `vocab`), to be filled chunk by chunk with `score`."""
+        n = len(targets)
+        num_top = np.minimum(num_top, vocab).astype(np.int32)
+        max_top = int(num_top.max()) if n else 0
+        return cls(
+            targets=np.asarray(targets, dtype=np.int32),
+            logprobs=np.empty(n, dtype=np.float32),
+            ranks=np.empty(n, dtype=np.int64),
+            num_top=num_top,
+            top_ids=np.zeros((n, max_top), dtype=np.int64),
+            top_logprobs=np.zeros((n, max_top), dtype=np.float32),
+            finite=np.empty(n, dtype=bool),
+        )
+
+    def score(self, start: int, logits: torch.Tensor, row_top_k: torch.Tensor | None = None) -> None:
+        """Fill rows [start, start + chunk) from their logits.
+
+        Parameters: `logits` [chunk, V] f32, the rows' raw logits (any
+        device); `row_top_k` [chunk] int64 per-row k of top-k-space mode
+        (0 = off), None: off for every row.
+        """
+        stop = start + logits.shape[0]
+        self.finite[start:stop] = torch.isfinite(logits).all(1).cpu().numpy()
+        target = torch.as_tensor(self.targets[start:stop], dtype=torch.int64).to(logits.device)
+        kept = None if row_top_k is None else top_k_mask(logits, row_top_k, max(1, int(row_top_k.max())))
+        log_norm = raw_log_normaliser(logits, logits.amax(-1), kept)  # [chunk] f64
+        # Rank and top-N come from the raw logits; both are unchanged by the
+        # top-k restriction (it only drops tokens ranked after the kept ones).
+        logprob, rank = token_logprobs(logits, target, log_normaliser=log_norm)
+        if kept is not None:
+            logprob = torch.where(kept.gather(1, target[:, None]).squeeze(1), logprob, -math.inf)
+        self.logprobs[start:stop] = logprob.cpu().numpy()
+        self.ranks[start:stop] = rank.cpu().numpy()
+        chunk_top = int(self.num_top[start:stop].max())
+        if chunk_top:
+            ids = top_n_ids(logits, chunk_top)  # [chunk, chunk_top]
+            top_logprobs = logits.gather(1, ids).to(torch.float64) - log_norm[:, None]
+            if kept is not None:
+                top_logprobs = torch.where(kept.gather(1, ids), top_logprobs, -math.inf)
+            self.top_ids[start:stop, :chunk_top] = ids.cpu().numpy()
+            self.top_logprobs[start:stop, :chunk_top] = top_logprobs.cpu().numpy()
+
     def entries(self, start: int, stop: int) -> list[PromptLogprob]:
         """Rows [start, stop) as per-token results."""
         entries = []
@@ -66,6 +118,15 @@ class PromptRowResults:
             top = tuple(zip(self.top_ids[r, :n].tolist(), self.top_logprobs[r, :n].tolist()))
             entries.append(PromptLogprob(int(self.targets[r]), float(self.logprobs[r]), int(self.ranks[r]), top))
         return entries
+
+
+def prompt_rows_of(inputs: SamplerInputs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The step's prompt-logprob rows: model-output rows [n], target tokens [n]
+    and each row's top-N [n] (its request's), empty when no chunk asks."""
+    rows, targets = inputs.selected_prompt_indices, inputs.prompt_token_targets
+    if rows is None:
+        rows = targets = np.zeros(0, dtype=np.int32)
+    return rows, targets, np.repeat(np.maximum(inputs.num_prompt_logprobs, 0), inputs.prompt_row_counts)
 
 
 def compute_prompt_logprobs(
@@ -88,10 +149,7 @@ def compute_prompt_logprobs(
     verified, `engine.step.invariance`); None: `get_logits`' unchecked default.
     """
     counts = inputs.prompt_row_counts
-    rows = inputs.selected_prompt_indices
-    targets = inputs.prompt_token_targets
-    if rows is None:
-        rows = targets = np.zeros(0, dtype=np.int32)
+    rows, targets, num_top = prompt_rows_of(inputs)
     vocab = lm_head_weight.shape[0]
     if len(targets) and targets.max() >= vocab:
         bad = int(np.flatnonzero(targets >= vocab)[0])
@@ -109,7 +167,6 @@ def compute_prompt_logprobs(
             req = int(np.argmin(top_k))
             raise ValueError(f"request {inputs.request_ids[req]!r}: top_k={int(top_k[req])}: must be >= 0 (0 = off)")
         row_top_k = np.repeat(top_k, counts)
-    num_top = np.repeat(np.maximum(inputs.num_prompt_logprobs, 0), counts)
     return prompt_row_logprobs(
         hidden_states,
         lm_head_weight,
@@ -141,65 +198,14 @@ def prompt_row_logprobs(
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows={chunk_rows}: must be >= 1")
     device = lm_head_weight.device
-    vocab = lm_head_weight.shape[0]
-    n = len(rows)
-    num_top = np.minimum(num_top, vocab).astype(np.int32)
-    max_top = int(num_top.max()) if n else 0
-    logprobs = np.empty(n, dtype=np.float32)
-    ranks = np.empty(n, dtype=np.int64)
-    top_ids = np.zeros((n, max_top), dtype=np.int64)
-    top_logprobs = np.zeros((n, max_top), dtype=np.float32)
-    finite = np.empty(n, dtype=bool)
-    for start in range(0, n, chunk_rows):
-        stop = min(start + chunk_rows, n)
+    results = PromptRowResults.allocate(targets, num_top, lm_head_weight.shape[0])
+    for start in range(0, len(rows), chunk_rows):
+        stop = min(start + chunk_rows, len(rows))
         hidden = gather(hidden_states, torch.as_tensor(rows[start:stop], dtype=torch.int64).to(device))
         logits = get_logits(hidden, lm_head_weight, batch_invariant=batch_invariant, kernel=kernel)  # [chunk, vocab] fp32
-        finite[start:stop] = torch.isfinite(logits).all(1).cpu().numpy()
-        target = torch.as_tensor(targets[start:stop], dtype=torch.int64).to(device).unsqueeze(1)  # [chunk, 1]
-        # Rank and top-N come from the raw logits; both are unchanged by the
-        # top-k restriction below (it only drops tokens ranked after the kept ones).
-        ranks[start:stop] = (1 + (logits > logits.gather(1, target)).sum(1)).cpu().numpy()
-        chunk_top = int(num_top[start:stop].max())
-        chunk_top_ids = _top_n_ids(logits, chunk_top) if chunk_top else None  # [chunk, chunk_top]
-        if row_top_k is not None:
-            cut = _kth_largest(logits, torch.as_tensor(row_top_k[start:stop], dtype=torch.int64).to(device))
-            logits.masked_fill_(logits < cut.unsqueeze(1), float("-inf"))
-        log_norm = torch.logsumexp(logits, dim=1, keepdim=True)  # [chunk, 1]
-        logprobs[start:stop] = (logits.gather(1, target) - log_norm).squeeze(1).cpu().numpy()
-        if chunk_top_ids is not None:
-            top_ids[start:stop, :chunk_top] = chunk_top_ids.cpu().numpy()
-            top_logprobs[start:stop, :chunk_top] = (logits.gather(1, chunk_top_ids) - log_norm).cpu().numpy()
-    return PromptRowResults(np.asarray(targets, dtype=np.int32), logprobs, ranks, num_top, top_ids, top_logprobs, finite)
-
-
-def _kth_largest(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """[rows] the k-th largest logit per row; -inf where k = 0 (no restriction)."""
-    vocab = logits.shape[1]
-    k_max = min(int(k.max()), vocab)
-    if k_max == 0:
-        return torch.full((logits.shape[0],), float("-inf"), device=logits.device)
-    largest = torch.topk(logits, k_max, dim=1).values  # [rows, k_max], descending
-    kth = largest.gather(1, (k.clamp(1, k_max) - 1).unsqueeze(1)).squeeze(1)
-    return torch.where(k > 0, kth, float("-inf"))
-
-
-def _top_n_ids(logits: torch.Tensor, n: int) -> torch.Tensor:
-    """[rows, n] ids of the n largest logits per row, best first, ties to the smaller id."""
-    values, ids = torch.topk(logits, n, dim=1)  # tie order among equal values is unspecified
-    cut = values[:, -1:]  # [rows, 1] the n-th largest value
-    # Where a token equal to the cut was left out, topk chose among the tied
-    # tokens arbitrarily: re-pick those rows, taking tied tokens by id.
-    redo = torch.nonzero((logits == cut).sum(1) > (values == cut).sum(1)).squeeze(1)
-    if len(redo):
-        sub = logits[redo]  # [redo, vocab]
-        above = sub > cut[redo]
-        at_cut = sub == cut[redo]
-        need = n - above.sum(1, keepdim=True)
-        keep = above | (at_cut & (at_cut.cumsum(1) <= need))  # exactly n per row
-        ids[redo] = keep.nonzero()[:, 1].view(-1, n)  # row-major, so ids ascend within a row
-    ids = ids.sort(dim=1).values
-    order = torch.sort(logits.gather(1, ids), dim=1, descending=True, stable=True).indices
-    return ids.gather(1, order)
+        k = None if row_top_k is None else torch.as_tensor(row_top_k[start:stop], dtype=torch.int64).to(device)
+        results.score(start, logits, k)
+    return results
 
 
 def _prompt_chunks(inputs: SamplerInputs) -> np.ndarray:

@@ -45,7 +45,8 @@ import numpy as np
 import torch
 
 from engine.host.params import SamplingParams, SeqMeta
-from engine.sampling.sampler import SamplerConfig, sample, sample_exact
+from engine.sampling.exact import sample_exact
+from engine.sampling.sampler import SamplerConfig, sample
 from graphs.step_fields import RowParams, SampleOutput
 from engine.step.step_engine import EngineConfig, StepEngine
 from profiling.bench._timing import print_table
@@ -178,8 +179,8 @@ def our_sampler_config(case: str) -> SamplerConfig:
     serve steps where every request is greedy."""
     engine = EngineConfig()
     if case == "greedy":
-        return dataclasses.replace(engine.sampling.sampler, candidate_cap=engine.small_candidate_cap)
-    return engine.sampling.sampler
+        return dataclasses.replace(engine.sampler, candidate_cap=engine.small_candidate_cap)
+    return engine.sampler
 
 
 def decode_seqs(case: str, batch: int) -> list[SeqMeta]:

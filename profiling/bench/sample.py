@@ -16,7 +16,8 @@ import argparse
 import numpy as np
 import torch
 
-from engine.sampling.sampler import SamplerConfig, kept_sets, sample, sample_exact
+from engine.sampling.exact import kept_sets, sample_exact
+from engine.sampling.sampler import SamplerConfig, sample
 from graphs.step_fields import RowParams, SampleOutput
 from profiling.bench._timing import median_us, print_table, ratio
 

@@ -1,0 +1,127 @@
+"""The draw (docs/contract.md §2): greedy, the Gumbel race, inverse CDF.
+
+- Greedy (T = 0): the largest raw logit among unsuppressed tokens, ties to the
+  smallest id. Filters do not change it (the maximum is always kept).
+- Filtered rows draw by a Gumbel race, argmax over kept tokens of
+  z + G(token id), ties to the smallest id, with G from `engine.sampling.rng`
+  keyed by (seed, position, TARGET, token id). The noise of a token does not
+  depend on which other tokens are candidates, so a race over the kept
+  candidates gives the same token as a race over the whole vocabulary.
+- Rows without any filter draw by inverse CDF with one uniform per row
+  (stream TARGET, counter `INVERSE_CDF_COUNTER`): pick the block whose float64
+  cumulative block mass first exceeds u * Z, then the token inside it.
+- A forced token, when set, replaces whatever the row drew.
+Verification draws from explicit float64 distributions with `inverse_cdf`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.sampling.normaliser import BLOCK
+from engine.sampling.rng import TARGET, gumbel, uniform
+from engine.sampling.rows import SamplingRows
+
+INVERSE_CDF_COUNTER = 0xFFFFFFFF  # counter of the plain draw's uniform; never a token id
+
+
+def _min_id_of_max(score: torch.Tensor, ids: torch.Tensor, fill: int) -> torch.Tensor:
+    """Per row, the smallest id among entries whose score equals the row maximum."""
+    best = score.amax(-1, keepdim=True)
+    return torch.where(score == best, ids, torch.full_like(ids, fill)).amin(-1)
+
+
+def _first_above(cum: torch.Tensor, weights: torch.Tensor, level: torch.Tensor) -> torch.Tensor:
+    """[rows, 1] the first column whose cumulative weight `cum` [rows, W] exceeds
+    `level` [rows, 1], never past the last column of positive weight: float32
+    and float64 sums round differently, and a token of weight 0 is never drawn."""
+    pick = torch.searchsorted(cum, level, right=True)
+    columns = torch.arange(weights.shape[1], device=weights.device)
+    last_positive = torch.where(weights > 0, columns, -1).amax(-1, keepdim=True).clamp(min=0)
+    return torch.minimum(pick, last_positive)
+
+
+def greedy_token(raw: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The largest valid raw logit's token, ties to the smallest id.
+
+    Parameters: `raw` [rows, M] f32 logits; `ids` [rows, M] or [M] int64,
+    their token ids; `valid` [rows, M] bool, False for suppressed stop ids;
+    `vocab` V, the answer where no token is valid. Returns: [rows] int64.
+    Capture-safe.
+    """
+    neg_inf = torch.full((), -math.inf, dtype=raw.dtype, device=raw.device)
+    return _min_id_of_max(torch.where(valid, raw, neg_inf), ids, vocab)
+
+
+def gumbel_race(
+    score: torch.Tensor,
+    ids: torch.Tensor,
+    kept: torch.Tensor | None,
+    seed: torch.Tensor,
+    position: torch.Tensor,
+    vocab: int,
+) -> torch.Tensor:
+    """The winner of score + G(token id), ties to the smallest id.
+
+    Parameters: `score` [rows, M] (processed logits z, or log p); `ids`
+    [rows, M] or [M] int64 token ids; `kept` [rows, M] bool or None (every
+    token races; a -inf score never wins); `seed` [rows] int64 (uint64 bits)
+    and `position` [rows] int64, the noise's keys; `vocab` V, the answer
+    where nothing races. Returns: [rows] int64. Capture-safe.
+    """
+    noise = gumbel(seed[:, None], position[:, None], TARGET, ids)  # [rows, M] f64
+    race = score.to(torch.float64) + noise
+    if kept is not None:
+        race = torch.where(kept, race, -math.inf)
+    return _min_id_of_max(race, ids, vocab)
+
+
+def plain_uniform(rows: SamplingRows) -> torch.Tensor:
+    """[rows] f64: the one uniform of each row's inverse-CDF draw. Capture-safe."""
+    counter = torch.full((), INVERSE_CDF_COUNTER, device=rows.seed.device)
+    return uniform(rows.seed, rows.position, TARGET, counter)
+
+
+def inverse_cdf_draw(weights: torch.Tensor, block_mass: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row by inverse CDF over fixed blocks.
+
+    Parameters: `weights` [rows, V] f32, exp(z) with suppressed tokens 0;
+    `block_mass` [rows, blocks] f32 from `block_log_normaliser(weights)`; `u`
+    [rows] f64 in (0, 1). Returns: [rows] int64 token ids. Capture-safe.
+    """
+    rows, vocab = weights.shape
+    block_cum = block_mass.to(torch.float64).cumsum(-1)  # [rows, blocks]
+    target = (u * block_cum[:, -1])[:, None]
+    block = torch.searchsorted(block_cum, target, right=True).clamp_(max=block_cum.shape[1] - 1)  # [rows, 1]
+    before = torch.where(block > 0, block_cum.gather(1, (block - 1).clamp(min=0)), torch.zeros_like(target))
+    width = min(BLOCK, vocab)
+    ids = block * BLOCK + torch.arange(width, device=weights.device)  # [rows, width]
+    in_vocab = ids < vocab
+    ids = ids.clamp(max=vocab - 1)
+    inner = torch.where(in_vocab, weights.gather(1, ids), torch.zeros((), dtype=weights.dtype, device=weights.device))
+    pick = _first_above(inner.to(torch.float64).cumsum(-1), inner, target - before)
+    return ids.gather(1, pick).squeeze(1)
+
+
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row from an explicit distribution by inverse CDF.
+
+    Parameters: `weights` [rows, V] f64, nonnegative (need not sum to 1);
+    `u` [rows] f64 in (0, 1). Returns: [rows] int64: the first token whose
+    cumulative weight exceeds u * total; a token of weight 0 is never
+    picked; an all-zero row gives token 0. Capture-safe.
+    """
+    cum = weights.cumsum(-1)
+    return _first_above(cum, weights, (u * cum[:, -1])[:, None]).squeeze(1)
+
+
+def drawn_token(
+    rows: SamplingRows, greedy: torch.Tensor, raced: torch.Tensor, plain: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Each row's token from its draws: greedy rows take `greedy`, plain rows
+    `plain` (None: no plain rows reach this caller), the others `raced`; a
+    forced token overrides all three. All [rows] int64. Capture-safe."""
+    token = raced if plain is None else torch.where(rows.plain, plain, raced)
+    token = torch.where(rows.greedy, greedy, token)
+    return torch.where(rows.forced >= 0, rows.forced, token)

@@ -1,0 +1,60 @@
+"""Failed rows (docs/contract.md §2): the error codes and the placeholder outputs.
+
+A row whose logits hold NaN or +-inf, or whose controls leave no token (every
+token a suppressed stop id), gets an error code in `SampleOutput.error`,
+decided inside the captured step from the row itself. Its outputs are the
+placeholder: token `PLACEHOLDER_TOKEN` (in the vocabulary, so nothing
+downstream indexes out of range), logprob 0, rank 0, top ids -1, top
+logprobs 0, never flagged for the exact path. The caller must not emit it.
+Every sampling computation is per row, so a failed row changes no other
+row's bits.
+"""
+from __future__ import annotations
+
+from enum import IntEnum
+
+import torch
+
+from graphs.step_fields import SampleOutput
+
+
+class RowError(IntEnum):
+    """`SampleOutput.error` codes (int64 on the device)."""
+
+    OK = 0
+    LOGITS_NOT_FINITE = 1  # a NaN or +-inf logit in the row
+    NOTHING_LEFT = 2  # the controls leave no token (EOS / stop suppression covers the vocabulary)
+    HIDDEN_NOT_FINITE = 3  # set by the caller that owns the hidden states (`fail_rows`)
+
+
+PLACEHOLDER_TOKEN = 0  # the token of a failed row: in the vocabulary, never emitted
+
+
+def row_errors(raw: torch.Tensor, nothing_left: torch.Tensor) -> torch.Tensor:
+    """Each row's `RowError`: not finite first, then nothing left.
+
+    Parameters: `raw` [rows, V] f32 logits; `nothing_left` [rows] bool, rows
+    whose controls leave no token. Returns: [rows] int64 codes. Capture-safe.
+    """
+    finite = torch.isfinite(raw).all(-1)
+    ok = torch.full_like(nothing_left, int(RowError.OK), dtype=torch.int64)
+    left = torch.where(nothing_left, int(RowError.NOTHING_LEFT), ok)
+    return torch.where(finite, left, int(RowError.LOGITS_NOT_FINITE))
+
+
+def write_placeholders(out: SampleOutput, failed: torch.Tensor) -> None:
+    """The placeholder outputs on `failed` rows [rows] bool of `out`; capture-safe."""
+    out.tokens.masked_fill_(failed, PLACEHOLDER_TOKEN)
+    out.logprob.masked_fill_(failed, 0.0)
+    out.rank.masked_fill_(failed, 0)
+    out.top_ids.masked_fill_(failed[:, None], -1)
+    out.top_logprobs.masked_fill_(failed[:, None], 0.0)
+    out.needs_exact.masked_fill_(failed, False)
+
+
+def fail_rows(out: SampleOutput, failed: torch.Tensor, code: RowError) -> None:
+    """Mark `failed` rows [rows] bool with `code` (overriding the sampler's
+    own code) and write the placeholder outputs; capture-safe. For failures
+    the sampler cannot see, such as a non-finite hidden state."""
+    out.error.masked_fill_(failed, int(code))
+    write_placeholders(out, failed)
