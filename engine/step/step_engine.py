@@ -39,7 +39,8 @@ from typing import Hashable, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from engine.host.ledger import SamplerInputs, prepare_sampler_inputs
+from engine.host.ledger import SamplerInputs
+from engine.host.persistent_batch import SeqMetaFront
 from engine.step.invariance import choose_block_gemm, lm_head_candidates, warn_not_invariant
 from engine.ops import gather, get_logits
 from engine.host.params import SamplingParams, SeqMeta
@@ -84,7 +85,9 @@ class EngineConfig:
     max_num_reqs: int = 64
     max_draft_tokens: int = 0
     verify_mode: str = "strict"  # "strict": accept drafts equal to the draws; "rejection": Leviathan et al.
-    draft_pool_slots: int | None = None  # draft-info pool slots incl. padding slot 0; None: max_num_reqs + 1
+    # Draft-info pool slots incl. padding slot 0; None: max_num_reqs + 1. 1: no pool, drafts
+    # come only from the caller (`draft_tokens`), every write slot is 0 and nothing is written.
+    draft_pool_slots: int | None = None
     top_k_space_verify: bool = False  # verify in each request's top-k space (requests need top_k > 0)
     buckets: tuple[int, ...] | None = None  # None: the default rule of graphs/buckets.py
     device: str = "auto"  # "auto": cuda when available, else cpu
@@ -125,7 +128,7 @@ class EngineConfig:
         if self.verify_mode not in VERIFY_MODES:
             raise ValueError(f"EngineConfig.verify_mode={self.verify_mode!r}: must be one of {VERIFY_MODES}")
         if self.draft_pool_slots is not None:
-            positive("draft_pool_slots", 2)
+            positive("draft_pool_slots", 1)
         if self.device != "auto":
             try:
                 torch.device(self.device)
@@ -158,6 +161,11 @@ class EngineConfig:
         if self.max_draft_tokens == 0:
             return 1
         return self.draft_pool_slots if self.draft_pool_slots is not None else self.max_num_reqs + 1
+
+    @property
+    def draft_pool(self) -> bool:
+        """Whether drafts may come from the draft-info pool (slot 0 padding plus real slots)."""
+        return self.pool_slots > 1
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -291,6 +299,8 @@ class StepEngine:
         self.stats_attributes: tuple[str, ...] = ("stats",)
         self.all_replayers: list[GraphReplayer] = [r for r in (self.replayer, self.small_replayer) if r is not None]
         self._last_draft_layout: _DraftLayout | None = None
+        # step(hidden, seqs): SeqMeta lists over a persistent table keyed by request id.
+        self.seq_front = SeqMetaFront(self, capacity=2 * config.max_num_reqs)
         self.stats.logits_kernel = "plain" if self.logits_kernel is None else self.logits_kernel.name
 
     # -- undoing a step ---------------------------------------------------------
@@ -395,6 +405,8 @@ class StepEngine:
         from_pool = b.pool_tokens[f.mtp_info_read_rows[:rows]]
         torch.where(staged == READ_FROM_POOL, from_pool, staged, out=b.resolved_drafts[:rows])
         self._verify(bucket)
+        if not self.config.draft_pool:
+            return  # no pool: every write slot is 0, there is nothing to write
         # Slot 0 is padding and never written: writes aimed at it land in the extra slot.
         slots = f.mtp_info_write_slots[:bucket]
         slots = torch.where(slots > 0, slots, torch.full_like(slots, self.config.pool_slots))
@@ -483,15 +495,10 @@ class StepEngine:
         `mtp_write_slot` inside the graph."""
         start = time.perf_counter()
         with stage("ledger"):
-            inputs = prepare_sampler_inputs(
-                seqs,
-                max_draft_tokens=self.config.max_draft_tokens,
-                compaction_keep_tokens=self.config.compaction_keep_tokens,
-                seed_base=self.config.seed_base,
-            )
+            inputs, stop_ids = self.seq_front.ledger(seqs)
             arrays = self.step_arrays(
                 inputs,
-                self.stop_id_matrix(seqs),
+                stop_ids,
                 draft_tokens=draft_tokens,
                 draft_logprobs=draft_logprobs,
                 next_drafts=next_drafts,
@@ -528,13 +535,14 @@ class StepEngine:
         arrays.mtp_info_read_rows = inputs.mtp_info_read_rows
         arrays.mtp_info_write_slots = inputs.mtp_info_write_slots
         limit = self.config.pool_slots
+        pool = (f"the draft-info pool has slots 0..{limit - 1} (EngineConfig.draft_pool_slots)" if limit > 1 else
+                "EngineConfig(draft_pool_slots=1) has no draft-info pool: drafts come only from draft_tokens")
         for name, slots, bound in (("mtp_read_slot", arrays.mtp_info_read_rows, limit * k),
                                    ("mtp_write_slot", arrays.mtp_info_write_slots, limit)):
             if len(slots) and slots.max() >= bound:
                 j = int(np.argmax(slots))
                 req = int(inputs.row_to_req[j]) if name == "mtp_read_slot" else j
-                raise ValueError(f"request {inputs.request_ids[req]!r}: {name}={int(slots[j]) * limit // bound}: the "
-                                 f"draft-info pool has slots 0..{limit - 1} (EngineConfig.draft_pool_slots)")
+                raise ValueError(f"request {inputs.request_ids[req]!r}: {name}={int(slots[j]) * limit // bound}: {pool}")
         if isinstance(draft_tokens, np.ndarray):
             # The hot path: [n, >= k] array, row i's first drafts_per_req[i] entries used.
             rows_with = layout.draft_rows
