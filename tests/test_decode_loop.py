@@ -664,3 +664,69 @@ def test_a_nan_hidden_row_fails_only_its_request():
     holds_nothing(loop)
     assert [completions(done)[i][1:] for i in (0, 2, 3)] == [reference[i] for i in (0, 2, 3)]
     assert done[1].tokens == reference[1][0][: len(done[1].tokens)]
+
+
+# -- the engine config the loop runs (issue 13) -------------------------------------------
+
+
+def test_engine_fields_left_at_their_default_are_filled_in_from_the_loop_and_the_model():
+    model = tiny_model()
+    loop = DecodeLoop(model, LoopConfig(max_num_reqs=4, token_budget=40, max_draft_tokens=2),
+                      engine_config=EngineConfig(device="cpu", use_graphs=False, seed_base=5), capture=False)
+    config = loop.engine.config
+    assert (config.max_num_reqs, config.max_draft_tokens, config.max_source_rows) == (4, 2, 40)
+    assert config.eos_token_id == model.eos_token_id and config.draft_pool_slots == 1 and config.buckets is None
+    assert (config.device, config.use_graphs, config.seed_base) == ("cpu", False, 5)  # the caller's own
+
+
+def test_engine_fields_the_loop_can_honour_are_kept():
+    model = tiny_model()
+    given = EngineConfig(device="cpu", max_num_reqs=8, max_draft_tokens=3, max_source_rows=100, buckets=(2, 8),
+                         eos_token_id=model.eos_token_id, draft_pool_slots=1)
+    loop = DecodeLoop(model, LoopConfig(max_num_reqs=4, token_budget=40, max_draft_tokens=2), engine_config=given,
+                      capture=False)
+    assert loop.engine.config == given
+    prompts, params = prompts_and_params(3)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        loop.submit(i, prompt, p)
+    assert [c.tokens for _, c in sorted(loop.run().items())] == [c[0] for c in _run(prompts, params)[0]]
+
+
+@pytest.mark.parametrize("field, value, needs", [
+    ("max_num_reqs", 2, r">= LoopConfig.max_num_reqs=4"),
+    ("max_draft_tokens", 1, r">= LoopConfig.max_draft_tokens=2"),
+    ("max_source_rows", 39, r">= 40, the model-output rows of the loop's largest step"),
+    ("eos_token_id", 7, r"the model's eos_token_id=\d+"),
+    ("draft_pool_slots", 9, r"1 or None: the loop keeps no draft-info pool"),
+    ("compaction_keep_tokens", 4, r"None: the loop's model produces a row for every query token"),
+])
+def test_an_engine_field_the_loop_cannot_honour_is_refused_naming_it(field, value, needs):
+    with pytest.raises(ValueError, match=rf"EngineConfig.{field}={value}: DecodeLoop needs {needs}"):
+        DecodeLoop(tiny_model(), LoopConfig(max_num_reqs=4, token_budget=40, max_draft_tokens=2),
+                   engine_config=EngineConfig(device="cpu", **{field: value}), capture=False)
+
+
+def test_the_loop_allocates_no_draft_info_slot_and_writes_no_pool():
+    prompts, params = prompts_and_params(6)
+    loop = DecodeLoop(tiny_model(), LoopConfig(max_num_reqs=4, token_budget=32, max_draft_tokens=3),
+                      engine_config=EngineConfig(device="cpu"))
+    assert loop.engine.config.pool_slots == 1 and loop.batch.draft_slots is None
+    pool = loop.engine.buffers
+    pool.pool_tokens.fill_(11)  # sentinels: any write into the pool shows
+    pool.pool_logprobs.fill_(-2.0)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        loop.submit(i, prompt, p)
+    write_slots = []
+    prepare = loop.batch.prepare_rows
+
+    def prepare_and_watch(*args, **kwargs):
+        step = prepare(*args, **kwargs)
+        write_slots.extend(step.inputs.mtp_info_write_slots.tolist())
+        return step
+
+    loop.batch.prepare_rows = prepare_and_watch
+    done = loop.run()
+    assert loop.stats.drafts_proposed > 0 and len(write_slots) > len(prompts)
+    assert set(write_slots) == {0}
+    assert (pool.pool_tokens == 11).all() and (pool.pool_logprobs == -2.0).all()
+    assert [c.tokens for _, c in sorted(done.items())] == [c[0] for c in _run(prompts, params)[0]]

@@ -433,12 +433,13 @@ class PersistentBatch:
         params = SamplingParams() if params is None else params
         if prompt_tokens is None:
             raise ValueError(f"request {request_id!r}: prompt_tokens=None: the batch needs the prompt")
-        slot = self.draft_slots.allocate() if self.draft_slots is not None else 0
+        if self.draft_slots is None or len(self.table) == self.table.capacity:
+            return self.table.add(request_id, params, prompt_tokens)  # a full table raises before a slot is taken
+        slot = self.draft_slots.allocate()
         try:
             return self.table.add(request_id, params, prompt_tokens, mtp_write_slot=slot)
         except BaseException:
-            if slot:
-                self.draft_slots.release(slot)
+            self.draft_slots.release(slot)
             raise
 
     def update(self, request_id: Hashable, params: SamplingParams) -> None:
