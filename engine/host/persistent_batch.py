@@ -17,6 +17,7 @@ Python objects.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import TYPE_CHECKING, Callable, Hashable, Sequence
@@ -122,6 +123,7 @@ class RequestTable:
         self.row_of: dict[Hashable, int] = {}
         self._free = list(range(capacity - 1, -1, -1))
         self._steady: _SteadyDecode | None = None  # see _steady_ledger
+        self._stop_ids_of: tuple[bytes, np.ndarray] | None = None  # the last stop_ids_of, while no stop ids change
 
     def __len__(self) -> int:
         return len(self.row_of)
@@ -173,6 +175,7 @@ class RequestTable:
         self.prompt_tokens[row] = None
         self.params[row] = None
         self.stop_ids[row] = -1
+        self._stop_ids_of = None
         self.request_ids[row] = None
         self.occupied[row] = False
         self._free.append(row)
@@ -208,6 +211,14 @@ class RequestTable:
         self.params[row] = seq.params
         if stop_ids is not None:
             self.stop_ids[row] = stop_ids
+            self._stop_ids_of = None
+
+    def stop_ids_of(self, rows: np.ndarray) -> np.ndarray:
+        """[n, max_stop_ids] int64 stop ids of table rows; a steady batch gets last step's array again."""
+        key = rows.tobytes()
+        if self._stop_ids_of is None or self._stop_ids_of[0] != key:
+            self._stop_ids_of = (key, self.stop_ids[rows])
+        return self._stop_ids_of[1]
 
     def record_emitted(self, rows: np.ndarray, counts: np.ndarray) -> None:
         """Advance num_generated after a step emitted `counts` tokens per row."""
@@ -218,18 +229,26 @@ class RequestTable:
         self.cols.num_generated[rows] = counts
 
     def set_step_columns(
-        self, rows: np.ndarray, *, prompt_len: np.ndarray, num_generated: np.ndarray, mtp_write_slot: np.ndarray
+        self,
+        rows: np.ndarray,
+        *,
+        num_generated: np.ndarray,
+        mtp_write_slot: np.ndarray | None = None,
+        prompt_len: np.ndarray | None = None,
     ) -> None:
-        """Overwrite the columns a `SeqMeta` carries per step (the SeqMeta front).
-        A changed write slot drops the steady-decode layout, which carries the
-        write slots over; prompt_len only enters prefill rows, and a step with
-        a prefill never reuses that layout."""
+        """Overwrite the columns a `SeqMeta` carries per step (the SeqMeta front);
+        None leaves a column as it is. A changed write slot drops the
+        steady-decode layout, which carries the write slots over. prompt_len
+        only enters prefill rows (is the chunk the last one?), so a decode-only
+        step need not bring it."""
         cols = self.cols
-        if self._steady is not None and not np.array_equal(cols.mtp_write_slot[rows], mtp_write_slot):
-            self._steady = None
-        cols.prompt_len[rows] = prompt_len
         cols.num_generated[rows] = num_generated
-        cols.mtp_write_slot[rows] = mtp_write_slot
+        if mtp_write_slot is not None:
+            if self._steady is not None and (cols.mtp_write_slot[rows] != mtp_write_slot).any():
+                self._steady = None
+            cols.mtp_write_slot[rows] = mtp_write_slot
+        if prompt_len is not None:
+            cols.prompt_len[rows] = prompt_len
 
     def ledger(
         self,
@@ -257,7 +276,7 @@ class RequestTable:
             # Byte comparisons: a few hundred ns where np.array_equal costs µs.
             and rows.tobytes() == steady.rows
             and np.asarray(seqlen_q, dtype=np.int32).tobytes() == steady.seqlen_q
-            and not np.any(is_prompt)
+            and not np.asarray(is_prompt).any()
         ):
             return self._steady_ledger(steady, rows, seqlen_q, seqlen_k, mtp_read_slot)
         self.check_rows(rows)
@@ -288,7 +307,9 @@ class RequestTable:
         )
         if compaction_keep_tokens is None and not inputs.is_prompt.any():
             min_tokens = cols.min_tokens.copy() if cols.min_tokens.any() else None
-            self._steady = _SteadyDecode(rows.tobytes(), schedule.seqlen_q.tobytes(), max_draft_tokens, min_tokens, inputs)
+            last_rows = inputs.sample_offsets + inputs.sample_counts - 1
+            self._steady = _SteadyDecode(rows.tobytes(), schedule.seqlen_q.tobytes(), max_draft_tokens, min_tokens,
+                                         last_rows, inputs)
         return inputs
 
     def check_rows(self, rows: np.ndarray) -> None:
@@ -337,8 +358,7 @@ class RequestTable:
         k = steady.max_draft_tokens
         if k:
             read = np.zeros(len(rows), np.int32) if mtp_read_slot is None else mtp_read_slot
-            last_rows = prev.sample_offsets + prev.sample_counts - 1
-            inputs.mtp_info_read_rows = draft_read_rows(read, k, prev.row_to_req, prev.local_step, last_rows)
+            inputs.mtp_info_read_rows = draft_read_rows(read, k, prev.row_to_req, prev.local_step, steady.last_rows)
         return inputs
 
 
@@ -350,6 +370,7 @@ class _SteadyDecode:
     seqlen_q: bytes  # int32 bytes
     max_draft_tokens: int
     min_tokens: np.ndarray | None  # per request, None when all are 0
+    last_rows: np.ndarray  # [n] each request's last sample row (it verifies no draft)
     inputs: SamplerInputs
 
 
@@ -493,7 +514,7 @@ class PersistentBatch:
         if self.draft_slots is not None:
             read = self.draft_slots.read_slots(table.cols.mtp_write_slot[rows], ~is_prompt)
         inputs = table.ledger(rows, is_prompt, q, k, read, **self.ledger_options)
-        arrays = self.engine.step_arrays(inputs, table.stop_ids[rows], draft_tokens=draft_tokens,
+        arrays = self.engine.step_arrays(inputs, table.stop_ids_of(rows), draft_tokens=draft_tokens,
                                          draft_logprobs=draft_logprobs, next_drafts=next_drafts,
                                          next_draft_logprobs=next_draft_logprobs)
         return BatchStep(rows, inputs, arrays, read)
@@ -541,9 +562,13 @@ def _counts(name: str, values: Sequence[int] | np.ndarray, n: int) -> np.ndarray
     return array.astype(np.int32, copy=False)
 
 
-# The per-step fields of a SeqMeta, read in one pass.
-_SEQ_STEP = attrgetter("request_id", "params", "is_prompt", "seqlen_q", "seqlen_k", "prompt_len", "num_generated",
-                       "mtp_read_slot", "mtp_write_slot")
+_REQUEST_ID, _PARAMS, _PROMPT_LEN = attrgetter("request_id"), attrgetter("params"), attrgetter("prompt_len")
+# SeqMeta fields that change per step, one `attrgetter` each: a column straight from a map
+# costs less than tuples of all of them, transposed. prompt_len is read only when a prefill
+# needs it; the slots only when the engine verifies drafts.
+_STEP_COUNTS = tuple(attrgetter(name) for name in ("seqlen_q", "seqlen_k", "num_generated"))
+_IS_PROMPT = attrgetter("is_prompt")
+_SLOTS = (attrgetter("mtp_read_slot"), attrgetter("mtp_write_slot"))
 
 
 class SeqMetaFront:
@@ -552,10 +577,10 @@ class SeqMetaFront:
     A request gets a row the first time a step names it; its parameter
     columns and stop ids are rewritten only when its `SamplingParams` object
     changes (identity, not equality: `prompt_logprobs=True` equals `1`
-    but asks for fewer alternatives). Each step reads the `SeqMeta` fields
-    that change per step in one pass, so a steady batch costs a few
-    vectorised operations. When a new request finds no free row, the requests
-    absent from the step longest give theirs up. Results are identical to
+    but asks for fewer alternatives). Each step reads only the `SeqMeta`
+    fields that change per step, so a steady batch costs a few vectorised
+    operations. When a new request finds no free row, the requests absent
+    from the step longest give theirs up. Results are identical to
     `prepare_sampler_inputs(seqs)` (which stays the pure reference).
     """
 
@@ -569,6 +594,7 @@ class SeqMetaFront:
         self.last_seen = np.zeros(capacity, np.int64)  # the step that last named each row
         self.clock = 0
         self._last_ids: tuple = ()
+        self._last_params: tuple = ()
         self._last_rows = np.zeros(0, np.int64)
 
     def ledger(self, seqs: Sequence[SeqMeta]) -> tuple[SamplerInputs, np.ndarray]:
@@ -581,26 +607,37 @@ class SeqMetaFront:
                     self.table.stop_ids[:0])
         if n > self.table.capacity:
             self._reset(2 * n)
-        ids, params, is_prompt, seqlen_q, seqlen_k, prompt_len, generated, read_slot, write_slot = zip(
-            *map(_SEQ_STEP, seqs))
+        ids, params = tuple(map(_REQUEST_ID, seqs)), tuple(map(_PARAMS, seqs))
         self.clock += 1
-        rows = self._last_rows if ids == self._last_ids else self._rows(ids, params, prompt_len, write_slot)
+        if ids == self._last_ids:
+            rows = self._last_rows
+            if not all(map(operator.is_, params, self._last_params)):
+                self._sync_params(ids, params, rows)
+        else:
+            rows = self._rows(ids, params, seqs)
+            self._sync_params(ids, params, rows)
         self.last_seen[rows] = self.clock
-        pid = np.fromiter(map(id, params), np.int64, n)
+        table = self.table
+        seqlen_q, seqlen_k, generated = (np.fromiter(map(get, seqs), np.int32, n) for get in _STEP_COUNTS)
+        is_prompt = np.fromiter(map(_IS_PROMPT, seqs), bool, n)
+        read_slot = write_slot = None
+        if self.ledger_options["max_draft_tokens"]:
+            read_slot, write_slot = (np.fromiter(map(get, seqs), np.int32, n) for get in _SLOTS)
+        prompt_len = np.fromiter(map(_PROMPT_LEN, seqs), np.int32, n) if is_prompt.any() else None
+        table.set_step_columns(rows, num_generated=generated, mtp_write_slot=write_slot, prompt_len=prompt_len)
+        inputs = table.ledger(rows, is_prompt, seqlen_q, seqlen_k, read_slot,
+                              prompt_tokens=_Lazy(attrgetter("prompt_tokens"), seqs), **self.ledger_options)
+        self._last_ids, self._last_params, self._last_rows = ids, params, rows
+        return inputs, table.stop_ids_of(rows)
+
+    def _sync_params(self, ids: tuple, params: tuple, rows: np.ndarray) -> None:
+        """Rewrite the rows whose SamplingParams object is not the one they were written from."""
+        pid = np.fromiter(map(id, params), np.int64, len(params))
         for i in np.flatnonzero(self.params_id[rows] != pid):
             self.table.update(ids[i], params[i])
             self.params_id[rows[i]] = pid[i]
-        table = self.table
-        table.set_step_columns(rows, prompt_len=np.fromiter(prompt_len, np.int32, n),
-                               num_generated=np.fromiter(generated, np.int32, n),
-                               mtp_write_slot=np.fromiter(write_slot, np.int32, n))
-        inputs = table.ledger(rows, np.fromiter(is_prompt, bool, n), np.fromiter(seqlen_q, np.int32, n),
-                              np.fromiter(seqlen_k, np.int32, n), np.fromiter(read_slot, np.int32, n),
-                              prompt_tokens=_Lazy(attrgetter("prompt_tokens"), seqs), **self.ledger_options)
-        self._last_ids, self._last_rows = ids, rows
-        return inputs, table.stop_ids[rows]
 
-    def _rows(self, ids: tuple, params: tuple, prompt_len: tuple, write_slot: tuple) -> np.ndarray:
+    def _rows(self, ids: tuple, params: tuple, seqs: Sequence[SeqMeta]) -> np.ndarray:
         """[n] int64 rows of the step's requests, adding those the table lacks."""
         row_of = self.table.row_of
         found = list(map(row_of.get, ids))
@@ -611,7 +648,8 @@ class SeqMetaFront:
         for i in missing:
             row = row_of.get(ids[i])  # a request named twice in the step was added by its first entry
             if row is None:
-                row = self.table.add(ids[i], params[i], prompt_len=prompt_len[i], mtp_write_slot=write_slot[i])
+                row = self.table.add(ids[i], params[i], prompt_len=seqs[i].prompt_len,
+                                     mtp_write_slot=seqs[i].mtp_write_slot)
                 self.params_id[row] = id(params[i])
             found[i] = row
         return np.array(found, np.int64)
