@@ -12,22 +12,28 @@ from typing import Any
 from engine.host.ledger import SamplerInputs, prepare_sampler_inputs
 from engine.host.params import SamplingParams, SeqMeta
 
-# name -> the module that defines it
-_DEVICE_SIDE = {"StepEngine": "engine.step.step_engine", "EngineConfig": "engine.step.config",
-                "StepOutput": "engine.step.outputs"}
-_DECODE_LOOP = {"DecodeLoop", "LoopConfig", "Completion", "generate"}
+# name -> the module that defines it; loaded on first use
+_LAZY = {
+    "StepEngine": "engine.step.step_engine",
+    "EngineConfig": "engine.step.config",
+    "StepOutput": "engine.step.outputs",
+    "PersistentBatch": "engine.host.persistent_batch",
+    "BatchStep": "engine.host.persistent_batch",
+    "DecodeLoop": "engine.loop.decode_loop",
+    "LoopConfig": "engine.loop.config",
+    "Completion": "engine.loop.requests",
+    "generate": "engine.loop.decode_loop",
+    "load_smollm2": "engine.models.gguf_loader",
+    "LlamaModel": "engine.models.llama",
+    "HFCausalLM": "engine.models.hf_adapter",
+}
 
-__all__ = ["SamplingParams", "SeqMeta", "prepare_sampler_inputs", "SamplerInputs", *sorted(_DEVICE_SIDE),
-           *sorted(_DECODE_LOOP)]
+__all__ = ["SamplingParams", "SeqMeta", "prepare_sampler_inputs", "SamplerInputs", *sorted(_LAZY)]
 
 
 def __getattr__(name: str) -> Any:
     # The device side imports torch; the host ledger (and `python -m engine
     # explain`) should not pay for that, so it loads on first use.
-    if name in _DEVICE_SIDE:
-        return getattr(importlib.import_module(_DEVICE_SIDE[name]), name)
-    if name in _DECODE_LOOP:
-        from engine.loop import decode_loop
-
-        return getattr(decode_loop, name)
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

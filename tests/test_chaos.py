@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 
 from engine import EngineConfig, SamplingParams
-from engine.loop.decode_loop import DecodeLoop, LoopConfig
+from engine.loop.config import LoopConfig
+from engine.loop.decode_loop import DecodeLoop
 from engine.models.llama import LlamaConfig, LlamaModel
 from tests.test_decode_loop import assert_no_trace, completions, holds_nothing, loop_state
 
@@ -131,9 +132,9 @@ def bad_submission(rng: np.random.Generator, taken_id) -> tuple[tuple, dict]:
 def assert_accounts(loop: DecodeLoop) -> None:
     """Between steps, what is held is held by a running request or a retained cache."""
     running = len(loop.running)
-    assert len(loop.table) == running
+    assert len(loop.batch) == running
     assert len(loop.model._free_slots) == loop.model.num_slots - running - len(loop.retained)
-    assert len(loop.draft_slots._free) == loop.draft_slots.num_slots - 1 - running
+    assert loop.batch.draft_slots is None  # the loop's drafts go in as draft_tokens: no pool slots to hold
 
 
 def run_chaos(seed: int) -> tuple[DecodeLoop, dict, dict, set, int, dict]:
@@ -153,14 +154,14 @@ def run_chaos(seed: int) -> tuple[DecodeLoop, dict, dict, set, int, dict]:
         return out
 
     loop.engine.run = flaky_engine_run
-    record_emitted = loop.table.record_emitted
+    record = loop.batch.record
 
-    def flaky_record_emitted(*args):  # the last thing a step does: every token is in by now
-        record_emitted(*args)
+    def flaky_record(*args):  # the last thing a step does: every token is in by now
+        record(*args)
         if model.on and rng.random() < P_FAIL:
             raise Chaos("after the step's tokens were recorded")
 
-    loop.table.record_emitted = flaky_record_emitted
+    loop.batch.record = flaky_record
     systems = [rng.integers(3, V, 24).tolist() for _ in range(2)]
     good, aborted, poisoned, failures = {}, {}, set(), 0
     for _ in range(STEPS):

@@ -14,7 +14,10 @@ import pytest
 import torch
 
 from engine import EngineConfig, SamplingParams
-from engine.loop.decode_loop import DecodeLoop, LoopConfig, StepEvent, generate, propose_ngram_drafts
+from engine.loop.config import LoopConfig
+from engine.loop.decode_loop import DecodeLoop, generate
+from engine.loop.drafter import propose_ngram_drafts
+from engine.loop.requests import StepEvent
 from engine.models.llama import LlamaConfig, LlamaModel, random_weights
 from engine.models.protocol import ForwardBatch
 
@@ -264,7 +267,7 @@ def loop_state(loop: DecodeLoop) -> dict:
     """Everything a step, a submission or an abort may change, as plain values."""
     def request(r):
         c = r.completion
-        return (r.request_id, r.prefilled, r.kv_slot, r.table_row, r.draft_slot, list(c.tokens),
+        return (r.request_id, r.prefilled, r.kv_slot, r.table_row, list(c.tokens),
                 None if c.logprobs is None else len(c.logprobs), c.prompt_logprobs, c.seed, c.finish_reason, c.error)
 
     return dict(
@@ -274,9 +277,8 @@ def loop_state(loop: DecodeLoop) -> dict:
         known=set(loop._known),
         retained=[(slot, held.tolist()) for slot, held in loop.retained.items()],
         free_kv_slots=list(loop.model._free_slots),
-        table=(dict(loop.table.row_of), loop.table.cols.num_generated.tolist(), list(loop.table._free)),
-        draft_slots=None if loop.draft_slots is None else (list(loop.draft_slots._free), loop.draft_slots.fresh.tolist()),
-        stop_ids=loop.stop_ids.tolist(),
+        table=(dict(loop.batch.table.row_of), loop.batch.table.cols.num_generated.tolist(), list(loop.batch.table._free)),
+        stop_ids=loop.batch.table.stop_ids.tolist(),
         stats=counters(loop.stats),
         engine=(loop.engine.stats.steps, loop.engine.stats.replays, dict(loop.engine.stats.bucket_histogram),
                 {rid: len(v) for rid, v in loop.engine.prompt_logprobs.snapshot().items()}),
@@ -298,12 +300,10 @@ def counters(stats) -> dict:
 
 
 def holds_nothing(loop: DecodeLoop) -> None:
-    assert len(loop.table) == 0 and not loop.running and not loop.retained
+    assert len(loop.batch) == 0 and not loop.running and not loop.retained
     assert sorted(loop.model._free_slots) == list(range(loop.model.num_slots))
-    if loop.draft_slots is not None:
-        assert sorted(loop.draft_slots._free) == list(range(1, loop.draft_slots.num_slots))
     assert loop.engine.prompt_logprobs.pending == ()
-    assert (loop.stop_ids == -1).all()
+    assert (loop.batch.table.stop_ids == -1).all()
 
 
 def completions(done: dict) -> list:
@@ -403,7 +403,7 @@ def test_abort_queued_and_running_requests_frees_what_they_hold_and_bystanders_r
     free_kv = len(loop.model._free_slots)
     aborted = {1: loop.abort(1), 4: loop.abort(4)}  # running mid-prefill; queued
     assert loop.engine.prompt_logprobs.pending == ()
-    assert len(loop.model._free_slots) == free_kv + 1 and len(loop.table) == 3
+    assert len(loop.model._free_slots) == free_kv + 1 and len(loop.batch) == 3
     loop.step()
     loop.step()
     aborted[2] = loop.abort(2)  # running mid-decode
@@ -553,7 +553,7 @@ def test_a_step_that_raises_leaves_no_trace_and_the_run_ends_as_if_it_never_happ
     elif fault == "stop check":
         loop._stops = one_shot(loop._stops)
     elif fault == "commit":
-        loop.table.record_emitted = one_shot(loop.table.record_emitted)
+        loop.batch.record = one_shot(loop.batch.record)
 
     def arm() -> bool:
         """Arm the fault unless it is still armed (a step without tokens never reaches the stop check)."""
@@ -606,7 +606,7 @@ def test_a_failed_row_finishes_its_request_with_an_error_and_frees_what_it_held(
     failed = loop.finished[2]
     assert failed.finish_reason == "error" and failed.error == "request 2: non-finite logits"
     assert failed.tokens == reference[2][0][: len(failed.tokens)] and len(failed.tokens) >= 2
-    assert len(loop.table) == 3 and len(loop.model._free_slots) == 5
+    assert len(loop.batch) == 3 and len(loop.model._free_slots) == 5
     done = loop.run()
     holds_nothing(loop)
     assert [completions(done)[i][1:] for i in (0, 1, 3)] == [reference[i] for i in (0, 1, 3)]
@@ -664,3 +664,69 @@ def test_a_nan_hidden_row_fails_only_its_request():
     holds_nothing(loop)
     assert [completions(done)[i][1:] for i in (0, 2, 3)] == [reference[i] for i in (0, 2, 3)]
     assert done[1].tokens == reference[1][0][: len(done[1].tokens)]
+
+
+# -- the engine config the loop runs (issue 13) -------------------------------------------
+
+
+def test_engine_fields_left_at_their_default_are_filled_in_from_the_loop_and_the_model():
+    model = tiny_model()
+    loop = DecodeLoop(model, LoopConfig(max_num_reqs=4, token_budget=40, max_draft_tokens=2),
+                      engine_config=EngineConfig(device="cpu", use_graphs=False, seed_base=5), capture=False)
+    config = loop.engine.config
+    assert (config.max_num_reqs, config.max_draft_tokens, config.max_source_rows) == (4, 2, 40)
+    assert config.eos_token_id == model.eos_token_id and config.draft_pool_slots == 1 and config.buckets is None
+    assert (config.device, config.use_graphs, config.seed_base) == ("cpu", False, 5)  # the caller's own
+
+
+def test_engine_fields_the_loop_can_honour_are_kept():
+    model = tiny_model()
+    given = EngineConfig(device="cpu", max_num_reqs=8, max_draft_tokens=3, max_source_rows=100, buckets=(2, 8),
+                         eos_token_id=model.eos_token_id, draft_pool_slots=1)
+    loop = DecodeLoop(model, LoopConfig(max_num_reqs=4, token_budget=40, max_draft_tokens=2), engine_config=given,
+                      capture=False)
+    assert loop.engine.config == given
+    prompts, params = prompts_and_params(3)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        loop.submit(i, prompt, p)
+    assert [c.tokens for _, c in sorted(loop.run().items())] == [c[0] for c in _run(prompts, params)[0]]
+
+
+@pytest.mark.parametrize("field, value, needs", [
+    ("max_num_reqs", 2, r">= LoopConfig.max_num_reqs=4"),
+    ("max_draft_tokens", 1, r">= LoopConfig.max_draft_tokens=2"),
+    ("max_source_rows", 39, r">= 40, the model-output rows of the loop's largest step"),
+    ("eos_token_id", 7, r"the model's eos_token_id=\d+"),
+    ("draft_pool_slots", 9, r"1 or None: the loop keeps no draft-info pool"),
+    ("compaction_keep_tokens", 4, r"None: the loop's model produces a row for every query token"),
+])
+def test_an_engine_field_the_loop_cannot_honour_is_refused_naming_it(field, value, needs):
+    with pytest.raises(ValueError, match=rf"EngineConfig.{field}={value}: DecodeLoop needs {needs}"):
+        DecodeLoop(tiny_model(), LoopConfig(max_num_reqs=4, token_budget=40, max_draft_tokens=2),
+                   engine_config=EngineConfig(device="cpu", **{field: value}), capture=False)
+
+
+def test_the_loop_allocates_no_draft_info_slot_and_writes_no_pool():
+    prompts, params = prompts_and_params(6)
+    loop = DecodeLoop(tiny_model(), LoopConfig(max_num_reqs=4, token_budget=32, max_draft_tokens=3),
+                      engine_config=EngineConfig(device="cpu"))
+    assert loop.engine.config.pool_slots == 1 and loop.batch.draft_slots is None
+    pool = loop.engine.buffers
+    pool.pool_tokens.fill_(11)  # sentinels: any write into the pool shows
+    pool.pool_logprobs.fill_(-2.0)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        loop.submit(i, prompt, p)
+    write_slots = []
+    prepare = loop.batch.prepare_rows
+
+    def prepare_and_watch(*args, **kwargs):
+        step = prepare(*args, **kwargs)
+        write_slots.extend(step.inputs.mtp_info_write_slots.tolist())
+        return step
+
+    loop.batch.prepare_rows = prepare_and_watch
+    done = loop.run()
+    assert loop.stats.drafts_proposed > 0 and len(write_slots) > len(prompts)
+    assert set(write_slots) == {0}
+    assert (pool.pool_tokens == 11).all() and (pool.pool_logprobs == -2.0).all()
+    assert [c.tokens for _, c in sorted(done.items())] == [c[0] for c in _run(prompts, params)[0]]

@@ -25,9 +25,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine.loop.decode_loop import Completion, DecodeLoop, LoopConfig
+from engine.loop.config import LoopConfig
+from engine.loop.decode_loop import DecodeLoop
+from engine.loop.requests import Completion
 from engine.host.params import SamplingParams
-from engine.step.step_engine import EngineConfig
+from engine.step.config import EngineConfig
 from profiling import ranges
 from profiling.telemetry import Telemetry, TelemetrySummary
 

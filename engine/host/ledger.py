@@ -130,12 +130,16 @@ def validate_batch(
     max_draft_tokens: int,
     compaction_keep_tokens: int | None,
     check_duplicate_ids: bool = True,
+    draft_pool: bool = True,
 ) -> None:
     """Checks that need the step's context; raises ValueError naming the
     request, the field and the value. Vectorised: one combined mask on the
     hot path, the per-check messages only once something is wrong.
     `check_duplicate_ids=False` when the caller already proved the batch's
-    requests distinct (the request table checks its row numbers)."""
+    requests distinct (the request table checks its row numbers).
+    `draft_pool=False`: the engine has no draft-info pool (drafts come only
+    from the caller), so write slots are 0 and the §1.3 rule that a running
+    request's write slot is never 0 does not apply."""
     if max_draft_tokens < 0:
         raise ValueError(f"max_draft_tokens={max_draft_tokens}: must be >= 0")
     if compaction_keep_tokens is not None and compaction_keep_tokens < 1:
@@ -147,7 +151,8 @@ def validate_batch(
         raise ValueError(f"request {dup!r}: request_id appears twice in one batch")
     decode = ~schedule.is_prompt
     too_many_drafts = schedule.seqlen_q > max_draft_tokens + 1
-    if max_draft_tokens > 0:
+    needs_write_slot = max_draft_tokens > 0 and draft_pool
+    if needs_write_slot:
         too_many_drafts |= cols.mtp_write_slot == 0
     bad = decode & too_many_drafts
     if compaction_keep_tokens is not None:
@@ -162,7 +167,7 @@ def validate_batch(
             f"verifies {{d}} drafts but max_draft_tokens={max_draft_tokens}",
         ),
         (
-            decode & (max_draft_tokens > 0) & (cols.mtp_write_slot == 0),
+            decode & needs_write_slot & (cols.mtp_write_slot == 0),
             "mtp_write_slot",
             cols.mtp_write_slot,
             "a running request's draft-info write slot is never 0 (slot 0 is padding)",
@@ -381,19 +386,23 @@ def prepare_sampler_inputs(
     max_draft_tokens: int = 0,
     compaction_keep_tokens: int | None = None,
     seed_base: int = 0,
+    draft_pool: bool = True,
 ) -> SamplerInputs:
-    """docs/contract.md §1 over a list of `SeqMeta` (the convenience front).
+    """docs/contract.md §1 over a list of `SeqMeta`, pure: nothing is kept
+    between calls.
 
-    The engine's hot path keeps per-request state in a `RequestTable` and
-    calls `build_ledger` directly; both run the same vectorised walk.
-    `seed_base` salts the seeds given to requests that brought none.
+    The engine keeps per-request state in a persistent `RequestTable`
+    (engine/host/persistent_batch.py) and runs the same vectorised walk.
+    `seed_base` salts the seeds given to requests that brought none;
+    `draft_pool=False`: no draft-info pool, write slots may be 0 (see `validate_batch`).
     """
     for seq in seqs:
         if not isinstance(seq, SeqMeta):
             raise TypeError(f"expected SeqMeta, got {type(seq).__name__}: {seq!r}")
     schedule = StepSchedule.from_seqs(seqs)
     cols = Columns.from_seqs(seqs, seed_base)
-    validate_batch(schedule, cols, max_draft_tokens=max_draft_tokens, compaction_keep_tokens=compaction_keep_tokens)
+    validate_batch(schedule, cols, max_draft_tokens=max_draft_tokens, compaction_keep_tokens=compaction_keep_tokens,
+                   draft_pool=draft_pool)
     return build_ledger(
         schedule, cols, max_draft_tokens=max_draft_tokens, compaction_keep_tokens=compaction_keep_tokens
     )

@@ -65,6 +65,8 @@ def verify_and_store_drafts(buffers: StepBuffers, config: EngineConfig, bucket: 
     from_pool = b.pool_tokens[f.mtp_info_read_rows[:rows]]
     torch.where(staged == READ_FROM_POOL, from_pool, staged, out=b.resolved_drafts[:rows])
     verify_drafts(b, config, bucket)
+    if not config.draft_pool:
+        return  # no pool: every write slot is 0, there is nothing to write
     # Slot 0 is padding and never written: writes aimed at it land in the extra slot.
     slots = f.mtp_info_write_slots[:bucket]
     slots = torch.where(slots > 0, slots, torch.full_like(slots, config.pool_slots))

@@ -18,7 +18,9 @@ class EngineConfig:
     max_num_reqs: int = 64
     max_draft_tokens: int = 0
     verify_mode: str = "strict"  # "strict": accept drafts equal to the draws; "rejection": Leviathan et al.
-    draft_pool_slots: int | None = None  # draft-info pool slots incl. padding slot 0; None: max_num_reqs + 1
+    # Draft-info pool slots incl. padding slot 0; None: max_num_reqs + 1. 1: no pool, drafts
+    # come only from the caller (`draft_tokens`), every write slot is 0 and nothing is written.
+    draft_pool_slots: int | None = None
     top_k_space_verify: bool = False  # verify in each request's top-k space (requests need top_k > 0)
     buckets: tuple[int, ...] | None = None  # None: the default rule of graphs/buckets.py
     device: str = "auto"  # "auto": cuda when available, else cpu
@@ -57,7 +59,7 @@ class EngineConfig:
         if self.verify_mode not in VERIFY_MODES:
             raise ValueError(f"EngineConfig.verify_mode={self.verify_mode!r}: must be one of {VERIFY_MODES}")
         if self.draft_pool_slots is not None:
-            positive("draft_pool_slots", 2)
+            positive("draft_pool_slots", 1)
         if self.device != "auto":
             try:
                 torch.device(self.device)
@@ -90,6 +92,11 @@ class EngineConfig:
         if self.max_draft_tokens == 0:
             return 1
         return self.draft_pool_slots if self.draft_pool_slots is not None else self.max_num_reqs + 1
+
+    @property
+    def draft_pool(self) -> bool:
+        """Whether drafts may come from the draft-info pool (slot 0 padding plus real slots)."""
+        return self.pool_slots > 1
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

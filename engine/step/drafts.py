@@ -73,13 +73,14 @@ class StepDrafts:
         arrays.mtp_info_read_rows = inputs.mtp_info_read_rows
         arrays.mtp_info_write_slots = inputs.mtp_info_write_slots
         limit = self.config.pool_slots
+        pool = (f"the draft-info pool has slots 0..{limit - 1} (EngineConfig.draft_pool_slots)" if limit > 1 else
+                "EngineConfig(draft_pool_slots=1) has no draft-info pool: drafts come only from draft_tokens")
         for name, slots, bound in (("mtp_read_slot", arrays.mtp_info_read_rows, limit * k),
                                    ("mtp_write_slot", arrays.mtp_info_write_slots, limit)):
             if len(slots) and slots.max() >= bound:
                 j = int(np.argmax(slots))
                 req = int(inputs.row_to_req[j]) if name == "mtp_read_slot" else j
-                raise ValueError(f"request {inputs.request_ids[req]!r}: {name}={int(slots[j]) * limit // bound}: the "
-                                 f"draft-info pool has slots 0..{limit - 1} (EngineConfig.draft_pool_slots)")
+                raise ValueError(f"request {inputs.request_ids[req]!r}: {name}={int(slots[j]) * limit // bound}: {pool}")
         if isinstance(draft_tokens, np.ndarray):
             # The hot path: [n, >= k] array, row i's first drafts_per_req[i] entries used.
             rows_with = layout.draft_rows

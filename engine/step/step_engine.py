@@ -38,7 +38,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from engine.host.ledger import SamplerInputs, prepare_sampler_inputs
+from engine.host.ledger import SamplerInputs
+from engine.host.persistent_batch import SeqMetaFront
 from engine.host.params import SeqMeta
 from engine.host.step_fields import STEP_FIELDS
 from engine.step.body import StepBody
@@ -113,6 +114,8 @@ class StepEngine:
         # stop_ids_for(request_id, params) for one request, stop_id_matrix(seqs) [n, max_stop_ids].
         stop_ids = StopIds(config.max_stop_ids, self.vocab_size, config.eos_token_id)
         self.stop_ids_for, self.stop_id_matrix = stop_ids.for_request, stop_ids.matrix
+        # step(hidden, seqs): SeqMeta lists over a persistent table keyed by request id.
+        self.seq_front = SeqMetaFront(self, capacity=2 * config.max_num_reqs)
         self._warned_uncaptured = False
 
     # -- undoing a step ---------------------------------------------------------
@@ -183,15 +186,10 @@ class StepEngine:
         `mtp_write_slot` inside the graph."""
         start = time.perf_counter()
         with stage("ledger"):
-            inputs = prepare_sampler_inputs(
-                seqs,
-                max_draft_tokens=self.config.max_draft_tokens,
-                compaction_keep_tokens=self.config.compaction_keep_tokens,
-                seed_base=self.config.seed_base,
-            )
+            inputs, stop_ids = self.seq_front.ledger(seqs)
             arrays = self.step_arrays(
                 inputs,
-                self.stop_id_matrix(seqs),
+                stop_ids,
                 draft_tokens=draft_tokens,
                 draft_logprobs=draft_logprobs,
                 next_drafts=next_drafts,

@@ -41,7 +41,7 @@ from engine.models.gguf_loader import cache_dir, file_digest, load_gguf, load_sm
 from engine.models.llama import LlamaConfig, LlamaWeights
 from engine.models.tokenizer import ChatMLTokenizer
 from engine.host.params import SamplingParams
-from engine.step.step_engine import EngineConfig
+from engine.step.config import EngineConfig
 from profiling.bench._timing import print_table
 from profiling.bench.peer import missing_peer_notice, run_under_peer
 

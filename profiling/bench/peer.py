@@ -48,7 +48,8 @@ from engine.host.params import SamplingParams, SeqMeta
 from engine.sampling.exact import sample_exact
 from engine.sampling.sampler import SamplerConfig, sample
 from graphs.step_fields import RowParams, SampleOutput
-from engine.step.step_engine import EngineConfig, StepEngine
+from engine.step.config import EngineConfig
+from engine.step.step_engine import StepEngine
 from profiling.bench._timing import print_table
 from profiling.bench.sample import lm_like_logits
 

@@ -20,7 +20,8 @@ import torch
 
 from engine.host.params import SamplingParams
 from engine.host.persistent_batch import DraftSlots, RequestTable
-from engine.step.step_engine import EngineConfig, StepEngine
+from engine.step.config import EngineConfig
+from engine.step.step_engine import StepEngine
 from profiling.bench._timing import median_us, print_table, ratio
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

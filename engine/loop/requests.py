@@ -1,0 +1,115 @@
+"""What the loop holds per request: the checks a submission passes, the request
+while it runs, and what it hands back (its completion, per-step events)."""
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass, field
+from typing import Hashable
+
+import numpy as np
+import torch
+
+from engine.host.params import SamplingParams
+from engine.step.prompt_logprobs import PromptLogprob
+from engine.step.outputs import TokenLogprob
+
+
+def check_request_id(request_id: Hashable) -> None:
+    if request_id is None:
+        raise ValueError("request_id=None: must not be None")
+    try:
+        hash(request_id)
+    except TypeError:
+        raise ValueError(f"request_id={request_id!r}: must be hashable") from None
+
+
+def checked_prompt(request_id: Hashable, prompt_tokens: object, vocab_size: int) -> np.ndarray:
+    """[prompt_len] int64 from a flat sequence of int ids in [0, vocab_size). Nothing is
+    coerced: a float, a bool, a string or a nested list is a caller's bug, not a token."""
+    where = f"request {request_id!r}: prompt_tokens"
+    if isinstance(prompt_tokens, torch.Tensor):
+        if prompt_tokens.dtype.is_floating_point or prompt_tokens.dtype.is_complex or prompt_tokens.dtype == torch.bool:
+            raise ValueError(f"{where}: a tensor of {prompt_tokens.dtype}, not of integer token ids")
+        prompt_tokens = prompt_tokens.detach().cpu().numpy()
+    if isinstance(prompt_tokens, np.ndarray):
+        if not np.issubdtype(prompt_tokens.dtype, np.integer):
+            raise ValueError(f"{where}: a numpy array of {prompt_tokens.dtype}, not of integer token ids")
+        if prompt_tokens.ndim != 1:
+            raise ValueError(f"{where}: shape {prompt_tokens.shape}, must be 1-D")
+        tokens = prompt_tokens.tolist()  # Python ints: range checks below cannot overflow
+    elif isinstance(prompt_tokens, SequenceABC) and not isinstance(prompt_tokens, (str, bytes, bytearray)):
+        tokens = list(prompt_tokens)
+        for i, token in enumerate(tokens):
+            if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
+                raise ValueError(f"{where}[{i}]={token!r}: must be an int token id, not a {type(token).__name__}")
+    else:
+        raise ValueError(
+            f"{where}={prompt_tokens!r}: must be a sequence of int token ids, not a {type(prompt_tokens).__name__}"
+        )
+    if not tokens:
+        raise ValueError(f"request {request_id!r}: prompt is empty (at least one token is needed)")
+    for i, token in enumerate(tokens):
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"{where}[{i}]={int(token)}: outside [0, {vocab_size})")
+    return np.asarray(tokens, dtype=np.int64)
+
+
+@dataclass
+class Completion:
+    request_id: Hashable
+    prompt_tokens: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[PromptLogprob] | None = None
+    seed: int | None = None
+    finish_reason: str | None = None  # "stop" (EOS / stop id), "length", "abort" or "error"
+    error: str | None = None  # finish_reason "error": the engine's message, naming the request and the cause
+    text: str | None = None  # filled by callers that hold a tokenizer
+
+
+@dataclass
+class RunningRequest:
+    """A request the loop admitted: its prompt, parameters, cache slot, table row and completion so far."""
+
+    request_id: Hashable
+    prompt: np.ndarray  # [prompt_len] int64
+    params: SamplingParams
+    max_tokens: int
+    kv_slot: int
+    completion: Completion
+    table_row: int = -1  # row of the loop's persistent batch
+    prefilled: int = 0  # prompt tokens already in the KV cache
+    drafts: list[int] = field(default_factory=list)  # being verified this step
+
+    @property
+    def generated(self) -> list[int]:
+        return self.completion.tokens
+
+    def mark(self) -> tuple:
+        """What a step may change in this request; `restore` puts it back."""
+        c = self.completion
+        return (self.prefilled, len(c.tokens), None if c.logprobs is None else len(c.logprobs),
+                c.prompt_logprobs, c.seed, c.finish_reason, c.error)
+
+    def restore(self, mark: tuple) -> None:
+        c = self.completion
+        self.prefilled, num_tokens, num_logprobs, c.prompt_logprobs, c.seed, c.finish_reason, c.error = mark
+        del c.tokens[num_tokens:]
+        if num_logprobs is not None:
+            del c.logprobs[num_logprobs:]
+
+    def cached_tokens(self) -> np.ndarray:
+        """The tokens whose keys and values this request's cache slot holds, in order."""
+        if self.prefilled < len(self.prompt):
+            return self.prompt[: self.prefilled]
+        # The last generated token is never fed back; rejected drafts sit past the end.
+        return np.concatenate([self.prompt, np.asarray(self.generated[:-1], dtype=np.int64)])
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """Streaming output: what one request emitted in one step."""
+
+    request_id: Hashable
+    new_tokens: list[int]
+    finished: bool
