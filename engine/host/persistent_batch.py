@@ -77,7 +77,7 @@ class DraftSlots:
     def read_slots(self, write_slots: np.ndarray, is_decode: np.ndarray) -> np.ndarray:
         """Per request: its write slot if it holds fresh draft info and the
         request decodes this step, else 0. Consumes nothing (see `consume`)."""
-        return np.where(is_decode & self.fresh[write_slots], write_slots, 0).astype(np.int32)
+        return np.multiply(write_slots, self.fresh[write_slots] & is_decode, dtype=np.int32)
 
     def consume(self, read_slots: np.ndarray) -> None:
         """The step that read these slots went through: they are no longer fresh."""
@@ -439,6 +439,7 @@ class PersistentBatch:
         self.engine = engine
         self.table, self.ledger_options = _engine_table(engine, capacity or config.max_num_reqs)
         self.draft_slots = DraftSlots(config.pool_slots) if config.draft_pool else None
+        self._rows_in_range = b""  # the last rows (as bytes) found in range and holding requests
 
     def __len__(self) -> int:
         return len(self.table)
@@ -472,6 +473,7 @@ class PersistentBatch:
         row = self.table.row(request_id)
         slot = int(self.table.cols.mtp_write_slot[row])
         self.table.remove(request_id)
+        self._rows_in_range = b""
         if self.draft_slots is not None:
             self.draft_slots.release(slot)
 
@@ -502,14 +504,18 @@ class PersistentBatch:
         **Raises** ValueError naming the request, the field and the value."""
         table = self.table
         rows = np.asarray(rows)
-        if rows.dtype.kind not in "iu" or rows.ndim != 1:
-            raise ValueError(f"rows: expected a 1-D array of int table rows, got {rows.dtype} shape {rows.shape}")
-        if len(rows) and (rows.min() < 0 or rows.max() >= table.capacity or not table.occupied[rows].all()):
-            table.check_rows(rows)  # raises naming the row; the ledger checks for duplicates
+        if rows.tobytes() != self._rows_in_range:
+            if rows.dtype.kind not in "iu" or rows.ndim != 1:
+                raise ValueError(f"rows: expected a 1-D array of int table rows, got {rows.dtype} shape {rows.shape}")
+            if len(rows) and (rows.min() < 0 or rows.max() >= table.capacity or not table.occupied[rows].all()):
+                table.check_rows(rows)  # raises naming the row; the ledger checks for duplicates
+            self._rows_in_range = rows.tobytes()
         q, k = _counts("seqlen_q", seqlen_q, len(rows)), _counts("seqlen_k", seqlen_k, len(rows))
         prompt_len, generated = table.cols.prompt_len[rows], table.cols.num_generated[rows]
         is_prompt = generated == 0
-        self._check_lengths(rows, is_prompt, q, k, prompt_len, generated)
+        # The steady state, all decodes: seqlen_k = prompt_len + generated + seqlen_q - 1 is the whole check.
+        if is_prompt.any() or q.min(initial=1) < 1 or (k - q != prompt_len + generated - 1).any():
+            self._check_lengths(rows, is_prompt, q, k, prompt_len, generated)
         read = None
         if self.draft_slots is not None:
             read = self.draft_slots.read_slots(table.cols.mtp_write_slot[rows], ~is_prompt)

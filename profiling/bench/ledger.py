@@ -11,8 +11,9 @@ stages, three ways, measured in one run:
   same SeqMeta list, its lists converted to numpy (the ledger alone).
 
 Every request decodes, verifying `drafts` drafts from the pool (each
-request's rows: 1 + drafts). The three are timed alternately, one call each
-in turn, and the medians reported; speed-up = plain loop / that path.
+request's rows: 1 + drafts). The three take turns (a few calls each, the
+order rotating) and the medians are reported; speed-up = plain loop / that
+path.
 
     python -m profiling.bench ledger [--quick] [--repeats N] [--json]
 """
@@ -79,19 +80,21 @@ def _decode_step(n: int, drafts: int, rng: np.random.Generator) -> dict[str, Cal
     }
 
 
-def alternating_medians(calls: dict[str, Callable[[], object]], repeats: int, warmup: int = 5) -> dict[str, float]:
-    """Median µs per call of each, timed one call each in turn (the order rotating
-    every round), so a slow stretch of the machine hits every path alike."""
+def alternating_medians(calls: dict[str, Callable[[], object]], repeats: int, block: int = 5) -> dict[str, float]:
+    """Median µs per call of each, over `repeats` calls: the paths take turns, `block`
+    timed calls each (after one untimed, so each turn starts warm, as a step does
+    after the last), the order rotating every round, so a slow stretch of the
+    machine hits every path alike."""
     names = list(calls)
-    for _ in range(warmup):
-        for name in names:
-            calls[name]()
     samples: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
+    for r in range(-(-repeats // block)):
         for name in names[r % len(names):] + names[: r % len(names)]:
-            t0 = time.perf_counter()
-            calls[name]()
-            samples[name].append((time.perf_counter() - t0) * 1e6)
+            call = calls[name]
+            call()
+            for _ in range(block):
+                t0 = time.perf_counter()
+                call()
+                samples[name].append((time.perf_counter() - t0) * 1e6)
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
