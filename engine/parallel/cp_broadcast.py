@@ -75,6 +75,8 @@ LEDGER_FIELDS: tuple[LedgerField, ...] = (
     LedgerField("selected_prompt_indices", np.int32, "prompt_row", "prompt"),
     LedgerField("prompt_token_targets", np.int32, "prompt_row", "prompt"),
 )
+# Broadcast fields that are not a SamplerInputs field of the same name: rebuilt or kept beside it.
+_NOT_VERBATIM = {"request_keys", "sample_counts", "out_lens", "forced_tokens", "stop_ids", "row_drafts"}
 
 HEADER = (
     "status",  # driver: 0 ok, 1 the payload is an error message
@@ -314,38 +316,22 @@ class LedgerBroadcaster:
         row_to_req = np.repeat(np.arange(n, dtype=np.int32), sample_counts)
         local_step = np.arange(len(row_to_req), dtype=np.int32) - sample_offsets[row_to_req]
         forced_tokens = arrays.pop("forced_tokens")
+        request_keys, stop_ids, row_drafts = arrays.pop("request_keys"), arrays.pop("stop_ids"), arrays.pop("row_drafts")
+        # Every other broadcast field is the SamplerInputs field of its name (None when the header left it out).
+        verbatim = {f.name: arrays.pop(f.name, None) for f in LEDGER_FIELDS if f.name not in _NOT_VERBATIM}
         inputs = SamplerInputs(
-            selected_token_indices=arrays.pop("selected_token_indices"),
-            selected_prompt_indices=arrays.pop("selected_prompt_indices", None),
-            prompt_token_targets=arrays.pop("prompt_token_targets", None),
-            sample_positions=arrays.pop("sample_positions"),
+            **verbatim,
             row_to_req=row_to_req,
             local_step=local_step,
-            temperatures=arrays.pop("temperatures"),
-            top_ks=arrays.pop("top_ks"),
-            top_ps=arrays.pop("top_ps"),
-            min_ps=arrays.pop("min_ps"),
-            seeds=arrays.pop("seeds"),
-            eos_suppression_rows=arrays.pop("eos_suppression_rows"),
-            mtp_first_token_positions=arrays.pop("mtp_first_token_positions", None),
-            mtp_seqlens_q=arrays.pop("mtp_seqlens_q", None),
-            mtp_info_write_slots=arrays.pop("mtp_info_write_slots", None),
-            mtp_info_read_rows=arrays.pop("mtp_info_read_rows", None),
-            request_ids=tuple(arrays.pop("request_keys").tolist()),
+            request_ids=tuple(request_keys.tolist()),
             num_output_rows=int(out_lens.sum()),
             out_offsets=exclusive_cumsum(out_lens)[0],
             out_lens=out_lens,
-            query_offsets=arrays.pop("query_offsets"),
             sample_offsets=sample_offsets,
             sample_counts=sample_counts,
-            prompt_row_counts=arrays.pop("prompt_row_counts"),
-            is_prompt=arrays.pop("is_prompt"),
-            is_last_chunk=arrays.pop("is_last_chunk"),
-            num_logprobs=arrays.pop("num_logprobs"),
-            num_prompt_logprobs=arrays.pop("num_prompt_logprobs"),
             forced_tokens=forced_tokens if (forced_tokens >= 0).any() else None,
         )
-        plan = StepPlan(inputs, arrays.pop("stop_ids"), arrays.pop("row_drafts"))
+        plan = StepPlan(inputs, stop_ids, row_drafts)
         if arrays:
             raise RuntimeError(f"ledger fields {sorted(arrays)} are broadcast but never used")
         return plan
