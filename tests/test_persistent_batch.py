@@ -236,6 +236,8 @@ def test_without_a_pool_write_slots_are_zero_and_nothing_is_written():
     with pytest.raises(ValueError, match=r"request 'x': mtp_write_slot=1: EngineConfig\(draft_pool_slots=1\) has no "
                                          r"draft-info pool"):
         e.step(torch.zeros(3, H), [SeqMeta("x", False, 3, 6, 3, num_generated=1, mtp_write_slot=1)], [[4, 4]])
+    with pytest.raises(ValueError, match=r"next_drafts: given but EngineConfig\(draft_pool_slots=1\) has no draft-info"):
+        e.step(torch.zeros(3, H), [SeqMeta("x", False, 3, 6, 3, num_generated=1)], [[4, 4]], next_drafts=[[5]])
     with pytest.raises(ValueError, match=r"request 'x': mtp_write_slot=0: a running request's draft-info write slot "
                                          r"is never 0"):
         engine().step(torch.zeros(1, H), [SeqMeta("x", False, 1, 4, 3, num_generated=1)])

@@ -81,6 +81,8 @@ class StepDrafts:
                 j = int(np.argmax(slots))
                 req = int(inputs.row_to_req[j]) if name == "mtp_read_slot" else j
                 raise ValueError(f"request {inputs.request_ids[req]!r}: {name}={int(slots[j]) * limit // bound}: {pool}")
+        if limit == 1 and next_drafts is not None and any(next_drafts):
+            raise ValueError(f"next_drafts: given but {pool}, nothing to write them into")
         if isinstance(draft_tokens, np.ndarray):
             # The hot path: [n, >= k] array, row i's first drafts_per_req[i] entries used.
             rows_with = layout.draft_rows
