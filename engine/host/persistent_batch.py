@@ -262,8 +262,10 @@ class RequestTable:
         compaction_keep_tokens: int | None = None,
         draft_pool: bool = True,
         prompt_tokens: Sequence[Sequence[int] | None] | None = None,
+        forced_tokens: np.ndarray | None = None,
     ) -> SamplerInputs:
         """Validate and build the step's ledger from table rows (batch order).
+        `forced_tokens`: [n] int64 per request, -1 none (None: no request has one).
         `prompt_tokens`: this step's prompt tokens per request, read only for
         prompt-logprob targets; None: those given to `add`. `draft_pool`: see
         `validate_batch`."""
@@ -271,6 +273,7 @@ class RequestTable:
         steady = self._steady
         if (
             steady is not None
+            and forced_tokens is None
             and steady.max_draft_tokens == max_draft_tokens
             and compaction_keep_tokens is None
             # Byte comparisons: a few hundred ns where np.array_equal costs µs.
@@ -288,6 +291,7 @@ class RequestTable:
             seqlen_k=np.asarray(seqlen_k, dtype=np.int32),
             mtp_read_slot=np.zeros(n, np.int32) if mtp_read_slot is None else mtp_read_slot,
             prompt_tokens=_Lazy(self.prompt_tokens.__getitem__, rows) if prompt_tokens is None else prompt_tokens,
+            forced_tokens=forced_tokens,
         )
         cols = self.cols.take(rows)
         validate_batch(
@@ -305,7 +309,8 @@ class RequestTable:
         inputs = build_ledger(
             schedule, cols, max_draft_tokens=max_draft_tokens, compaction_keep_tokens=compaction_keep_tokens
         )
-        if compaction_keep_tokens is None and not inputs.is_prompt.any():
+        # A forced token is this step's only: the steady layout is never taken from such a step.
+        if compaction_keep_tokens is None and forced_tokens is None and not inputs.is_prompt.any():
             min_tokens = cols.min_tokens.copy() if cols.min_tokens.any() else None
             last_rows = inputs.sample_offsets + inputs.sample_counts - 1
             self._steady = _SteadyDecode(rows.tobytes(), schedule.seqlen_q.tobytes(), max_draft_tokens, min_tokens,
@@ -574,6 +579,7 @@ _REQUEST_ID, _PARAMS, _PROMPT_LEN = attrgetter("request_id"), attrgetter("params
 # needs it; the slots only when the engine verifies drafts.
 _STEP_COUNTS = tuple(attrgetter(name) for name in ("seqlen_q", "seqlen_k", "num_generated"))
 _IS_PROMPT = attrgetter("is_prompt")
+_FORCED_TOKEN = attrgetter("forced_token")
 _SLOTS = (attrgetter("mtp_read_slot"), attrgetter("mtp_write_slot"))
 
 
@@ -631,7 +637,9 @@ class SeqMetaFront:
             read_slot, write_slot = (np.fromiter(map(get, seqs), np.int32, n) for get in _SLOTS)
         prompt_len = np.fromiter(map(_PROMPT_LEN, seqs), np.int32, n) if is_prompt.any() else None
         table.set_step_columns(rows, num_generated=generated, mtp_write_slot=write_slot, prompt_len=prompt_len)
-        inputs = table.ledger(rows, is_prompt, seqlen_q, seqlen_k, read_slot,
+        forced = list(map(_FORCED_TOKEN, seqs))
+        forced_tokens = None if forced.count(None) == n else np.array([-1 if t is None else t for t in forced], np.int64)
+        inputs = table.ledger(rows, is_prompt, seqlen_q, seqlen_k, read_slot, forced_tokens=forced_tokens,
                               prompt_tokens=_Lazy(attrgetter("prompt_tokens"), seqs), **self.ledger_options)
         self._last_ids, self._last_params, self._last_rows = ids, params, rows
         return inputs, table.stop_ids_of(rows)
