@@ -7,14 +7,19 @@ drafts the engine verifies, whether compaction is on) live in the ledger's
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
-from typing import Hashable, Iterable, Sequence
+from types import MappingProxyType
+from typing import Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 
 INT32_MAX = 2**31 - 1
 UINT64_MAX = 2**64 - 1
+PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty, as vLLM
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # each logit_bias value, as OpenAI and vLLM
+STRUCTURED_FIELDS = ("json_schema", "regex", "grammar")
 
 
 def _is_int(value: object) -> bool:
@@ -30,6 +35,22 @@ class SamplingParams:
     rank only, an int N >= 0 = that plus the top-N alternatives.
     `logprobs`: None = off, an int N >= 0 = the sampled token's logprob and rank
     plus the top-N alternatives.
+
+    The controls a vLLM user knows, with vLLM's semantics (docs/contract.md §2):
+    - `repetition_penalty` (> 0, 1 = off): over the prompt and the output
+      tokens, a positive logit is divided by it and a negative one multiplied;
+    - `presence_penalty`, `frequency_penalty` (in [-2, 2], 0 = off): over the
+      output tokens, subtract the penalty once, or once per occurrence;
+    - `logit_bias`: token id -> bias in [-100, 100], added to the logit;
+    - `allowed_token_ids`: only these may be sampled (non-empty);
+    - `bad_words`: token sequences; a sequence's last token is banned where
+      the context ends with the rest of it (a one-token word is always banned);
+    - `n`: samples per prompt, each with its own seed derived from `seed`;
+    - `stop`: strings that end the output (the loop checks them on the text;
+      the stop string is cut unless `include_stop_str_in_output`);
+    - `json_schema` (a JSON schema as text or a dict), `regex`, `grammar`
+      (EBNF): structured output through xgrammar; at most one of the three.
+    Checks that need the vocabulary or a tokenizer run at submission.
     """
 
     temperature: float = 1.0
@@ -43,15 +64,67 @@ class SamplingParams:
     prompt_logprobs: bool | int = False
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[tuple[int, ...], ...] | None = None
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    json_schema: str | None = None
+    regex: str | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         ids = self.stop_token_ids
         if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
             raise ValueError(f"stop_token_ids={ids!r}: must be a sequence of int token ids")
         object.__setattr__(self, "stop_token_ids", tuple(ids))
+        problem = self._normalise()
+        if problem:
+            raise ValueError(problem)
         problem = self.problem()
         if problem:
             raise ValueError(problem)
+
+    def _normalise(self) -> str | None:
+        """Copy the container fields into immutable forms (a caller's later
+        edit of its dict or list must not change a submitted request)."""
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, Mapping):
+                return f"logit_bias={bias!r}: must be None or a mapping token id -> bias"
+            object.__setattr__(self, "logit_bias", MappingProxyType(dict(bias)))
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if isinstance(allowed, (str, bytes, Mapping)) or not isinstance(allowed, Iterable):
+                return f"allowed_token_ids={allowed!r}: must be None or a sequence of token ids"
+            object.__setattr__(self, "allowed_token_ids", tuple(allowed))
+        words = self.bad_words
+        if words is not None:
+            if isinstance(words, (str, bytes)) or not isinstance(words, Iterable):
+                return f"bad_words={words!r}: must be None or a sequence of token-id sequences"
+            words = tuple(words)
+            for j, word in enumerate(words):
+                if isinstance(word, (str, bytes)) or not isinstance(word, Iterable):
+                    return (f"bad_words[{j}]={word!r}: must be a sequence of token ids "
+                            "(tokenize a word first; its last token is the one banned)")
+            object.__setattr__(self, "bad_words", tuple(tuple(word) for word in words))
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)  # vLLM accepts one string
+        if stop is None or isinstance(stop, bytes) or not isinstance(stop, Iterable):
+            return f"stop={self.stop!r}: must be a string or a sequence of strings"
+        object.__setattr__(self, "stop", tuple(stop))
+        schema = self.json_schema
+        if isinstance(schema, Mapping):
+            try:
+                object.__setattr__(self, "json_schema", json.dumps(schema))
+            except (TypeError, ValueError) as e:
+                return f"json_schema={schema!r}: not serialisable as JSON ({e})"
+        return None
 
     def problem(self) -> str | None:
         """The first invalid field as 'field=value: why', or None when valid."""
@@ -84,6 +157,64 @@ class SamplingParams:
                 return f"stop_token_ids={self.stop_token_ids!r}: token {tok!r} is not an int32 token id >= 0"
         if not isinstance(self.ignore_eos, bool):
             return f"ignore_eos={self.ignore_eos!r}: must be a bool"
+        return self._controls_problem()
+
+    def _controls_problem(self) -> str | None:
+        """The first invalid penalty, bias, mask, n, stop or structured-output field."""
+        rp = self.repetition_penalty
+        if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not math.isfinite(rp) or rp <= 0:
+            return f"repetition_penalty={rp!r}: must be a finite number > 0 (1 means off)"
+        low, high = PENALTY_RANGE
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+                return f"{name}={value!r}: must lie in [{low:g}, {high:g}] (0 means off)"
+        low, high = LOGIT_BIAS_RANGE
+        for tok, bias in (self.logit_bias or {}).items():
+            if not _is_int(tok) or not 0 <= tok <= INT32_MAX:
+                return f"logit_bias: key {tok!r} is not an int32 token id >= 0"
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not low <= bias <= high:
+                return f"logit_bias[{tok}]={bias!r}: must lie in [{low:g}, {high:g}]"
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                return "allowed_token_ids=(): an empty allowed set leaves nothing to sample (None means no restriction)"
+            for tok in self.allowed_token_ids:
+                if not _is_int(tok) or not 0 <= tok <= INT32_MAX:
+                    return f"allowed_token_ids: token {tok!r} is not an int32 token id >= 0"
+        for j, word in enumerate(self.bad_words or ()):
+            if not word:
+                return f"bad_words[{j}]=(): an empty bad word bans nothing"
+            for tok in word:
+                if not _is_int(tok) or not 0 <= tok <= INT32_MAX:
+                    return f"bad_words[{j}]: token {tok!r} is not an int32 token id >= 0"
+        if not _is_int(self.n) or self.n < 1:
+            return f"n={self.n!r}: must be an int >= 1"
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                return f"stop={self.stop!r}: {s!r} is not a non-empty string"
+        if not isinstance(self.include_stop_str_in_output, bool):
+            return f"include_stop_str_in_output={self.include_stop_str_in_output!r}: must be a bool"
+        given = [name for name in STRUCTURED_FIELDS if getattr(self, name) is not None]
+        for name in given:
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.strip():
+                return f"{name}={value!r}: must be None or a non-empty string"
+        if len(given) > 1:
+            return f"{given[0]} and {given[1]}: at most one structured-output constraint per request"
+        return None
+
+    @property
+    def has_penalties(self) -> bool:
+        """Repetition, presence or frequency penalty on (they need the token counts)."""
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def structured(self) -> tuple[str, str] | None:
+        """("json_schema" | "regex" | "grammar", its text), or None."""
+        for name in STRUCTURED_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                return name, value
         return None
 
     @property
