@@ -6,7 +6,14 @@ chunks with the rest of the token budget (engine/loop/scheduler.py); run the
 model's forward straight into the engine's static hidden-state source
 (zero-copy); let the persistent batch build the ledger (docs/contract.md §5:
 no per-step rebuild from Python objects) and `engine.run` sample / verify;
-emit, finish (EOS, stop ids, max_tokens, a failed row) and free the slots.
+emit, finish (EOS, stop ids, stop strings, max_tokens, a failed row) and
+free the slots.
+
+With a tokenizer the loop fills `Completion.text` and ends requests on their
+`stop` strings (engine/loop/stop_strings.py). A request with `n > 1` runs as
+n sibling requests keyed `(request_id, j)`, each with its own seed
+(`sibling_seed`); the siblings share the prompt's prefill through prefix
+sharing (one computes the prompt, the others copy its keys and values).
 
 The loop runs its engine as configured: `engine_config_for` fills in what the
 caller left at its default and refuses what it cannot honour. Drafts go in as
@@ -33,9 +40,11 @@ import torch
 from engine.host.params import SamplingParams
 from engine.host.persistent_batch import BatchStep, PersistentBatch
 from engine.loop.config import LoopConfig, engine_config_for
-from engine.loop.requests import Completion, RunningRequest, StepEvent, check_request_id, checked_prompt
+from engine.loop.requests import (Completion, RunningRequest, StepEvent, check_request_id, checked_prompt,
+                                  sibling_seed)
 from engine.loop.scheduler import ScheduledRequest, choose_shared_prefix, common_prefix_length, schedule
-from engine.models.protocol import CausalLM, ForwardBatch, PrefixCopy
+from engine.loop.stop_strings import OutputText, StopMatch
+from engine.models.protocol import CausalLM, ChatTokenizer, ForwardBatch, PrefixCopy
 from engine.step.checkpoint import EngineCheckpoint
 from engine.step.config import EngineConfig
 from engine.step.outputs import StepOutput
@@ -55,6 +64,8 @@ class _StepUndo:
     # Admitted this step: (arrival step, request, the tokens of the retained cache whose
     # slot it took, None for a slot fresh from the model).
     admitted: list[tuple[int, RunningRequest, np.ndarray | None]] = field(default_factory=list)
+    # Cut by a stop string this step: (request, the tokens cut, the logprobs cut or None).
+    cuts: list[tuple[RunningRequest, list[int], list | None]] = field(default_factory=list)
 
 
 @dataclass
@@ -81,9 +92,13 @@ class DecodeLoop:
         config: LoopConfig | None = None,
         *,
         engine_config: EngineConfig | None = None,
+        tokenizer: ChatTokenizer | None = None,
         capture: bool = True,
     ):
+        """`tokenizer` (any `ChatTokenizer`; only `decode` is used here): fills
+        `Completion.text` and enables `stop` strings."""
         self.model = model
+        self.tokenizer = tokenizer
         self.config = config or LoopConfig()
         cfg = self.config
         self.engine = StepEngine(model.lm_head_weight, engine_config_for(cfg, model, engine_config))
@@ -99,6 +114,7 @@ class DecodeLoop:
         self.running: list[RunningRequest] = []
         self.finished: dict[Hashable, Completion] = {}
         self._known: set[Hashable] = set()
+        self.families: dict[Hashable, tuple[Hashable, ...]] = {}  # request id of n > 1 -> its samples' ids
         self.stats = LoopStats()
 
     # -- submission -----------------------------------------------------------------
@@ -115,13 +131,27 @@ class DecodeLoop:
         bad request never reaches (or disturbs) the running batch. `prompt_tokens`:
         a flat sequence of int token ids (list, tuple, range, integer numpy array or
         tensor); `arrival_step`: the step of the loop's clock (`stats.steps`) from
-        which it may be admitted."""
+        which it may be admitted. With `params.n > 1` the request runs as n samples
+        keyed `(request_id, j)`, j = 0..n-1 (see `sibling_seed`)."""
         check_request_id(request_id)
         if request_id in self._known:
             raise ValueError(f"request {request_id!r}: request_id was already submitted")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}")
+        sample_ids = [request_id] if params.n == 1 else [(request_id, j) for j in range(params.n)]
+        taken = [sample_id for sample_id in sample_ids if sample_id in self._known]
+        if taken:
+            raise ValueError(f"request {request_id!r}: params.n={params.n}: the id {taken[0]!r} of one of its samples "
+                             "was already submitted")
+        if self.tokenizer is None:
+            if params.stop:
+                raise ValueError(f"request {request_id!r}: params.stop={params.stop!r}: stop strings need a tokenizer "
+                                 "(DecodeLoop(..., tokenizer=...))")
+            if params.structured is not None:
+                kind, text = params.structured
+                raise ValueError(f"request {request_id!r}: params.{kind}={text!r}: structured output needs a "
+                                 "tokenizer (DecodeLoop(..., tokenizer=...))")
         prompt = checked_prompt(request_id, prompt_tokens, self.model.vocab_size)
         if isinstance(arrival_step, bool) or not isinstance(arrival_step, (int, np.integer)) or arrival_step < 0:
             raise ValueError(f"request {request_id!r}: arrival_step={arrival_step!r}: must be an int >= 0")
@@ -148,24 +178,45 @@ class DecodeLoop:
                 f"request {request_id!r}: params.logprobs={top_n}: more than max_logprobs="
                 f"{self.engine.config.sampler.max_logprobs}"
             )
-        completion = Completion(
-            request_id,
-            prompt.tolist(),
-            logprobs=[] if params.logprobs is not None else None,
-        )
         self._known.add(request_id)
+        self._known.update(sample_ids)
+        if params.n > 1:
+            self.families[request_id] = tuple(sample_ids)
         # Kept in arrival order (stable for equal steps), so a late arrival
         # submitted early never blocks the queue in front of an early one.
         position = bisect.bisect_right([arrival for arrival, _ in self.waiting], arrival_step)
-        request = RunningRequest(request_id, prompt, params, max_tokens, -1, completion)
-        self.waiting.insert(position, (arrival_step, request))
+        for j, sample_id in enumerate(sample_ids):
+            # A sample without a seed gets the engine's, derived from its own id: siblings differ.
+            sample_params = params if params.n == 1 else dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else sibling_seed(params.seed, j))
+            completion = Completion(sample_id, prompt.tolist(), logprobs=[] if params.logprobs is not None else None)
+            request = RunningRequest(sample_id, prompt, sample_params, max_tokens, -1, completion,
+                                     family=request_id if params.n > 1 else None)
+            if params.stop:
+                request.text = OutputText(self.tokenizer, params.stop, params.include_stop_str_in_output)
+            self.waiting.insert(position + j, (arrival_step, request))
 
-    def abort(self, request_id: Hashable) -> Completion:
+    def abort(self, request_id: Hashable) -> Completion | list[Completion]:
         """Stop a queued or running request (between steps): it gives back its batch
         row and KV-cache slot, and its completion so far is returned
         (and kept in `finished`) with finish_reason "abort". A request that was waiting
-        for it to prefill a shared prefix computes that prefix itself."""
+        for it to prefill a shared prefix computes that prefix itself.
+
+        The id of a request with n > 1 aborts every sample of it still queued or running
+        and returns all n completions in sample order (those that had finished keep their
+        finish reason); `(request_id, j)` aborts one sample."""
         check_request_id(request_id)
+        if request_id in self.families:
+            samples = self.families[request_id]
+            live = [sample_id for sample_id in samples if sample_id not in self.finished]
+            if not live:
+                raise ValueError(f"request {request_id!r}: all {len(samples)} samples already finished, nothing to abort")
+            for sample_id in live:
+                self._abort_one(sample_id)
+            return [self.finished[sample_id] for sample_id in samples]
+        return self._abort_one(request_id)
+
+    def _abort_one(self, request_id: Hashable) -> Completion:
         for i, (_, req) in enumerate(self.waiting):
             if req.request_id == request_id:
                 del self.waiting[i]
@@ -182,8 +233,16 @@ class DecodeLoop:
 
     def _aborted(self, req: RunningRequest) -> Completion:
         req.completion.finish_reason = "abort"
-        self.finished[req.request_id] = req.completion
+        self._finish(req)
         return req.completion
+
+    def _finish(self, req: RunningRequest) -> None:
+        """Hand a request's completion over (`finished`), with its text when the loop has a
+        tokenizer (a stop string sets its kept text when it matches)."""
+        completion = req.completion
+        if self.tokenizer is not None and completion.text is None:
+            completion.text = self.tokenizer.decode(completion.tokens)
+        self.finished[req.request_id] = completion
 
     # -- one step -------------------------------------------------------------------
 
@@ -299,7 +358,7 @@ class DecodeLoop:
             prepared = self.batch.prepare_rows(rows, seqlen_q, seqlen_k, draft_tokens=self._draft_tokens(batch))
         out = self.engine.run(self.engine.source, prepared.inputs, prepared.arrays, host_start=t2)
         t3 = time.perf_counter()
-        events, left = self._apply(batch, prepared, out)
+        events, left = self._apply(batch, prepared, out, undo)
         self.stats.schedule_seconds += (t1 - t0) + (time.perf_counter() - t3)
         self.stats.forward_seconds += t2 - t1
         self.stats.engine_seconds += t3 - t2
@@ -311,6 +370,10 @@ class DecodeLoop:
         the step wrote past each request's context: the next owner of those positions
         writes them before anything reads them."""
         self.engine.rollback(undo.engine)
+        for req, cut_tokens, cut_logprobs in reversed(undo.cuts):
+            req.completion.tokens.extend(cut_tokens)
+            if cut_logprobs is not None:
+                req.completion.logprobs.extend(cut_logprobs)
         for req, mark in undo.marks:
             req.restore(mark)
             self.finished.pop(req.request_id, None)
@@ -335,7 +398,7 @@ class DecodeLoop:
         return drafts
 
     def _apply(
-        self, batch: list[ScheduledRequest], prepared: BatchStep, out: StepOutput
+        self, batch: list[ScheduledRequest], prepared: BatchStep, out: StepOutput, undo: _StepUndo
     ) -> tuple[list[StepEvent], list[RunningRequest]]:
         """Emit the step's tokens and finish requests; returns the events and the requests
         that finished (their slots are released once the step is committed)."""
@@ -365,21 +428,45 @@ class DecodeLoop:
                     completion.logprobs.append(out.logprobs[i][j])
                 if self._stops(req, token):
                     completion.finish_reason = "stop"
+                    completion.stop_reason = token if token in req.params.stop_token_ids else None
                     break
                 if len(completion.tokens) >= req.max_tokens:
                     completion.finish_reason = "length"
                     break
-            self.stats.tokens_generated += len(new)
+            retracted = 0
+            if req.text is not None and new:
+                # After the step's tokens, not per token: the text of one token can depend on
+                # the next (a character split over two), and drafts bring several at once.
+                match = req.text.advance(completion.tokens, final=completion.finish_reason is not None)
+                if match is not None:
+                    before = len(completion.tokens) - len(new)
+                    self._cut(req, match, undo)
+                    retracted = max(0, before - match.num_tokens)
+                    new = new[: max(0, match.num_tokens - before)]
+            self.stats.tokens_generated += len(new) - retracted
             finished = completion.finish_reason is not None
-            events.append(StepEvent(req.request_id, new, finished))
+            events.append(StepEvent(req.request_id, new, finished, retracted))
         # Past a request's stop, out.tokens may hold more than it emitted: it leaves anyway.
         self.batch.record(prepared, out)
         left = [r for r in self.running if r.completion.finish_reason is not None]
         if left:
             self.running = [r for r in self.running if r.completion.finish_reason is None]
             for req in left:
-                self.finished[req.request_id] = req.completion
+                self._finish(req)
         return events, left
+
+    def _cut(self, req: RunningRequest, match: StopMatch, undo: _StepUndo) -> None:
+        """Finish a request on a stop string: keep the text before it (through it when
+        included) and the tokens that produced that text (engine/loop/stop_strings.py).
+        What is cut may predate this step, so it goes into the undo record."""
+        completion = req.completion
+        cut_tokens = completion.tokens[match.num_tokens :]
+        cut_logprobs = None if completion.logprobs is None else completion.logprobs[match.num_tokens :]
+        undo.cuts.append((req, cut_tokens, cut_logprobs))
+        del completion.tokens[match.num_tokens :]
+        if completion.logprobs is not None:
+            del completion.logprobs[match.num_tokens :]
+        completion.finish_reason, completion.stop_reason, completion.text = "stop", match.stop, match.text
 
     def _release(self, req: RunningRequest, *, keep_cache: bool) -> None:
         """Give back what a request that left holds: its batch row, any prompt logprobs
@@ -423,15 +510,17 @@ def generate(
     *,
     config: LoopConfig | None = None,
     engine_config: EngineConfig | None = None,
-) -> list[Completion]:
-    """Run every prompt to completion; completions in prompt order."""
+    tokenizer: ChatTokenizer | None = None,
+) -> list[Completion | list[Completion]]:
+    """Run every prompt to completion; completions in prompt order. A prompt whose params
+    have `n > 1` gets the list of its n completions in place of one."""
     prompts = list(prompts)
     if params is None or isinstance(params, SamplingParams):
         params = [params or SamplingParams()] * len(prompts)
     if len(params) != len(prompts):
         raise ValueError(f"params: {len(params)} entries for {len(prompts)} prompts")
-    loop = DecodeLoop(model, config, engine_config=engine_config)
+    loop = DecodeLoop(model, config, engine_config=engine_config, tokenizer=tokenizer)
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         loop.submit(i, prompt, p)
     done = loop.run()
-    return [done[i] for i in range(len(prompts))]
+    return [done[i] if p.n == 1 else [done[(i, j)] for j in range(p.n)] for i, p in enumerate(params)]

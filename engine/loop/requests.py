@@ -9,7 +9,8 @@ from typing import Hashable
 import numpy as np
 import torch
 
-from engine.host.params import SamplingParams
+from engine.host.params import UINT64_MAX, SamplingParams
+from engine.loop.stop_strings import OutputText
 from engine.step.prompt_logprobs import PromptLogprob
 from engine.step.outputs import TokenLogprob
 
@@ -21,6 +22,19 @@ def check_request_id(request_id: Hashable) -> None:
         hash(request_id)
     except TypeError:
         raise ValueError(f"request_id={request_id!r}: must be hashable") from None
+
+
+def sibling_seed(seed: int, j: int) -> int:
+    """The seed of sample `j` of a request with `n > 1` and a seed: `j = 0` keeps the seed
+    itself (so n = 1 and the first of n samples agree), `j > 0` takes the j-th output of a
+    splitmix64 generator started at it: well mixed, so siblings never share a seed the way
+    `seed + j` would share one with the request seeded `seed + 1`."""
+    if j == 0:
+        return seed
+    z = (seed + j * 0x9E3779B97F4A7C15) & UINT64_MAX
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & UINT64_MAX
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & UINT64_MAX
+    return z ^ (z >> 31)
 
 
 def checked_prompt(request_id: Hashable, prompt_tokens: object, vocab_size: int) -> np.ndarray:
@@ -62,9 +76,11 @@ class Completion:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[PromptLogprob] | None = None
     seed: int | None = None
-    finish_reason: str | None = None  # "stop" (EOS / stop id), "length", "abort" or "error"
+    finish_reason: str | None = None  # "stop" (EOS, stop id, stop string), "length", "abort" or "error"
     error: str | None = None  # finish_reason "error": the engine's message, naming the request and the cause
-    text: str | None = None  # filled by callers that hold a tokenizer
+    text: str | None = None  # the decoded output, when the loop has a tokenizer (set when the request finishes)
+    # finish_reason "stop": the stop string matched, or the id from params.stop_token_ids; None for EOS (as vLLM)
+    stop_reason: str | int | None = None
 
 
 @dataclass
@@ -80,6 +96,8 @@ class RunningRequest:
     table_row: int = -1  # row of the loop's persistent batch
     prefilled: int = 0  # prompt tokens already in the KV cache
     drafts: list[int] = field(default_factory=list)  # being verified this step
+    family: Hashable | None = None  # the id the request was submitted under, when it is one of n > 1 samples
+    text: OutputText | None = None  # its output text as it grows, when it has stop strings
 
     @property
     def generated(self) -> list[int]:
@@ -89,14 +107,20 @@ class RunningRequest:
         """What a step may change in this request; `restore` puts it back."""
         c = self.completion
         return (self.prefilled, len(c.tokens), None if c.logprobs is None else len(c.logprobs),
-                c.prompt_logprobs, c.seed, c.finish_reason, c.error)
+                c.prompt_logprobs, c.seed, c.finish_reason, c.error, c.text, c.stop_reason,
+                None if self.text is None else self.text.state())
 
     def restore(self, mark: tuple) -> None:
+        """Back to `mark`; tokens a stop string cut must have been put back first (they
+        were appended after the mark was taken, so only those past it are dropped)."""
         c = self.completion
-        self.prefilled, num_tokens, num_logprobs, c.prompt_logprobs, c.seed, c.finish_reason, c.error = mark
+        (self.prefilled, num_tokens, num_logprobs, c.prompt_logprobs, c.seed, c.finish_reason, c.error, c.text,
+         c.stop_reason, text_state) = mark
         del c.tokens[num_tokens:]
         if num_logprobs is not None:
             del c.logprobs[num_logprobs:]
+        if text_state is not None:
+            self.text.restore(text_state)
 
     def cached_tokens(self) -> np.ndarray:
         """The tokens whose keys and values this request's cache slot holds, in order."""
@@ -108,8 +132,11 @@ class RunningRequest:
 
 @dataclass(frozen=True)
 class StepEvent:
-    """Streaming output: what one request emitted in one step."""
+    """Streaming output: what one request emitted in one step. `retracted`: how many tokens
+    emitted in earlier steps a stop string took back (they produced only text at or past
+    it); the request's `Completion` holds what it kept."""
 
     request_id: Hashable
     new_tokens: list[int]
     finished: bool
+    retracted: int = 0

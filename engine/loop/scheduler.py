@@ -4,7 +4,8 @@ Decodes first (1 + drafts each, drafts from the n-gram drafter), then prefill
 chunks with the rest of the token budget, in running order. Before its first
 chunk a request may copy a prompt prefix another cache holds
 (`choose_shared_prefix`) or wait a step for the request ahead of it that is
-prefilling that prefix.
+prefilling that prefix. The samples of one request with n > 1 share their
+prompt whatever its length: the first computes it, the others copy it.
 """
 from __future__ import annotations
 
@@ -92,7 +93,8 @@ def choose_shared_prefix(
     min_shared_prefix: int,
 ) -> PrefixChoice:
     """The longest prefix of the request's prompt (at least `min_shared_prefix`
-    tokens) that another running request's cache or a retained cache holds.
+    tokens, or one token from a running sibling: a sample of the same n > 1
+    request) that another running request's cache or a retained cache holds.
     Waiting only ever points ahead in the running order, and budget goes out
     in that order, so a wait ends."""
     if req.params.num_prompt_logprobs >= 0:
@@ -104,11 +106,13 @@ def choose_shared_prefix(
             ahead = False
             continue
         held = other.cached_tokens()
+        # Siblings share the whole prompt: no length too short to be worth one prefill for n.
+        minimum = 1 if req.family is not None and other.family == req.family else min_shared_prefix
         cached = min(common_prefix_length(req.prompt, held), limit)
-        if cached >= min_shared_prefix and cached > best:
+        if cached >= minimum and cached > best:
             best, source = cached, other.kv_slot
         if ahead and len(held) < len(other.prompt):  # still prefilling: what it will hold
-            coming |= min(common_prefix_length(req.prompt, other.prompt), limit) >= max(min_shared_prefix, cached + 1)
+            coming |= min(common_prefix_length(req.prompt, other.prompt), limit) >= max(minimum, cached + 1)
     for slot, held in retained.items():
         cached = min(common_prefix_length(req.prompt, held), limit)
         if cached >= min_shared_prefix and cached > best:
