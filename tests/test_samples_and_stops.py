@@ -260,24 +260,28 @@ def test_a_stop_token_id_is_the_stop_reason_and_eos_gives_none():
     assert (c.finish_reason, c.stop_reason, c.tokens) == ("stop", tokens[4], tokens[: tokens.index(tokens[4]) + 1])
 
 
-def test_a_step_that_raises_after_a_stop_string_cut_leaves_no_trace():
-    """The fault fires in the bookkeeping after the step's stop strings were applied (the
-    batch's record of the step): the cut tokens, the text, the stop reason all go back."""
+def test_every_step_that_raises_after_its_stop_strings_leaves_no_trace():
+    """Each step fails once, in the bookkeeping after its stop strings were applied (the
+    batch's record of the step), and runs again: the cut tokens and logprobs (some from
+    earlier steps), the texts, the stop reasons all go back, and the run ends as a clean
+    one does. Drafts on; one request has n = 2."""
     prompts, params = stop_workload(seed=11)
     free, _, _ = run_all(prompts, params)
     stops = [TOKENIZER.decode(free[i].tokens)[5:8] for i in range(len(prompts))]
     params = [dataclasses.replace(p, stop=(s,)) for p, s in zip(params, stops)]
-    clean, _, _ = run_all(prompts, params, max_draft_tokens=3)
+    params[0] = dataclasses.replace(params[0], n=2)
+    clean, clean_loop, _ = run_all(prompts, params, max_draft_tokens=3)
     loop = make_loop(max_draft_tokens=3)
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         loop.submit(i, prompt, p)
-    record, fired = loop.batch.record, []
+    record, failed, cut = loop.batch.record, [], []
 
     def faulty_record(*args, **kwargs):
         record(*args, **kwargs)
-        if any(r.completion.stop_reason is not None for r in loop.running):  # a stop string just matched
-            fired.append(True)
-            raise Boom("after a stop-string step")
+        if not failed or failed[-1] != loop.stats.steps:  # the first try of each step
+            failed.append(loop.stats.steps)
+            cut.extend(r.request_id for r in loop.running if isinstance(r.completion.stop_reason, str))
+            raise Boom("after the step's stop strings")
 
     loop.batch.record = faulty_record
     while loop.has_work():
@@ -286,10 +290,10 @@ def test_a_step_that_raises_after_a_stop_string_cut_leaves_no_trace():
             loop.step()
         except Boom:
             assert_no_trace(before, text_state(loop))
-            loop.batch.record = record  # once
-    assert len(fired) == 1
-    assert {rid: (c.tokens, c.text, c.stop_reason) for rid, c in loop.finished.items()} == \
-           {rid: (c.tokens, c.text, c.stop_reason) for rid, c in clean.items()}
+    assert len(set(cut)) >= 3  # steps that cut a request on a stop string were undone
+    assert {rid: (*o, c.text, c.stop_reason) for (rid, o), c in zip(outputs(loop.finished).items(), loop.finished.values())} \
+        == {rid: (*o, c.text, c.stop_reason) for (rid, o), c in zip(outputs(clean).items(), clean.values())}
+    assert loop.stats.tokens_generated == clean_loop.stats.tokens_generated
 
 
 def text_state(loop: DecodeLoop) -> dict:
