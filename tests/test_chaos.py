@@ -125,6 +125,8 @@ def bad_submission(rng: np.random.Generator, taken_id) -> tuple[tuple, dict]:
         (("params", [3, 4], "greedy"), {}),
         (("stops", [3, 4], SamplingParams(stop_token_ids=tuple(range(3, 20)))), {}),
         (("logprobs", [3, 4], SamplingParams(logprobs=10_000)), {}),
+        (("stop strings", [3, 4], SamplingParams(stop=("\n",), n=2)), {}),  # the loop has no tokenizer
+        ((taken_id, [3, 4], SamplingParams(n=3)), {}),
     ]
     return cases[int(rng.integers(len(cases)))]
 

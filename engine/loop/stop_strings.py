@@ -6,8 +6,9 @@ ones) and releases the difference, so a step costs a few tokens' decoding, not
 the whole output's. Text that ends in U+FFFD is held back: with a byte-level
 vocabulary a token may carry the first bytes of a character whose remaining
 bytes come with the next token, and releasing the replacement character would
-put a character into the text that the finished output does not have. The
-released text is always a prefix of `decode(all tokens)`.
+put a character into the text that the finished output does not have. So the
+released text is a prefix of `decode(all tokens)`, and equals it once the
+output ends (checked on SmolLM2's byte-level BPE in tests/test_stop_strings.py).
 
 A stop string is looked for in the released text only (what precedes the hold
 back), in the part a step's new characters could have completed. The request
