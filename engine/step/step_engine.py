@@ -38,6 +38,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from engine.host.control_slots import NoControls
 from engine.host.ledger import SamplerInputs
 from engine.host.persistent_batch import SeqMetaFront
 from engine.host.params import SeqMeta
@@ -46,8 +47,9 @@ from engine.step.body import StepBody
 from engine.step.checkpoint import EngineCheckpoint, copy_counters, restore_counters
 from engine.step.collect import collect
 from engine.step.config import EngineConfig, EngineStats
+from engine.step.controls import SamplingControls, emitted_pairs
 from engine.step.drafts import StepDrafts
-from engine.step.lm_head import LMHead, LocalHead
+from engine.step.lm_head import CONTROLLED, LMHead, LocalHead
 from engine.step.outputs import StepOutput, assemble, row_errors
 from engine.step.prompt_logprobs import PromptLogprobAccumulator, PromptLogprobUpdate
 from engine.step.staging import StepArrays
@@ -98,10 +100,21 @@ class StepEngine:
             draft_probs=config.verify_mode == "rejection" and config.max_draft_tokens > 0,
         )
         self.head.attach(self.buffers)
-        static = {**self.buffers.static_tensors(), **self.head.static_tensors()}
+        # Sampling controls (penalties, logit bias, allowed tokens): state only when the config asks.
+        self.controls: SamplingControls | None = None
+        if config.max_control_slots and self.head.supports_controls:
+            self.controls = SamplingControls(config, self.vocab_size, self.buffers.max_rows, self.device)
+            self.head.attach_controls(self.controls)
+        # What the request tables ask when a request joins, changes or leaves.
+        self.control_hook = self.controls or NoControls(
+            "this engine has no sampling-control state (EngineConfig.max_control_slots=0)"
+            if not config.max_control_slots else f"{type(self.head).__name__} does not apply sampling controls")
+        static = {**self.buffers.static_tensors(), **self.head.static_tensors(),
+                  **(self.controls.static_tensors() if self.controls else {})}
         # One replayer per graph set of the head: a captured graph fixes its sampler variant and collectives.
         self.replayers: dict[str, GraphReplayer] = {
-            graphs: GraphReplayer(StepBody(self.buffers, config, functools.partial(self.head.logits_and_sample, graphs=graphs)),
+            graphs: GraphReplayer(StepBody(self.buffers, config, functools.partial(self.head.logits_and_sample, graphs=graphs),
+                                           controls=self.controls if graphs == CONTROLLED else None),
                                   self.buckets, static, self.device,
                                   check_addresses_each_replay=config.check_addresses_each_replay)
             for graphs in self.head.graph_sets
@@ -127,12 +140,14 @@ class StepEngine:
         restores it, so a caller whose own code failed after `run`/`step`
         returned can undo the step. Not covered: device state, i.e. the static
         buffers (every step rewrites what it reads) and the draft-info pool,
-        whose slots the caller's take-once bookkeeping owns."""
+        whose slots the caller's take-once bookkeeping owns. The penalty counts
+        are covered: a rollback takes back what the last step counted."""
         return EngineCheckpoint(
             partial_prompt_logprobs=self.prompt_logprobs.snapshot(),
             stats=copy_counters(self.stats),
             head_stats=None if self.head.stats is None else copy_counters(self.head.stats),
             replayer_counts=tuple(r.counts() for r in self.replayers.values()),
+            control_steps=None if self.controls is None else self.controls.steps,
         )
 
     def rollback(self, checkpoint: EngineCheckpoint) -> None:
@@ -143,6 +158,8 @@ class StepEngine:
             restore_counters(self.head.stats, checkpoint.head_stats)
         for replayer, counts in zip(self.replayers.values(), checkpoint.replayer_counts):
             replayer.restore_counts(counts)
+        if self.controls is not None and checkpoint.control_steps is not None:
+            self.controls.rollback_to(checkpoint.control_steps)
 
     # -- setting up -------------------------------------------------------------
 
@@ -195,6 +212,7 @@ class StepEngine:
                 next_drafts=next_drafts,
                 next_draft_logprobs=next_draft_logprobs,
             )
+            arrays.control_slots = self.seq_front.control_slots(inputs)
         return self.run(hidden_states, inputs, arrays, host_start=start)
 
     def validate(self, hidden_states: torch.Tensor, inputs: SamplerInputs) -> None:
@@ -243,7 +261,9 @@ class StepEngine:
         # slice at a time. Rows are independent (batch-invariant logits, per-row
         # sampling), so this equals one big step.
         parts = self.buckets.parts(n)
-        graphs = self.head.graphs_for(inputs, sum(self.buffers.rows_for(p) for _, _, p in parts), self.stats)
+        controlled = arrays.control_slots is not None
+        graphs = CONTROLLED if controlled else self.head.graphs_for(
+            inputs, sum(self.buffers.rows_for(p) for _, _, p in parts), self.stats)
         replayer = self.replayers[graphs]
         if bucket is None:
             replayer.record_eager_fallback(n)
@@ -266,13 +286,15 @@ class StepEngine:
                         self.stats.eager_steps += 1
             self.head.before_exact_rows(graphs, part_bucket, len(part.row_to_req))
             results.append(collect(self.buffers, self.config, part_bucket, part, self.stats,
-                                   want_top=want_top, want_logprobs=want_logprobs))
+                                   want_top=want_top, want_logprobs=want_logprobs,
+                                   controls=self.controls if controlled else None))
             host_start = time.perf_counter()
         if bucket is not None:
             self.stats.bucket_histogram[bucket] = self.stats.bucket_histogram.get(bucket, 0) + 1
         self.stats.steps += 1
         result = {key: np.concatenate([r[key] for r in results]) for key in results[0]}
         errors = row_errors(inputs, result["error"])
+        row_failed = [e is not None for e in errors]
         prompt = None
         if bool((inputs.is_prompt & (inputs.num_prompt_logprobs >= 0)).any()):
             with stage("prompt logprobs"):
@@ -281,6 +303,13 @@ class StepEngine:
                     inputs, prompt_rows, np.fromiter((e is not None for e in errors), bool, count=n))
             errors = [e if e is not None or p is None else f"request {rid!r}: {p}"
                       for e, p, rid in zip(errors, prompt.errors, inputs.request_ids)]
+        if controlled:
+            # What the graph counted, host side: taken back for requests whose prompt
+            # logprobs failed (they emit nothing), kept for a rollback.
+            slots, tokens, request = emitted_pairs(inputs, arrays.control_slots, result, row_failed)
+            dropped = np.fromiter((errors[i] is not None for i in request), bool, count=len(request))
+            self.controls.take_back(slots[dropped], tokens[dropped])
+            self.controls.record(slots[~dropped], tokens[~dropped])
         handed_over = prompt.handed_over if prompt is not None else [None] * n
         return assemble(inputs, result, handed_over, errors, bucket, replayed), prompt
 
