@@ -358,3 +358,43 @@ def test_counts_follow_the_draws_of_rows_redone_on_the_exact_path():
     assert engine.stats.exact_rows > 0
     slot = int(batch.table.control_slot[batch.table.row("a")])
     np.testing.assert_array_equal(engine.controls.counts[slot].numpy(), np.bincount(tokens, minlength=VOCAB))
+
+
+def test_allowed_tokens_that_are_all_suppressed_fail_only_their_request():
+    """min_tokens suppresses EOS, the only allowed token: nothing is left, the
+    request fails with that cause and its neighbour is untouched."""
+    engine = _engine(eos_token_id=3)
+    batch = PersistentBatch(engine)
+    batch.add("stuck", [1, 2], SamplingParams(allowed_token_ids=(3,), min_tokens=2, temperature=0.5, seed=1))
+    batch.add("fine", [1, 2], SamplingParams(temperature=0.5, seed=2))
+    out = _step(batch, ["stuck", "fine"])
+    assert out.errors[0] == "request 'stuck': no token left after the sampling controls (EOS/stop suppression)"
+    assert out.tokens[0] == [] and out.errors[1] is None and out.tokens[1]
+    slot = int(batch.table.control_slot[batch.table.row("stuck")])
+    assert engine.controls.counts[slot].sum() == 0  # a failed request emits (and counts) nothing
+
+
+@pytest.mark.parametrize("mode", ["rejection", "strict-top-k-space"])
+def test_verification_sees_the_controlled_distribution(mode):
+    """Rejection mode's target p and top-k-space verification read the controlled
+    logits: a draft outside the allowed set is never accepted, every emitted
+    token is allowed, and raw logprobs still rank it among the unprocessed logits."""
+    options = dict(verify_mode="rejection") if mode == "rejection" else dict(top_k_space_verify=True)
+    engine = _engine(**options)
+    batch = PersistentBatch(engine)
+    allowed = tuple(range(10, 20))
+    params = SamplingParams(temperature=1.0, top_k=5, seed=4, allowed_token_ids=allowed, logprobs=1)
+    batch.add("r", [1, 2], params)
+    _step(batch, ["r"])
+    rng = np.random.default_rng(0)
+    for s in range(6):
+        generated = int(batch.table.cols.num_generated[batch.table.row("r")])
+        drafts = [[int(rng.choice(allowed)), 300 % VOCAB]]  # the second is never allowed
+        hidden = torch.from_numpy(rng.standard_normal((3, HIDDEN)).astype(np.float32))
+        step = batch.prepare(["r"], [3], [2 + generated + 2], draft_tokens=drafts)
+        out = engine.run(hidden, step.inputs, step.arrays)
+        batch.record(step, out)
+        assert out.num_accepted[0] <= 1 and set(out.tokens[0]) <= set(allowed)
+        for j, lp in enumerate(out.logprobs[0]):
+            row = engine.controls.unprocessed[j].double()
+            assert lp.rank == 1 + int((row > row[lp.token]).sum())

@@ -80,7 +80,8 @@ def _write_exact_rows(
     vocab = raw.shape[1]
     rows = expand_rows(params.rows(index), vocab)
     d = full_row_distribution(raw, rows)
-    error = row_errors(before, ~d.valid.any(-1))
+    # With the sampling controls, a -inf (not allowed) token is no token to choose.
+    error = row_errors(before, ~(d.valid if unprocessed is None else d.valid & torch.isfinite(raw)).any(-1))
     # The kept set is a prefix of the sorted row: race over the longest one only.
     width = max(1, int(d.kept.kept.sum(-1).max()))
     raced = _if_any(~rows.greedy & ~rows.plain, lambda: gumbel_race(

@@ -17,6 +17,7 @@ file, each with its definitions:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -119,7 +120,13 @@ def sample(
     # placeholder goes in before anything indexes by token. Without a tail,
     # no unsuppressed candidate means no unsuppressed token at all; with one,
     # the exact path decides.
-    error = row_errors(plain, ~any_valid if not has_tail else torch.zeros_like(any_valid))
+    nothing_left = ~any_valid if not has_tail else torch.zeros_like(any_valid)
+    if unprocessed is not None:
+        # The allowed tokens may all be suppressed stop ids: every unsuppressed
+        # candidate is -inf, and so is every token past them (<= the boundary).
+        best = torch.where(valid, cand_raw, torch.full_like(cand_raw, -math.inf)).amax(-1)
+        nothing_left = nothing_left | (any_valid & (best == -math.inf))
+    error = row_errors(plain, nothing_left)
     failed = error != RowError.OK
     token = torch.where(failed, PLACEHOLDER_TOKEN, token)
 
