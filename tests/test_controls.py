@@ -398,3 +398,29 @@ def test_verification_sees_the_controlled_distribution(mode):
         for j, lp in enumerate(out.logprobs[0]):
             row = engine.controls.unprocessed[j].double()
             assert lp.rank == 1 + int((row > row[lp.token]).sum())
+
+
+@pytest.mark.parametrize("where", ["collect", "prompt logprobs"])
+def test_a_step_that_raises_after_its_replay_leaves_the_counts_as_they_were(monkeypatch, where):
+    import engine.step.step_engine as step_engine_module
+
+    engine = _engine()
+    batch = PersistentBatch(engine)
+    batch.add("a", [1, 2], SamplingParams(temperature=0, frequency_penalty=1.0, prompt_logprobs=1))
+    _step(batch, ["a"])
+    slot = int(batch.table.control_slot[batch.table.row("a")])
+    before = engine.controls.counts.clone()
+    if where == "collect":
+        original = step_engine_module.collect
+
+        def failing(*args, **kwargs):
+            original(*args, **kwargs)
+            raise KeyboardInterrupt("after the exact rows")
+
+        monkeypatch.setattr(step_engine_module, "collect", failing)
+    else:
+        monkeypatch.setattr(engine.head, "prompt_logprobs", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+        batch.add("b", [3, 4, 5], SamplingParams(presence_penalty=1.0, prompt_logprobs=1))
+    with pytest.raises(KeyboardInterrupt):
+        _step(batch, ["a", "b"] if where != "collect" else ["a"])
+    assert torch.equal(engine.controls.counts, before) and engine.controls.counts[slot].sum() == 1

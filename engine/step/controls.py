@@ -16,8 +16,9 @@ Inside the captured step (`apply`, `count`): the controls rewrite
 `buffers.logits` in place, after a copy of the unprocessed logits, so every
 path that reads the logits afterwards (the sampler, the exact rows, draft
 verification) sees the controlled ones; then the tokens the step emits are
-added to the counts, on the device. The host keeps the last step's (slot,
-token) pairs so that `StepEngine.rollback` can take them back.
+added to the counts, on the device. The host copies what each replay counted
+(one small copy beside the outputs') so that `StepEngine.rollback` can take
+back the last step, or a step that raised after its replay.
 """
 from __future__ import annotations
 
@@ -28,7 +29,6 @@ import numpy as np
 import torch
 
 from engine.host.control_slots import first_control, uses_controls
-from engine.host.ledger import SamplerInputs
 from engine.host.params import SamplingParams
 from engine.sampling.allowed_tokens import apply_allowed_tokens_
 from engine.sampling.errors import RowError
@@ -66,20 +66,22 @@ class SamplingControls:
         self.allowed_words = torch.zeros(slots, words, dtype=torch.int32, device=device)
         self.restricted = torch.zeros(slots, dtype=torch.bool, device=device)
         self.unprocessed = torch.zeros(max_rows, vocab_size, dtype=torch.float32, device=device)
-        # Per sample row: the flat counts index the step added to (0 when none) and by how much.
-        self.counted_index = torch.zeros(max_rows, dtype=torch.int64, device=device)
-        self.counted = torch.zeros(max_rows, dtype=torch.int32, device=device)
+        # Per sample row of the last replay: the flat counts index (slot * V + token) it added 1 to, -1 none.
+        self.counted_index = torch.full((max_rows,), -1, dtype=torch.int64, device=device)
         self._free = list(range(slots - 1, 0, -1))
-        # The (slot, token) pairs the last step added to the counts, host side (for rollback).
-        self.last_step: tuple[np.ndarray, np.ndarray] | None = None
-        self.steps = 0  # steps that counted tokens: a rollback takes back only the latest
+        # Host side, for undoing: the flat indices the last finished step added to; those of
+        # the parts of a step in flight, and the rows of a replayed part not collected yet.
+        self.last_step: np.ndarray | None = None
+        self.steps = 0  # finished steps that counted tokens: a rollback takes back only the latest
+        self._parts: list[np.ndarray] | None = None
+        self._uncollected = 0
         log.info("sampling controls: %s", self.describe())
 
     # -- memory -----------------------------------------------------------------
 
     def static_tensors(self) -> dict[str, torch.Tensor]:
         names = ("counts", "prompt_words", "penalties", "bias_ids", "bias_values", "allowed_words", "restricted",
-                 "unprocessed", "counted_index", "counted")
+                 "unprocessed", "counted_index")
         return {f"controls.{name}": getattr(self, name) for name in names}
 
     @property
@@ -221,63 +223,71 @@ class SamplingControls:
         token = b.out.tokens[:rows]
         if config.max_draft_tokens and config.verify_mode == "rejection":
             token = torch.where(b.emitted[:rows] >= 0, b.emitted[:rows], token)
-        index = torch.where(emits, slot * self.vocab_size + token, torch.zeros_like(slot))
+        index = torch.where(emits, slot * self.vocab_size + token, torch.full_like(slot, -1))
         self.counted_index[:rows].copy_(index)
-        self.counted[:rows].copy_(emits.to(torch.int32))
-        self.counts.view(-1).scatter_add_(0, index, self.counted[:rows])
+        self._add(self.counted_index[:rows], 1)
+
+    def _add(self, index: torch.Tensor, sign: int) -> None:
+        """counts.flat[index] += sign for every index >= 0 (-1: nothing); capture-safe."""
+        counted = index >= 0
+        self.counts.view(-1).scatter_add_(0, index.clamp(min=0), counted.to(torch.int32) * sign)
 
     def recount(self, buffers: StepBuffers, config: EngineConfig, bucket: int) -> None:
         """After the exact rows changed some draws (eager): take back what `count`
         added in the graph and count again."""
-        rows = buffers.rows_for(bucket)
-        self.counts.view(-1).scatter_add_(0, self.counted_index[:rows], -self.counted[:rows])
+        self._add(self.counted_index[: buffers.rows_for(bucket)], -1)
         self.count(buffers, config, bucket)
 
     # -- host side: undoing ---------------------------------------------------------
 
-    def record(self, slots: np.ndarray, tokens: np.ndarray) -> None:
-        """The (slot, token) pairs the step just counted, kept for `take_back`."""
-        self.last_step = (slots, tokens)
-        self.steps += 1
+    def start_step(self) -> None:
+        """A step of the controls graphs begins (before its first replay)."""
+        self._parts = []
 
-    def take_back(self, slots: np.ndarray, tokens: np.ndarray) -> None:
-        """Subtract (slot, token) pairs from the counts (eager)."""
-        if len(slots):
-            index = torch.as_tensor(slots * self.vocab_size + tokens, dtype=torch.int64, device=self.device)
-            self.counts.view(-1).index_add_(0, index, torch.full_like(index, -1, dtype=torch.int32))
+    def replayed(self, rows: int) -> None:
+        """A part of the step ran over `rows` sample rows: its counts are on the device."""
+        self._uncollected = rows
+
+    def collected(self, rows: int) -> None:
+        """After the part's exact rows: copy what it counted to the host (one small copy)."""
+        index = self.counted_index[:rows].to("cpu", copy=True).numpy()
+        self._parts.append(index[index >= 0])
+        self._uncollected = 0
+
+    def finish_step(self, dropped: np.ndarray) -> None:
+        """The step went through. `dropped` [counted tokens] bool, in row order: tokens of
+        requests that failed after the graph (their prompt logprobs) and emit nothing,
+        taken back now; the rest is kept for a rollback."""
+        index = np.concatenate(self._parts) if self._parts else np.zeros(0, np.int64)
+        self._take_back(index[dropped])
+        self.last_step = index[~dropped]
+        self.steps += 1
+        self._parts = None
+
+    def counted_tokens(self) -> tuple[np.ndarray, np.ndarray]:
+        """(slots, tokens) of what the step in flight counted so far, in row order."""
+        index = np.concatenate(self._parts) if self._parts else np.zeros(0, np.int64)
+        return index // self.vocab_size, index % self.vocab_size
+
+    def _take_back(self, index: np.ndarray) -> None:
+        if len(index):
+            self._add(torch.as_tensor(index, dtype=torch.int64, device=self.device), -1)
 
     def rollback_to(self, steps: int) -> None:
-        """Undo the last step's counts if it ran after the checkpoint that saw `steps`."""
+        """Undo a step in flight (it raised), or the last finished one if it ran
+        after the checkpoint that saw `steps`."""
+        if self._parts is not None:
+            if self._uncollected:
+                self._add(self.counted_index[: self._uncollected], -1)
+            for index in self._parts:
+                self._take_back(index)
+            self._parts, self._uncollected = None, 0
+            return
         if self.steps == steps or self.last_step is None:
             return
         if self.steps != steps + 1:
             raise RuntimeError(f"sampling controls: a rollback can undo one step, {self.steps - steps} ran since "
                                "the checkpoint")
-        self.take_back(*self.last_step)
+        self._take_back(self.last_step)
         self.last_step = None
         self.steps = steps
-
-
-
-def emitted_pairs(inputs: SamplerInputs, control_slots: np.ndarray, result: dict[str, np.ndarray],
-                  failed: Sequence[bool]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The (slot, token) pairs `SamplingControls.count` added for a step, host side.
-
-    Parameters: the step's `inputs`; `control_slots` [n] its staged slots;
-    `result` the collected rows (tokens, num_accepted); `failed` [n] whether a
-    row of the request failed. Returns: slots, tokens and the request index
-    of each pair, [pairs] int64 each.
-    """
-    slots, tokens, request = [], [], []
-    for i in np.flatnonzero(control_slots):
-        if failed[i]:
-            continue
-        lo = int(inputs.sample_offsets[i])
-        accepted = 0 if inputs.is_prompt[i] else int(result["num_accepted"][i])
-        emitted = result["tokens"][lo : lo + accepted + 1]
-        slots.append(np.full(len(emitted), control_slots[i], np.int64))
-        tokens.append(emitted.astype(np.int64))
-        request.append(np.full(len(emitted), i, np.int64))
-    if not slots:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
-    return np.concatenate(slots), np.concatenate(tokens), np.concatenate(request)

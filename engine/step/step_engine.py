@@ -47,7 +47,7 @@ from engine.step.body import StepBody
 from engine.step.checkpoint import EngineCheckpoint, copy_counters, restore_counters
 from engine.step.collect import collect
 from engine.step.config import EngineConfig, EngineStats
-from engine.step.controls import SamplingControls, emitted_pairs
+from engine.step.controls import SamplingControls
 from engine.step.drafts import StepDrafts
 from engine.step.lm_head import CONTROLLED, LMHead, LocalHead
 from engine.step.outputs import StepOutput, assemble, row_errors
@@ -272,6 +272,8 @@ class StepEngine:
         want_logprobs = bool((inputs.num_logprobs >= 0).any())
         want_top = bool((inputs.num_logprobs > 0).any())
         results = []
+        if controlled:
+            self.controls.start_step()
         for a, b, part_bucket in parts:
             part = arrays if len(parts) == 1 else arrays.requests(a, b, inputs.sample_offsets, inputs.sample_counts)
             self.stage_step(hidden_states, part, part_bucket)
@@ -284,17 +286,20 @@ class StepEngine:
                     replayer.run_eager(part_bucket)
                     if bucket is not None:  # a fallback slice is counted as eager_fallbacks
                         self.stats.eager_steps += 1
+            if controlled:
+                self.controls.replayed(self.buffers.rows_for(part_bucket))
             self.head.before_exact_rows(graphs, part_bucket, len(part.row_to_req))
             results.append(collect(self.buffers, self.config, part_bucket, part, self.stats,
                                    want_top=want_top, want_logprobs=want_logprobs,
                                    controls=self.controls if controlled else None))
+            if controlled:
+                self.controls.collected(self.buffers.rows_for(part_bucket))
             host_start = time.perf_counter()
         if bucket is not None:
             self.stats.bucket_histogram[bucket] = self.stats.bucket_histogram.get(bucket, 0) + 1
         self.stats.steps += 1
         result = {key: np.concatenate([r[key] for r in results]) for key in results[0]}
         errors = row_errors(inputs, result["error"])
-        row_failed = [e is not None for e in errors]
         prompt = None
         if bool((inputs.is_prompt & (inputs.num_prompt_logprobs >= 0)).any()):
             with stage("prompt logprobs"):
@@ -304,12 +309,10 @@ class StepEngine:
             errors = [e if e is not None or p is None else f"request {rid!r}: {p}"
                       for e, p, rid in zip(errors, prompt.errors, inputs.request_ids)]
         if controlled:
-            # What the graph counted, host side: taken back for requests whose prompt
-            # logprobs failed (they emit nothing), kept for a rollback.
-            slots, tokens, request = emitted_pairs(inputs, arrays.control_slots, result, row_failed)
-            dropped = np.fromiter((errors[i] is not None for i in request), bool, count=len(request))
-            self.controls.take_back(slots[dropped], tokens[dropped])
-            self.controls.record(slots[~dropped], tokens[~dropped])
+            # Requests whose prompt logprobs failed emit nothing: what the graph counted for them goes back.
+            failed = arrays.control_slots[np.fromiter((e is not None for e in errors), bool, count=n)]
+            counted_slots, _ = self.controls.counted_tokens()
+            self.controls.finish_step(np.isin(counted_slots, failed[failed > 0]))
         handed_over = prompt.handed_over if prompt is not None else [None] * n
         return assemble(inputs, result, handed_over, errors, bucket, replayed), prompt
 
