@@ -424,3 +424,24 @@ def test_a_step_that_raises_after_its_replay_leaves_the_counts_as_they_were(monk
     with pytest.raises(KeyboardInterrupt):
         _step(batch, ["a", "b"] if where != "collect" else ["a"])
     assert torch.equal(engine.controls.counts, before) and engine.controls.counts[slot].sum() == 1
+
+
+def test_processed_logprobs_report_the_controlled_distribution():
+    """logprobs_mode="processed": the top alternatives are allowed tokens, their
+    logprob is that of the controlled row; raw mode reports the unprocessed row."""
+    allowed = (10, 11, 12, 13)
+    params = SamplingParams(temperature=1.0, seed=2, allowed_token_ids=allowed, logit_bias={11: 4.0}, logprobs=2)
+    for mode in ("processed", "raw"):
+        engine = _engine(sampler=SamplerConfig(candidate_cap=8, max_logprobs=2, logprobs_mode=mode))
+        batch = PersistentBatch(engine)
+        batch.add("p", [1, 2], params)
+        out = _step(batch, ["p"], seed=3)
+        lp = out.logprobs[0][0]
+        if mode == "processed":
+            assert {t for t, _ in lp.top} <= set(allowed)
+            controlled = engine.buffers.logits[0].double()
+            want = controlled[lp.token] - torch.logsumexp(controlled, 0)
+            assert lp.logprob == pytest.approx(float(want), abs=1e-5)
+        else:
+            raw = engine.controls.unprocessed[0].double()
+            assert lp.logprob == pytest.approx(float(raw[lp.token] - torch.logsumexp(raw, 0)), abs=1e-5)

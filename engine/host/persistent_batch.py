@@ -250,7 +250,8 @@ class RequestTable:
         slots = self.control_slot[rows]
         if not slots.any():
             return None
-        return np.where(inputs.is_prompt & ~inputs.is_last_chunk, 0, slots)
+        slots = np.where(inputs.is_prompt & ~inputs.is_last_chunk, 0, slots)
+        return slots if slots.any() else None
 
     def record_emitted(self, rows: np.ndarray, counts: np.ndarray) -> None:
         """Advance num_generated after a step emitted `counts` tokens per row."""
