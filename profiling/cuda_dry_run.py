@@ -15,7 +15,7 @@ see zeros and are counted per call site.
 
 Scenarios: the StepEngine (both candidate graph sets, the source-copy path,
 prompt logprobs, an eager fallback), drafts verified in strict and rejection
-mode, one rank's step of the vocab-sharded engine (a fake process group), and
+mode (also with penalties, logit bias and allowed tokens: the controls graphs), one rank's step of the vocab-sharded engine (a fake process group), and
 the batch-invariant Llama model's decode step, checked under the same rules
 with its KV cache as the static buffers.
 
@@ -41,6 +41,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,7 +55,7 @@ from engine.host.params import SamplingParams, SeqMeta
 from engine.parallel.sharded_engine import ParallelConfig, ShardedStepEngine
 from engine.parallel.vocab_parallel import VocabShards
 from engine.step.config import EngineConfig
-from engine.step.lm_head import FULL_CANDIDATES, SMALL_CANDIDATES
+from engine.step.lm_head import CONTROLLED, FULL_CANDIDATES, SMALL_CANDIDATES
 from engine.step.step_engine import StepEngine
 from graphs.capture_safety import CaptureSafetyError, capture_safety_check
 from graphs.replay import CaptureReport, GraphReplayer, simulated_cuda_capture
@@ -165,6 +166,12 @@ def _mixed(i: int) -> SamplingParams:
     return kinds[i % len(kinds)]
 
 
+def _controlled(i: int) -> SamplingParams:
+    """`_mixed` plus the sampling controls: penalties, a logit bias, an allowed set."""
+    return dataclasses.replace(_mixed(i), repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.3,
+                               logit_bias={3: 2.0, 5: -1.0}, allowed_token_ids=tuple(range(2, 64)) if i % 2 else None)
+
+
 @dataclass
 class _Run:
     """One dry run's settings and findings; `cuda` is None on a real GPU (the twin)."""
@@ -214,9 +221,11 @@ def _engine(run: _Run) -> None:
 def _drafts(run: _Run, mode: str) -> None:
     cfg, k = run.cfg, run.cfg.max_draft_tokens
     engine = StepEngine(run.weight(cfg.vocab, cfg.hidden), EngineConfig(
-        device="cuda", max_num_reqs=cfg.max_num_reqs, max_draft_tokens=k, verify_mode=mode))
+        device="cuda", max_num_reqs=cfg.max_num_reqs, max_draft_tokens=k, verify_mode=mode,
+        max_control_slots=cfg.max_num_reqs, max_logit_bias=8, max_allowed_token_ids=64))
     run.capture(f"drafts {mode}", engine.replayers[FULL_CANDIDATES])
     run.capture(f"drafts {mode} small-candidate", engine.replayers[SMALL_CANDIDATES])
+    run.capture(f"drafts {mode} controls", engine.replayers[CONTROLLED])
     n = min(4, cfg.max_num_reqs)
     drafts = [list(range(10 + i, 10 + i + k)) for i in range(n)]
     draft_logprobs = None
@@ -227,6 +236,12 @@ def _drafts(run: _Run, mode: str) -> None:
         engine.step(engine.source, _requests(n, decode=True, drafts=k, params=_mixed), drafts, draft_logprobs,
                     next_drafts=[list(range(20, 20 + k))] * n)
         engine.step(engine.source, _requests(n, decode=True, drafts=k, params=_mixed))  # drafts from the pool
+    # New request ids: the controls join with their prompt, before any generated token.
+    renamed = lambda seqs: [dataclasses.replace(s, request_id=f"c{s.request_id}") for s in seqs]  # noqa: E731
+    with run.steps(f"drafts {mode} controls", 2):
+        engine.step(engine.source, renamed(_requests(n, params=_controlled)))
+        engine.step(engine.source, renamed(_requests(n, decode=True, drafts=k, params=_controlled)), drafts,
+                    draft_logprobs)
 
 
 @contextmanager

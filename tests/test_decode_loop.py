@@ -682,7 +682,7 @@ def test_engine_fields_left_at_their_default_are_filled_in_from_the_loop_and_the
 def test_engine_fields_the_loop_can_honour_are_kept():
     model = tiny_model()
     given = EngineConfig(device="cpu", max_num_reqs=8, max_draft_tokens=3, max_source_rows=100, buckets=(2, 8),
-                         eos_token_id=model.eos_token_id, draft_pool_slots=1)
+                         eos_token_id=model.eos_token_id, draft_pool_slots=1, max_control_slots=5)
     loop = DecodeLoop(model, LoopConfig(max_num_reqs=4, token_budget=40, max_draft_tokens=2), engine_config=given,
                       capture=False)
     assert loop.engine.config == given
@@ -699,6 +699,7 @@ def test_engine_fields_the_loop_can_honour_are_kept():
     ("eos_token_id", 7, r"the model's eos_token_id=\d+"),
     ("draft_pool_slots", 9, r"1 or None: the loop keeps no draft-info pool"),
     ("compaction_keep_tokens", 4, r"None: the loop's model produces a row for every query token"),
+    ("max_control_slots", 2, r">= LoopConfig.max_num_reqs=4 \(a control slot for every running request\)"),
 ])
 def test_an_engine_field_the_loop_cannot_honour_is_refused_naming_it(field, value, needs):
     with pytest.raises(ValueError, match=rf"EngineConfig.{field}={value}: DecodeLoop needs {needs}"):

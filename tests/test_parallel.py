@@ -361,3 +361,11 @@ def test_the_sharded_engine_overrides_no_private_method() -> None:
     """Composition: what differs lives in its LM-head strategy, not in overrides of StepEngine's internals."""
     private = {name for name in vars(ShardedStepEngine) if name.startswith("_") and not name.startswith("__")}
     assert not private & set(dir(StepEngine))
+
+
+def test_the_sharded_engine_refuses_sampling_controls_at_submission(one_rank_group) -> None:
+    engine = ShardedStepEngine(_weight(), VOCAB, replace(CONFIG, max_control_slots=4), ParallelConfig(strategy="gather"))
+    assert engine.controls is None
+    seq = SeqMeta("c", True, 2, 2, 2, prompt_tokens=[1, 2], params=SamplingParams(logit_bias={1: 2.0}))
+    with pytest.raises(ValueError, match=r"request 'c': logit_bias=\{1: 2.0\}: VocabParallelHead does not apply"):
+        engine.step(torch.zeros(2, HIDDEN), [seq])

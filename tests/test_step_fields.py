@@ -64,6 +64,7 @@ def _step_arrays(seqs: list[SeqMeta], **extra: np.ndarray) -> SimpleNamespace:
     arrays.has_draft_probs = np.arange(rows) % 2 == 0
     arrays.next_draft_tokens = np.arange(n * MAX_DRAFTS, dtype=np.int64).reshape(n, MAX_DRAFTS) + 30
     arrays.next_draft_logprobs = -np.ones((n, MAX_DRAFTS), np.float32)
+    arrays.control_slots = np.arange(n, dtype=np.int64) + 1
     return SimpleNamespace(**{f.name: getattr(arrays, f.name) for f in STEP_FIELDS}, **extra)
 
 
@@ -97,12 +98,13 @@ def test_every_field_has_the_contract_name_and_a_full_declaration():
         "selected_token_indices", "row_to_req", "local_step", "eos_suppression_rows", "forced_tokens",
         "temperatures", "top_ks", "top_ps", "min_ps", "seeds", "sample_positions", "stop_ids", "row_drafts",
         "mtp_info_read_rows", "has_draft_probs", "mtp_info_write_slots", "next_draft_tokens", "next_draft_logprobs",
+        "control_slots",
     }
     assert [f.name for f in STEP_FIELDS] == list(dict.fromkeys(f.name for f in STEP_FIELDS))  # once each
     assert {f.name for f in STEP_FIELDS} == contract
     params = {f.name for f in dataclasses.fields(SamplingParams)}
     for f in STEP_FIELDS:
-        assert f.meaning and f.stage in ("gather", "sample", "verify", "draft pool"), f.name
+        assert f.meaning and f.stage in ("gather", "controls", "sample", "verify", "draft pool"), f.name
         assert f.param is None or f.param in params, f.name
     assert [f.name for f in PARAM_FIELDS] == ["temperatures", "top_ks", "top_ps", "min_ps", "seeds"]
     # The sampler's view is exactly the sample-stage fields.

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Callable, Hashable, Sequence
 import numpy as np
 
 from engine.host.columns import Columns
+from engine.host.control_slots import ControlHook, NoControls
 from engine.host.ledger import (
     SamplerInputs,
     StepSchedule,
@@ -107,6 +108,7 @@ class RequestTable:
         seed_base: int = 0,
         stop_ids_for: StopIdRule | None = None,
         max_stop_ids: int = 0,
+        controls: ControlHook | None = None,
     ):
         if capacity < 1:
             raise ValueError(f"capacity={capacity}: must be >= 1")
@@ -117,6 +119,9 @@ class RequestTable:
         self.prompt_tokens: list[np.ndarray | None] = [None] * capacity
         self.params: list[SamplingParams | None] = [None] * capacity
         self.stop_ids = np.full((capacity, max_stop_ids), -1, dtype=np.int64)  # [capacity, max_stop_ids]
+        # Sampling controls (penalties, logit bias, allowed tokens): each row's control slot, 0 = none.
+        self.controls = controls or NoControls("this request table has no sampling-control state")
+        self.control_slot = np.zeros(capacity, dtype=np.int64)
         self.request_ids = np.full(capacity, None, dtype=object)  # fancy-indexed per step
         self.occupied = np.zeros(capacity, dtype=bool)
         self._batch_position = np.zeros(capacity, dtype=np.int32)  # scratch for the duplicate check
@@ -136,11 +141,13 @@ class RequestTable:
         *,
         prompt_len: int | None = None,
         mtp_write_slot: int = 0,
+        num_generated: int = 0,
     ) -> int:
         """Validate, then take a row. The prompt's length comes from
         `prompt_tokens`, or from `prompt_len` for a caller that passes each
-        step's prompt tokens to `ledger` instead. Nothing is written when
-        validation fails."""
+        step's prompt tokens to `ledger` instead. `num_generated`: tokens the
+        request generated before it joined (a penalised request refuses any).
+        Nothing is written when validation fails."""
         if request_id in self.row_of:
             raise ValueError(f"request {request_id!r}: request_id is already in the table")
         if not self._free:
@@ -151,8 +158,10 @@ class RequestTable:
             raise ValueError(f"request {request_id!r}: prompt_len={prompt_len!r}: must be an int >= 1")
         seq = self._checked(request_id, params, prompt_len, 0, mtp_write_slot, prompt_tokens)
         stop_ids = self._stop_ids(request_id, params)
+        needs_slot = self.controls.check(request_id, params, prompt_tokens, num_generated, False)
         row = self._free.pop()
         self._write(row, seq, stop_ids)
+        self.control_slot[row] = self.controls.join(params, prompt_tokens) if needs_slot else 0
         self.prompt_tokens[row] = None if prompt_tokens is None else np.asarray(prompt_tokens, dtype=np.int32)
         self.request_ids[row] = request_id
         self.occupied[row] = True
@@ -166,11 +175,25 @@ class RequestTable:
         cols = self.cols
         seq = self._checked(request_id, params, int(cols.prompt_len[row]), int(cols.num_generated[row]),
                             int(cols.mtp_write_slot[row]))
-        self._write(row, seq, self._stop_ids(request_id, params))
+        stop_ids = self._stop_ids(request_id, params)
+        slot = int(self.control_slot[row])
+        needs_slot = self.controls.check(request_id, params, self.prompt_tokens[row], int(cols.num_generated[row]),
+                                         slot > 0)
+        self._write(row, seq, stop_ids)
+        if needs_slot and slot:
+            self.controls.rewrite(slot, params)
+        elif needs_slot:
+            self.control_slot[row] = self.controls.join(params, self.prompt_tokens[row])
+        elif slot:
+            self.controls.leave(slot)
+            self.control_slot[row] = 0
 
     def remove(self, request_id: Hashable) -> None:
         row = self.row_of.pop(request_id)
         self._steady = None
+        if self.control_slot[row]:
+            self.controls.leave(int(self.control_slot[row]))
+            self.control_slot[row] = 0
         self.cols.fill_neutral(np.array([row]))
         self.prompt_tokens[row] = None
         self.params[row] = None
@@ -219,6 +242,16 @@ class RequestTable:
         if self._stop_ids_of is None or self._stop_ids_of[0] != key:
             self._stop_ids_of = (key, self.stop_ids[rows])
         return self._stop_ids_of[1]
+
+    def control_slots_of(self, rows: np.ndarray, inputs: SamplerInputs) -> np.ndarray | None:
+        """[n] int64 control slots of a step's requests (table rows `rows`), None
+        when none has one. A non-last prompt chunk stages slot 0: its token is
+        discarded, so it neither needs the controls nor counts."""
+        slots = self.control_slot[rows]
+        if not slots.any():
+            return None
+        slots = np.where(inputs.is_prompt & ~inputs.is_last_chunk, 0, slots)
+        return slots if slots.any() else None
 
     def record_emitted(self, rows: np.ndarray, counts: np.ndarray) -> None:
         """Advance num_generated after a step emitted `counts` tokens per row."""
@@ -404,7 +437,7 @@ def _engine_table(engine: StepEngine, capacity: int) -> tuple[RequestTable, dict
     options of the engine's config."""
     config: EngineConfig = engine.config
     table = RequestTable(capacity, seed_base=config.seed_base, stop_ids_for=engine.stop_ids_for,
-                         max_stop_ids=config.max_stop_ids)
+                         max_stop_ids=config.max_stop_ids, controls=engine.control_hook)
     options = dict(max_draft_tokens=config.max_draft_tokens, compaction_keep_tokens=config.compaction_keep_tokens,
                    draft_pool=config.draft_pool)
     return table, options
@@ -473,6 +506,12 @@ class PersistentBatch:
         """New sampling parameters for a request in the batch (validated first)."""
         self.table.update(request_id, params)
 
+    def check_controls(self, request_id: Hashable, params: SamplingParams) -> None:
+        """ValueError naming the request, the field and the value when the engine
+        cannot honour the request's sampling controls (none allocated, over a
+        cap, a token outside the vocabulary); changes nothing."""
+        self.table.controls.check_params(request_id, params)
+
     def remove(self, request_id: Hashable) -> None:
         """Free the request's row (and its draft-info slot)."""
         row = self.table.row(request_id)
@@ -528,6 +567,7 @@ class PersistentBatch:
         arrays = self.engine.step_arrays(inputs, table.stop_ids_of(rows), draft_tokens=draft_tokens,
                                          draft_logprobs=draft_logprobs, next_drafts=next_drafts,
                                          next_draft_logprobs=next_draft_logprobs)
+        arrays.control_slots = table.control_slots_of(rows, inputs)
         return BatchStep(rows, inputs, arrays, read)
 
     def _check_lengths(self, rows: np.ndarray, is_prompt: np.ndarray, seqlen_q: np.ndarray, seqlen_k: np.ndarray,
@@ -601,6 +641,9 @@ class SeqMetaFront:
         self._reset(capacity)
 
     def _reset(self, capacity: int) -> None:
+        if hasattr(self, "table"):  # a larger table replaces this one: its control slots go back
+            for request_id in list(self.table.row_of):
+                self.table.remove(request_id)
         self.table, self.ledger_options = _engine_table(self.engine, capacity)
         self.params_id = np.zeros(capacity, np.int64)  # id() of the SamplingParams each row was written from
         self.last_seen = np.zeros(capacity, np.int64)  # the step that last named each row
@@ -644,6 +687,10 @@ class SeqMetaFront:
         self._last_ids, self._last_params, self._last_rows = ids, params, rows
         return inputs, table.stop_ids_of(rows)
 
+    def control_slots(self, inputs: SamplerInputs) -> np.ndarray | None:
+        """The control slots of the step `ledger` just built (see `RequestTable.control_slots_of`)."""
+        return self.table.control_slots_of(self._last_rows, inputs) if inputs.num_reqs else None
+
     def _sync_params(self, ids: tuple, params: tuple, rows: np.ndarray) -> None:
         """Rewrite the rows whose SamplingParams object is not the one they were written from."""
         pid = np.fromiter(map(id, params), np.int64, len(params))
@@ -662,8 +709,8 @@ class SeqMetaFront:
         for i in missing:
             row = row_of.get(ids[i])  # a request named twice in the step was added by its first entry
             if row is None:
-                row = self.table.add(ids[i], params[i], prompt_len=seqs[i].prompt_len,
-                                     mtp_write_slot=seqs[i].mtp_write_slot)
+                row = self.table.add(ids[i], params[i], seqs[i].prompt_tokens, prompt_len=seqs[i].prompt_len,
+                                     mtp_write_slot=seqs[i].mtp_write_slot, num_generated=seqs[i].num_generated)
                 self.params_id[row] = id(params[i])
             found[i] = row
         return np.array(found, np.int64)

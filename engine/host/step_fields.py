@@ -26,7 +26,7 @@ import numpy as np
 
 Per = Literal["req", "row"]
 # Which stage of the captured step reads the field first (docs/contract.md §2-§4).
-Stage = Literal["gather", "sample", "verify", "draft pool"]
+Stage = Literal["gather", "controls", "sample", "verify", "draft pool"]
 # Padding that depends on the step; `StepBuffers.load` resolves it per step:
 # "padding request": a padding request slot (slot 0 when every slot is real);
 # "past request rows": 1 + max_draft_tokens, past every real row of a request.
@@ -81,6 +81,8 @@ STEP_FIELDS: tuple[StepField, ...] = (
               "index of the row inside its request: row j verifies drafts 0..j-1"),
     StepField("sample_positions", np.int64, "req", 0, "sample", "ledger",
               "absolute position of the token the request's first sample row produces"),
+    StepField("control_slots", np.int64, "req", 0, "controls", "engine",
+              "sampling-control slot (penalties, logit bias, allowed tokens) of the request, 0 = none"),
     StepField("temperatures", np.float32, "req", 1.0, "sample", "params.temperature", "temperature, 0 = greedy"),
     StepField("top_ks", np.int32, "req", 0, "sample", "params.top_k", "top-k, 0 = off"),
     StepField("top_ps", np.float32, "req", 1.0, "sample", "params.top_p", "top-p, 1 = off"),

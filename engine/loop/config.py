@@ -68,7 +68,9 @@ def engine_config_for(config: LoopConfig, model: CausalLM, engine_config: Engine
     Fields at their default are filled in: `max_num_reqs` and
     `max_draft_tokens` from the loop, `max_source_rows` to the rows of the
     loop's largest step, `eos_token_id` from the model, `draft_pool_slots=1`
-    (no draft-info pool: the loop's n-gram drafts go in as `draft_tokens`).
+    (no draft-info pool: the loop's n-gram drafts go in as `draft_tokens`),
+    `max_control_slots` to `max_num_reqs` (every request may use penalties,
+    logit bias or allowed tokens).
     Everything else (device, graphs, buckets, sampler, seeds) is the
     caller's. **Raises** ValueError naming a field whose value the loop
     cannot honour, the value and what the loop needs.
@@ -88,6 +90,10 @@ def engine_config_for(config: LoopConfig, model: CausalLM, engine_config: Engine
         "draft_pool_slots": _Need(1, lambda v: v == 1,
                                   "1 or None: the loop keeps no draft-info pool (its n-gram drafts go in as "
                                   "draft_tokens)"),
+        # Every running request may use penalties, logit_bias or allowed_token_ids.
+        "max_control_slots": _Need(config.max_num_reqs, lambda v: v >= config.max_num_reqs,
+                                   f">= LoopConfig.max_num_reqs={config.max_num_reqs} (a control slot for every "
+                                   "running request)"),
         "compaction_keep_tokens": _Need(None, lambda v: v is None,
                                         "None: the loop's model produces a row for every query token"),
     }

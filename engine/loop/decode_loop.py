@@ -153,6 +153,7 @@ class DecodeLoop:
                 raise ValueError(f"request {request_id!r}: params.{kind}={text!r}: structured output needs a "
                                  "tokenizer (DecodeLoop(..., tokenizer=...))")
         prompt = checked_prompt(request_id, prompt_tokens, self.model.vocab_size)
+        self.batch.check_controls(request_id, params)
         if isinstance(arrival_step, bool) or not isinstance(arrival_step, (int, np.integer)) or arrival_step < 0:
             raise ValueError(f"request {request_id!r}: arrival_step={arrival_step!r}: must be an int >= 0")
         arrival_step = int(arrival_step)

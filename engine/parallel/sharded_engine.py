@@ -219,6 +219,8 @@ class ShardedStepEngine(StepEngine):
             raise ValueError(f"rank {self.rank} is the driver: step() needs seqs")
 
         def build() -> StepPlan:
+            for seq in seqs:  # the vocab-parallel head applies no sampling controls: refused, on every rank
+                self.control_hook.check_params(seq.request_id, seq.params)
             inputs = prepare_sampler_inputs(
                 seqs,
                 max_draft_tokens=self.config.max_draft_tokens,

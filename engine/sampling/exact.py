@@ -72,14 +72,16 @@ def _if_any(needed: torch.Tensor, draw: Callable[[], torch.Tensor]) -> torch.Ten
 
 def _write_exact_rows(
     logits: torch.Tensor, params: RowParams, cfg: SamplerConfig, index: torch.Tensor, out: SampleOutput,
-    compute_logprobs: bool = True,
+    compute_logprobs: bool = True, unprocessed: torch.Tensor | None = None,
 ) -> None:
     """Rows `index` [n] int64 of `out`, decided over the whole vocabulary (eager)."""
     raw = logits.to(torch.float32)[index]  # [n, V]
+    before = raw if unprocessed is None else unprocessed.to(torch.float32)[index]  # [n, V] before the controls
     vocab = raw.shape[1]
     rows = expand_rows(params.rows(index), vocab)
     d = full_row_distribution(raw, rows)
-    error = row_errors(raw, ~d.valid.any(-1))
+    # With the sampling controls, a -inf (not allowed) token is no token to choose.
+    error = row_errors(before, ~(d.valid if unprocessed is None else d.valid & torch.isfinite(raw)).any(-1))
     # The kept set is a prefix of the sorted row: race over the longest one only.
     width = max(1, int(d.kept.kept.sum(-1).max()))
     raced = _if_any(~rows.greedy & ~rows.plain, lambda: gumbel_race(
@@ -95,10 +97,10 @@ def _write_exact_rows(
     if compute_logprobs:
         num_top = out.top_ids.shape[1]
         if cfg.logprobs_mode == "raw":
-            lse = raw_log_normaliser(raw, raw.amax(-1))
-            logprob, rank = token_logprobs(raw, token, log_normaliser=lse)
-            top_ids = top_n_ids(raw, num_top) if num_top else torch.zeros(len(index), 0, dtype=torch.int64, device=raw.device)
-            lp = RowLogprobs(logprob, rank, top_ids, raw.gather(1, top_ids).to(torch.float64) - lse[:, None])
+            lse = raw_log_normaliser(before, before.amax(-1))
+            logprob, rank = token_logprobs(before, token, log_normaliser=lse)
+            top_ids = top_n_ids(before, num_top) if num_top else torch.zeros(len(index), 0, dtype=torch.int64, device=raw.device)
+            lp = RowLogprobs(logprob, rank, top_ids, before.gather(1, top_ids).to(torch.float64) - lse[:, None])
         else:
             lp = processed_logprobs(d.log_z, d.zs, d.zs_ids, d.p, d.kept.kept, token, num_top)
         lp.write(out, index)
@@ -113,6 +115,7 @@ def sample_exact(
     out: SampleOutput,
     *,
     compute_logprobs: bool = True,
+    unprocessed: torch.Tensor | None = None,
 ) -> SampleOutput:
     """Redo the given rows over the full vocabulary.
 
@@ -120,7 +123,8 @@ def sample_exact(
     and `cfg` as given to `sample`; `rows` [rows] bool mask or [n] int64
     index of the rows to redo; `out` the fast path's `SampleOutput`, written
     in place on those rows. `compute_logprobs=False` leaves logprob, rank and
-    top-N untouched. Returns: `out`.
+    top-N untouched. `unprocessed`: as in `sample` (the logits before the
+    sampling controls, for the finiteness check and raw logprobs). Returns: `out`.
 
     Eager and host-synchronising: it runs after the captured step, only for
     rows the fast path flagged. Results equal an unlimited `candidate_cap`.
@@ -128,7 +132,8 @@ def sample_exact(
     rows = rows.to(logits.device)
     index = torch.nonzero(rows).flatten() if rows.dtype == torch.bool else rows.flatten().to(torch.int64)
     for start in range(0, len(index), EXACT_CHUNK_ROWS):
-        _write_exact_rows(logits, params, cfg, index[start : start + EXACT_CHUNK_ROWS], out, compute_logprobs)
+        _write_exact_rows(logits, params, cfg, index[start : start + EXACT_CHUNK_ROWS], out, compute_logprobs,
+                          unprocessed)
     return out
 
 

@@ -17,6 +17,7 @@ file, each with its definitions:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,7 @@ import torch
 from engine.sampling.candidates import decide_on_candidates, top_candidates
 from engine.sampling.draw import drawn_token, inverse_cdf_draw, plain_uniform
 from engine.sampling.errors import PLACEHOLDER_TOKEN, RowError, row_errors, write_placeholders
-from engine.sampling.logprobs import candidate_raw_logprobs, processed_logprobs
+from engine.sampling.logprobs import RowLogprobs, candidate_raw_logprobs, processed_logprobs
 from engine.sampling.normaliser import block_log_normaliser, raw_log_normaliser
 from engine.sampling.rows import SamplingRows, expand_rows
 from engine.sampling.suppression import suppression_and_shift, zero_suppressed_
@@ -58,6 +59,17 @@ def _exp_processed(raw: torch.Tensor, shift: torch.Tensor, rows: SamplingRows) -
     return zero_suppressed_(processed_logits(raw, shift, rows.temperature).exp_(), rows)
 
 
+def _unprocessed_logprobs(plain: torch.Tensor, token: torch.Tensor, num_top: int) -> tuple[RowLogprobs, torch.Tensor]:
+    """Raw logprobs from the unprocessed logits `plain` [rows, V] f32 when the
+    candidates are those of the controlled row: the top-N come from N + 1
+    candidates of their own (a tie at the N-th sends the row to the exact path)."""
+    vocab = plain.shape[1]
+    cap = min(num_top + 1, vocab)
+    cand_raw, cand_ids, _ = top_candidates(plain, cap)  # [rows, N + 1]
+    lse = raw_log_normaliser(plain, cand_raw[:, 0])
+    return candidate_raw_logprobs(plain, token, cand_raw, cand_ids, lse, num_top, cap < vocab)
+
+
 def sample(
     logits: torch.Tensor,
     params: RowParams,
@@ -65,6 +77,7 @@ def sample(
     out: SampleOutput | None = None,
     *,
     compute_logprobs: bool = True,
+    unprocessed: torch.Tensor | None = None,
 ) -> SampleOutput:
     """Sample one token per row; capture-safe.
 
@@ -72,7 +85,10 @@ def sample(
     sampling device; `params` their controls (same device); `cfg` the
     sampler's; `out` preallocated outputs (None: allocated, top-N =
     cfg.max_logprobs). `compute_logprobs=False` leaves logprob, rank and
-    top-N of the rows untouched. Returns: `out`: tokens [rows] int64,
+    top-N of the rows untouched. `unprocessed` [rows, V] f32 (same device):
+    the logits before the sampling controls (penalties, logit bias, allowed
+    tokens) when `logits` hold the controlled ones; the finiteness check and
+    raw logprobs read it (None: `logits` are unprocessed). Returns: `out`: tokens [rows] int64,
     logprob [rows] f32, rank [rows] int64, top_ids / top_logprobs [rows, N],
     needs_exact [rows] bool (redo those rows with `sample_exact`), error
     [rows] int64 (`RowError`; nonzero rows hold the placeholder).
@@ -89,6 +105,8 @@ def sample(
         raise ValueError(f"top-N={num_top}: exceeds the candidate count min(candidate_cap, V)={cap}")
     has_tail = cap < vocab
     raw = logits.to(torch.float32)  # [rows, V]
+    # The controls' -inf (tokens not allowed) is no fault of the row: only the model's logits must be finite.
+    plain = raw if unprocessed is None else unprocessed.to(torch.float32)  # [rows, V]
     rows = expand_rows(params, vocab)  # the forced token is among them; it overrides the draw below
 
     cand_raw, cand_ids, boundary_raw = top_candidates(raw, cap)  # [rows, C] (raw desc, id asc)
@@ -102,15 +120,24 @@ def sample(
     # placeholder goes in before anything indexes by token. Without a tail,
     # no unsuppressed candidate means no unsuppressed token at all; with one,
     # the exact path decides.
-    error = row_errors(raw, ~any_valid if not has_tail else torch.zeros_like(any_valid))
+    nothing_left = ~any_valid if not has_tail else torch.zeros_like(any_valid)
+    if unprocessed is not None:
+        # The allowed tokens may all be suppressed stop ids: every unsuppressed
+        # candidate is -inf, and so is every token past them (<= the boundary).
+        best = torch.where(valid, cand_raw, torch.full_like(cand_raw, -math.inf)).amax(-1)
+        nothing_left = nothing_left | (any_valid & (best == -math.inf))
+    error = row_errors(plain, nothing_left)
     failed = error != RowError.OK
     token = torch.where(failed, PLACEHOLDER_TOKEN, token)
 
     needs_exact = d.needs_exact(rows, any_valid)
     if compute_logprobs:
         if cfg.logprobs_mode == "raw":
-            lse = raw_log_normaliser(raw, cand_raw[:, 0])
-            lp, top_tie_in_tail = candidate_raw_logprobs(raw, token, cand_raw, cand_ids, lse, num_top, has_tail)
+            if unprocessed is None:
+                lse = raw_log_normaliser(raw, cand_raw[:, 0])
+                lp, top_tie_in_tail = candidate_raw_logprobs(raw, token, cand_raw, cand_ids, lse, num_top, has_tail)
+            else:
+                lp, top_tie_in_tail = _unprocessed_logprobs(plain, token, num_top)
             needs_exact = needs_exact | top_tie_in_tail
         else:
             lp = processed_logprobs(log_z, d.zs, d.zs_ids, d.p, d.kept, token, num_top)

@@ -1,10 +1,12 @@
 """The captured step: one bucket's device work, a function of the static buffers alone.
 
     gather       the sample rows of the hidden-state source    -> buffers.hidden
-    LM head      logits and the draw (the engine's `LMHead`)    -> buffers.out
+    drafts       each row's draft (the caller's or the pool's)  -> buffers.resolved_drafts
+    LM head      logits, the sampling controls (controls graphs) and the draw -> buffers.out
     hidden check rows whose hidden state is not finite fail
-    verify       each row's draft (the caller's or the pool's)  -> buffers.num_accepted
+    verify       the rows' draws against their drafts           -> buffers.num_accepted
     draft pool   next step's proposals into the write slots
+    counts       controls graphs: the emitted tokens into the penalty counts
 
 It reads its inputs from `buffers.inputs.<field>` (staged by the host before
 the replay) and writes only static tensors, so a CUDA graph can capture it and
@@ -21,6 +23,7 @@ from engine.ops import gather
 from engine.sampling.errors import RowError, fail_rows
 from engine.sampling.verify import accept_strict, draft_in_top_k, target_probs, verify_rejection
 from engine.step.config import EngineConfig
+from engine.step.controls import SamplingControls
 from graphs.static_buffers import StepBuffers
 from graphs.step_fields import READ_FROM_POOL
 
@@ -31,20 +34,27 @@ class StepBody:
 
     `logits_and_sample(bucket)` is the LM head's part: from `buffers.hidden`
     to `buffers.out` (local logits and the sampler, or a shard's logits and
-    the collectives of a vocab-parallel head)."""
+    the collectives of a vocab-parallel head). `controls`: the engine's
+    sampling-control state in a controls graph set (the head applies them),
+    whose emitted tokens this step counts; None elsewhere."""
 
     buffers: StepBuffers
     config: EngineConfig
     logits_and_sample: Callable[[int], None]
+    controls: SamplingControls | None = None
 
     def __call__(self, bucket: int) -> None:
         b = self.buffers
         rows = b.rows_for(bucket)
         gather(b.source, b.inputs.selected_token_indices[:rows], out=b.hidden[:rows])  # [rows, H]
+        if self.config.max_draft_tokens:
+            resolve_drafts(b, bucket)  # before the head: the penalties count a row's earlier drafts
         self.logits_and_sample(bucket)
         fail_non_finite_hidden(b, rows)
         if self.config.max_draft_tokens:
             verify_and_store_drafts(b, self.config, bucket)
+        if self.controls is not None:
+            self.controls.count(b, self.config, bucket)
 
 
 def fail_non_finite_hidden(buffers: StepBuffers, rows: int) -> None:
@@ -53,17 +63,23 @@ def fail_non_finite_hidden(buffers: StepBuffers, rows: int) -> None:
     fail_rows(buffers.outputs(rows), ~torch.isfinite(buffers.hidden[:rows]).all(-1), RowError.HIDDEN_NOT_FINITE)
 
 
-def verify_and_store_drafts(buffers: StepBuffers, config: EngineConfig, bucket: int) -> None:
-    """Resolve each row's draft, verify, then write the draft head's proposals
-    for the next step into each request's write slot."""
+def resolve_drafts(buffers: StepBuffers, bucket: int) -> None:
+    """Each row's draft, staged or read from the draft-info pool, into `buffers.resolved_drafts`."""
     b, f = buffers, buffers.inputs
-    rows, k = b.rows_for(bucket), config.max_draft_tokens
+    rows = b.rows_for(bucket)
     staged = f.row_drafts[:rows]
     # Read before this step's writes: a request that reads and writes the
     # same slot verifies last step's proposals. Resolved into a static
     # buffer so a later eager re-verification reads the same drafts.
     from_pool = b.pool_tokens[f.mtp_info_read_rows[:rows]]
     torch.where(staged == READ_FROM_POOL, from_pool, staged, out=b.resolved_drafts[:rows])
+
+
+def verify_and_store_drafts(buffers: StepBuffers, config: EngineConfig, bucket: int) -> None:
+    """Verify each row's resolved draft, then write the draft head's proposals
+    for the next step into each request's write slot."""
+    b, f = buffers, buffers.inputs
+    k = config.max_draft_tokens
     verify_drafts(b, config, bucket)
     if not config.draft_pool:
         return  # no pool: every write slot is 0, there is nothing to write

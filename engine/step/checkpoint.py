@@ -20,6 +20,7 @@ class EngineCheckpoint:
     stats: EngineStats  # a copy of the engine's stats
     head_stats: object | None  # a copy of its LM head's own counters (`LMHead.stats`), if any
     replayer_counts: tuple[ReplayCounts, ...]  # one per replayer, in `StepEngine.replayers` order
+    control_steps: int | None = None  # `SamplingControls.steps`, None without controls
 
 
 def copy_counters(counters: Counters) -> Counters:

@@ -15,6 +15,7 @@ from engine.sampling.exact import sample_exact
 from engine.sampling.logprobs import token_logprobs
 from engine.step.body import verify_drafts
 from engine.step.config import EngineConfig, EngineStats
+from engine.step.controls import SamplingControls
 from engine.step.staging import StepArrays
 from graphs.static_buffers import StepBuffers
 from graphs.step_fields import SampleOutput
@@ -22,10 +23,14 @@ from profiling.ranges import stage
 
 
 def collect(buffers: StepBuffers, config: EngineConfig, bucket: int, arrays: StepArrays, stats: EngineStats, *,
-            want_top: bool, want_logprobs: bool = True) -> dict[str, np.ndarray]:
+            want_top: bool, want_logprobs: bool = True, controls: SamplingControls | None = None,
+            ) -> dict[str, np.ndarray]:
     """Redo flagged rows exactly, re-verify if needed, and copy the real rows
     out: per sample row tokens, logprob, rank, error (and top_ids /
-    top_logprobs with `want_top`), per request num_accepted. Host arrays."""
+    top_logprobs with `want_top`), per request num_accepted. Host arrays.
+    `controls`: the sampling-control state when the step ran a controls
+    graph (`buffers.logits` hold the controlled logits, raw logprobs come
+    from its unprocessed ones, and the counts follow the exact rows' draws)."""
     b = buffers
     rows, capacity, n = len(arrays.row_to_req), b.rows_for(bucket), len(arrays.temperatures)
     params, out = b.params(bucket), b.outputs(capacity)
@@ -33,10 +38,13 @@ def collect(buffers: StepBuffers, config: EngineConfig, bucket: int, arrays: Ste
         flags = out.needs_exact[:rows].cpu()
         if bool(flags.any()):
             index = torch.nonzero(flags).flatten()
-            sample_exact(b.logits[:capacity], params, config.sampler, index, out, compute_logprobs=want_logprobs)
+            sample_exact(b.logits[:capacity], params, config.sampler, index, out, compute_logprobs=want_logprobs,
+                         unprocessed=None if controls is None else controls.unprocessed[:capacity])
             stats.exact_rows += len(index)
             if config.max_draft_tokens:
                 verify_drafts(b, config, bucket)  # the drafts were checked against the fast path's draws
+            if controls is not None:
+                controls.recount(b, config, bucket)  # the graph counted the fast path's draws
     with stage("output copy"):
         result = _host_results(b.outputs(rows), want_top=want_top)
         k = config.max_draft_tokens
@@ -47,7 +55,8 @@ def collect(buffers: StepBuffers, config: EngineConfig, bucket: int, arrays: Ste
             changed = np.flatnonzero((emitted >= 0) & (emitted != result["tokens"]) & (result["error"] == 0))
             if len(changed):
                 # A residual draw is not the row's own draw: its logprob and rank differ.
-                _rescore(b.logits[changed], emitted[changed], result, changed)
+                unprocessed = b.logits if controls is None else controls.unprocessed
+                _rescore(unprocessed[changed], emitted[changed], result, changed)
             result["tokens"] = np.where(emitted >= 0, emitted, result["tokens"])
     return result
 

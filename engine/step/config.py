@@ -42,6 +42,12 @@ class EngineConfig:
     max_stop_ids: int = 8  # EOS plus stop_token_ids per request, for min_tokens suppression
     prompt_logprobs_chunk_rows: int = DEFAULT_CHUNK_ROWS
     compaction_keep_tokens: int | None = None
+    # Sampling controls (docs/contract.md §2): per-request state for this many
+    # requests at once (penalties, logit_bias, allowed_token_ids), handed out to
+    # the requests that use them. 0: nothing allocated, the step as without them.
+    max_control_slots: int = 0
+    max_logit_bias: int = 1024  # logit_bias entries per request, as vLLM
+    max_allowed_token_ids: int = 1024  # allowed_token_ids per request, as vLLM
     seed_base: int = 0  # salts the seeds of requests that bring none
     check_addresses_each_replay: bool = False  # debug: verify static addresses before every replay
 
@@ -51,8 +57,10 @@ class EngineConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"EngineConfig.{name}={value!r}: must be an int >= {minimum}")
 
-        for name in ("max_num_reqs", "max_source_rows", "max_stop_ids", "prompt_logprobs_chunk_rows"):
+        for name in ("max_num_reqs", "max_source_rows", "max_stop_ids", "prompt_logprobs_chunk_rows",
+                     "max_logit_bias", "max_allowed_token_ids"):
             positive(name)
+        positive("max_control_slots", 0)
         if self.logits_block_rows is not None:
             positive("logits_block_rows")
         positive("max_draft_tokens", 0)

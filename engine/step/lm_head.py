@@ -22,6 +22,7 @@ from engine.host.ledger import SamplerInputs
 from engine.ops import BlockGemm, get_logits
 from engine.sampling.sampler import SamplerConfig, sample
 from engine.step.config import EngineConfig, EngineStats
+from engine.step.controls import SamplingControls
 from engine.step.invariance import choose_block_gemm, lm_head_candidates, warn_not_invariant
 from engine.step.prompt_logprobs import PromptRowResults, compute_prompt_logprobs
 from engine.step.validation import type_name
@@ -39,6 +40,7 @@ class LMHead(ABC):
     logits_kernel: BlockGemm | None = None  # the verified block GEMM, None: get_logits' own blocks
     batch_invariant_verified: bool = False
     stats: object | None = None  # the head's own counters, saved and restored with the engine's
+    supports_controls = False  # whether `attach_controls` may be called (penalties, logit bias, allowed tokens)
 
     @abstractmethod
     def attach(self, buffers: StepBuffers) -> None:
@@ -47,6 +49,11 @@ class LMHead(ABC):
     def static_tensors(self) -> dict[str, torch.Tensor]:
         """Static tensors of the head's own that the graphs use, by name."""
         return {}
+
+    def attach_controls(self, controls: SamplingControls) -> None:
+        """Take the engine's sampling-control state (before any step): a further
+        graph set, `CONTROLLED`, applies it between the logits and the draw."""
+        raise NotImplementedError(f"{type(self).__name__} does not apply sampling controls")
 
     @abstractmethod
     def logits_and_sample(self, bucket: int, graphs: str) -> None:
@@ -82,6 +89,8 @@ def checked_head_weight(weight: object, device: torch.device, name: str) -> torc
 
 
 FULL_CANDIDATES, SMALL_CANDIDATES = "full", "small"
+# The graph set of steps where some request holds a control slot: plain steps never pay for the controls.
+CONTROLLED = "controls"
 
 
 class LocalHead(LMHead):
@@ -89,7 +98,10 @@ class LocalHead(LMHead):
     engine's static `buffers.logits`, sampled there. Two graph sets: the
     sampler with `sampler.candidate_cap` candidates, and with
     `EngineConfig.small_candidate_cap` (unless 0) for steps whose requests
-    are all greedy or top-k within it."""
+    are all greedy or top-k within it; with `attach_controls`, a third
+    (`CONTROLLED`, full candidates) for steps where a request uses controls."""
+
+    supports_controls = True
 
     def __init__(self, lm_head_weight: torch.Tensor, config: EngineConfig) -> None:
         device = config.resolved_device()
@@ -109,9 +121,15 @@ class LocalHead(LMHead):
             self.samplers[SMALL_CANDIDATES] = dataclasses.replace(config.sampler, candidate_cap=config.small_candidate_cap)
         self.graph_sets = tuple(self.samplers)
         self.buffers: StepBuffers | None = None
+        self.controls: SamplingControls | None = None
 
     def attach(self, buffers: StepBuffers) -> None:
         self.buffers = buffers
+
+    def attach_controls(self, controls: SamplingControls) -> None:
+        self.controls = controls
+        self.samplers[CONTROLLED] = self.config.sampler
+        self.graph_sets = tuple(self.samplers)
 
     def logits_and_sample(self, bucket: int, graphs: str) -> None:
         b = self.buffers
@@ -124,7 +142,11 @@ class LocalHead(LMHead):
             block_rows=self.config.block_rows,
             kernel=self.logits_kernel,
         )
-        sample(b.logits[:rows], b.params(bucket), self.samplers[graphs], out=b.outputs(rows))
+        unprocessed = None
+        if graphs == CONTROLLED:
+            self.controls.apply(b, bucket)  # b.logits now hold the controlled logits
+            unprocessed = self.controls.unprocessed[:rows]
+        sample(b.logits[:rows], b.params(bucket), self.samplers[graphs], out=b.outputs(rows), unprocessed=unprocessed)
 
     def graphs_for(self, inputs: SamplerInputs, rows: int, stats: EngineStats) -> str:
         """The small-candidate graphs when every request is greedy or has 1 <= top_k <= their cap."""

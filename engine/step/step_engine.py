@@ -38,6 +38,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from engine.host.control_slots import NoControls
 from engine.host.ledger import SamplerInputs
 from engine.host.persistent_batch import SeqMetaFront
 from engine.host.params import SeqMeta
@@ -46,8 +47,9 @@ from engine.step.body import StepBody
 from engine.step.checkpoint import EngineCheckpoint, copy_counters, restore_counters
 from engine.step.collect import collect
 from engine.step.config import EngineConfig, EngineStats
+from engine.step.controls import SamplingControls
 from engine.step.drafts import StepDrafts
-from engine.step.lm_head import LMHead, LocalHead
+from engine.step.lm_head import CONTROLLED, LMHead, LocalHead
 from engine.step.outputs import StepOutput, assemble, row_errors
 from engine.step.prompt_logprobs import PromptLogprobAccumulator, PromptLogprobUpdate
 from engine.step.staging import StepArrays
@@ -98,10 +100,21 @@ class StepEngine:
             draft_probs=config.verify_mode == "rejection" and config.max_draft_tokens > 0,
         )
         self.head.attach(self.buffers)
-        static = {**self.buffers.static_tensors(), **self.head.static_tensors()}
+        # Sampling controls (penalties, logit bias, allowed tokens): state only when the config asks.
+        self.controls: SamplingControls | None = None
+        if config.max_control_slots and self.head.supports_controls:
+            self.controls = SamplingControls(config, self.vocab_size, self.buffers.max_rows, self.device)
+            self.head.attach_controls(self.controls)
+        # What the request tables ask when a request joins, changes or leaves.
+        self.control_hook = self.controls or NoControls(
+            "this engine has no sampling-control state (EngineConfig.max_control_slots=0)"
+            if not config.max_control_slots else f"{type(self.head).__name__} does not apply sampling controls")
+        static = {**self.buffers.static_tensors(), **self.head.static_tensors(),
+                  **(self.controls.static_tensors() if self.controls else {})}
         # One replayer per graph set of the head: a captured graph fixes its sampler variant and collectives.
         self.replayers: dict[str, GraphReplayer] = {
-            graphs: GraphReplayer(StepBody(self.buffers, config, functools.partial(self.head.logits_and_sample, graphs=graphs)),
+            graphs: GraphReplayer(StepBody(self.buffers, config, functools.partial(self.head.logits_and_sample, graphs=graphs),
+                                           controls=self.controls if graphs == CONTROLLED else None),
                                   self.buckets, static, self.device,
                                   check_addresses_each_replay=config.check_addresses_each_replay)
             for graphs in self.head.graph_sets
@@ -127,12 +140,14 @@ class StepEngine:
         restores it, so a caller whose own code failed after `run`/`step`
         returned can undo the step. Not covered: device state, i.e. the static
         buffers (every step rewrites what it reads) and the draft-info pool,
-        whose slots the caller's take-once bookkeeping owns."""
+        whose slots the caller's take-once bookkeeping owns. The penalty counts
+        are covered: a rollback takes back what the last step counted."""
         return EngineCheckpoint(
             partial_prompt_logprobs=self.prompt_logprobs.snapshot(),
             stats=copy_counters(self.stats),
             head_stats=None if self.head.stats is None else copy_counters(self.head.stats),
             replayer_counts=tuple(r.counts() for r in self.replayers.values()),
+            control_steps=None if self.controls is None else self.controls.steps,
         )
 
     def rollback(self, checkpoint: EngineCheckpoint) -> None:
@@ -143,6 +158,8 @@ class StepEngine:
             restore_counters(self.head.stats, checkpoint.head_stats)
         for replayer, counts in zip(self.replayers.values(), checkpoint.replayer_counts):
             replayer.restore_counts(counts)
+        if self.controls is not None and checkpoint.control_steps is not None:
+            self.controls.rollback_to(checkpoint.control_steps)
 
     # -- setting up -------------------------------------------------------------
 
@@ -195,6 +212,7 @@ class StepEngine:
                 next_drafts=next_drafts,
                 next_draft_logprobs=next_draft_logprobs,
             )
+            arrays.control_slots = self.seq_front.control_slots(inputs)
         return self.run(hidden_states, inputs, arrays, host_start=start)
 
     def validate(self, hidden_states: torch.Tensor, inputs: SamplerInputs) -> None:
@@ -243,7 +261,9 @@ class StepEngine:
         # slice at a time. Rows are independent (batch-invariant logits, per-row
         # sampling), so this equals one big step.
         parts = self.buckets.parts(n)
-        graphs = self.head.graphs_for(inputs, sum(self.buffers.rows_for(p) for _, _, p in parts), self.stats)
+        controlled = arrays.control_slots is not None
+        graphs = CONTROLLED if controlled else self.head.graphs_for(
+            inputs, sum(self.buffers.rows_for(p) for _, _, p in parts), self.stats)
         replayer = self.replayers[graphs]
         if bucket is None:
             replayer.record_eager_fallback(n)
@@ -252,6 +272,8 @@ class StepEngine:
         want_logprobs = bool((inputs.num_logprobs >= 0).any())
         want_top = bool((inputs.num_logprobs > 0).any())
         results = []
+        if controlled:
+            self.controls.start_step()
         for a, b, part_bucket in parts:
             part = arrays if len(parts) == 1 else arrays.requests(a, b, inputs.sample_offsets, inputs.sample_counts)
             self.stage_step(hidden_states, part, part_bucket)
@@ -264,9 +286,14 @@ class StepEngine:
                     replayer.run_eager(part_bucket)
                     if bucket is not None:  # a fallback slice is counted as eager_fallbacks
                         self.stats.eager_steps += 1
+            if controlled:
+                self.controls.replayed(self.buffers.rows_for(part_bucket))
             self.head.before_exact_rows(graphs, part_bucket, len(part.row_to_req))
             results.append(collect(self.buffers, self.config, part_bucket, part, self.stats,
-                                   want_top=want_top, want_logprobs=want_logprobs))
+                                   want_top=want_top, want_logprobs=want_logprobs,
+                                   controls=self.controls if controlled else None))
+            if controlled:
+                self.controls.collected(self.buffers.rows_for(part_bucket))
             host_start = time.perf_counter()
         if bucket is not None:
             self.stats.bucket_histogram[bucket] = self.stats.bucket_histogram.get(bucket, 0) + 1
@@ -281,6 +308,11 @@ class StepEngine:
                     inputs, prompt_rows, np.fromiter((e is not None for e in errors), bool, count=n))
             errors = [e if e is not None or p is None else f"request {rid!r}: {p}"
                       for e, p, rid in zip(errors, prompt.errors, inputs.request_ids)]
+        if controlled:
+            # Requests whose prompt logprobs failed emit nothing: what the graph counted for them goes back.
+            failed = arrays.control_slots[np.fromiter((e is not None for e in errors), bool, count=n)]
+            counted_slots, _ = self.controls.counted_tokens()
+            self.controls.finish_step(np.isin(counted_slots, failed[failed > 0]))
         handed_over = prompt.handed_over if prompt is not None else [None] * n
         return assemble(inputs, result, handed_over, errors, bucket, replayed), prompt
 

@@ -1,0 +1,293 @@
+"""The sampling controls' per-request state (docs/contract.md §2): penalties, logit bias, allowed tokens.
+
+Static device buffers, one row per *control slot*; slot 0 is padding: neutral
+(no penalty, no bias, unrestricted) and never written. A request that uses a
+control gets a slot when it joins the request table and gives it back when it
+leaves; the step stages each request's slot (`control_slots`, 0 = none).
+
+    counts        [slots, V] int32   times each token was generated
+    prompt_words  [slots, ceil(V/32)] int32   the prompt's tokens, packed
+    penalties     [slots, 3] f32     repetition, frequency, presence
+    bias_ids      [slots, max_logit_bias] int64, bias_values f32 (padding: token 0, +0.0)
+    allowed_words [slots, ceil(V/32)] int32, restricted [slots] bool
+    unprocessed   [max_rows, V] f32  the logits before the controls (raw logprobs)
+
+Inside the captured step (`apply`, `count`): the controls rewrite
+`buffers.logits` in place, after a copy of the unprocessed logits, so every
+path that reads the logits afterwards (the sampler, the exact rows, draft
+verification) sees the controlled ones; then the tokens the step emits are
+added to the counts, on the device. The host copies what each replay counted
+(one small copy beside the outputs') so that `StepEngine.rollback` can take
+back the last step, or a step that raised after its replay.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Hashable, Sequence
+
+import numpy as np
+import torch
+
+from engine.host.control_slots import first_control, uses_controls
+from engine.host.params import SamplingParams
+from engine.sampling.allowed_tokens import apply_allowed_tokens_
+from engine.sampling.errors import RowError
+from engine.sampling.logit_bias import apply_logit_bias_
+from engine.sampling.penalties import BITS, apply_penalties_
+from engine.step.config import EngineConfig
+from graphs.static_buffers import StepBuffers
+
+log = logging.getLogger(__name__)
+
+
+def pack_tokens(tokens: np.ndarray, vocab: int) -> np.ndarray:
+    """[ceil(V/32)] int32: bit b of word w set for each token 32w + b in `tokens`."""
+    bits = np.zeros(-(-vocab // BITS) * BITS, dtype=bool)
+    bits[np.asarray(tokens, dtype=np.int64)] = True
+    return np.packbits(bits.reshape(-1, BITS), axis=1, bitorder="little").view("<i4").reshape(-1).astype(np.int32)
+
+
+class SamplingControls:
+    """The control slots of one engine and their static buffers (see the module docstring).
+
+    The host side (`check`, `join`, `rewrite`, `leave`) is what the request
+    tables call; the device side (`apply`, `count`, `recount`) runs inside
+    the step of the engine's controls graphs."""
+
+    def __init__(self, config: EngineConfig, vocab_size: int, max_rows: int, device: torch.device):
+        slots = config.max_control_slots + 1
+        words = -(-vocab_size // BITS)
+        self.config, self.vocab_size, self.device = config, vocab_size, device
+        self.counts = torch.zeros(slots, vocab_size, dtype=torch.int32, device=device)
+        self.prompt_words = torch.zeros(slots, words, dtype=torch.int32, device=device)
+        self.penalties = torch.tensor([[1.0, 0.0, 0.0]] * slots, dtype=torch.float32, device=device)
+        self.bias_ids = torch.zeros(slots, config.max_logit_bias, dtype=torch.int64, device=device)
+        self.bias_values = torch.zeros(slots, config.max_logit_bias, dtype=torch.float32, device=device)
+        self.allowed_words = torch.zeros(slots, words, dtype=torch.int32, device=device)
+        self.restricted = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.unprocessed = torch.zeros(max_rows, vocab_size, dtype=torch.float32, device=device)
+        # Per sample row of the last replay: the flat counts index (slot * V + token) it added 1 to, -1 none.
+        self.counted_index = torch.full((max_rows,), -1, dtype=torch.int64, device=device)
+        self._free = list(range(slots - 1, 0, -1))
+        # Host side, for undoing: the flat indices the last finished step added to; those of
+        # the parts of a step in flight, and the rows of a replayed part not collected yet.
+        self.last_step: np.ndarray | None = None
+        self.steps = 0  # finished steps that counted tokens: a rollback takes back only the latest
+        self._parts: list[np.ndarray] | None = None
+        self._uncollected = 0
+        log.info("sampling controls: %s", self.describe())
+
+    # -- memory -----------------------------------------------------------------
+
+    def static_tensors(self) -> dict[str, torch.Tensor]:
+        names = ("counts", "prompt_words", "penalties", "bias_ids", "bias_values", "allowed_words", "restricted",
+                 "unprocessed", "counted_index")
+        return {f"controls.{name}": getattr(self, name) for name in names}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.static_tensors().values())
+
+    def describe(self) -> str:
+        """One line: the slots, the counts buffer and the total, e.g. for a log."""
+        s, v = self.counts.shape
+        return (f"{s - 1} slots; penalty counts {s} x {v} int32 = {self.counts.numel() * 4 / 2**20:.1f} MiB; "
+                f"all control buffers {self.nbytes / 2**20:.1f} MiB")
+
+    # -- host side: slots ---------------------------------------------------------
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def check(self, request_id: Hashable, params: SamplingParams, prompt_tokens: Sequence[int] | None,
+              num_generated: int, holds_slot: bool) -> bool:
+        """Whether the request needs a slot; ValueError naming the request, the
+        field and the value when the engine cannot honour its controls,
+        RuntimeError when it needs a new slot and none is free. Changes nothing."""
+        if not self.check_params(request_id, params):
+            return False
+        where = f"request {request_id!r}"
+        if not holds_slot:
+            if params.repetition_penalty != 1 and prompt_tokens is None:
+                raise ValueError(f"{where}: repetition_penalty={params.repetition_penalty!r}: needs the prompt's "
+                                 "tokens (prompt_tokens is None)")
+            if params.has_penalties and num_generated > 0:
+                raise ValueError(f"{where}: {first_control(params)}: penalties must be set before the first "
+                                 f"generated token (the request has {num_generated}; their counts are unknown)")
+            if not self._free:
+                raise RuntimeError(f"{where}: all {self.config.max_control_slots} sampling-control slots are in use "
+                                   "(EngineConfig.max_control_slots)")
+        return True
+
+    def check_params(self, request_id: Hashable, params: SamplingParams) -> bool:
+        """Whether the request uses controls; ValueError naming the request, the
+        field and the value when one is over a cap or outside the vocabulary."""
+        if not uses_controls(params):
+            return False
+        where = f"request {request_id!r}"
+        cfg, vocab = self.config, self.vocab_size
+        bias = params.logit_bias or {}
+        if len(bias) > cfg.max_logit_bias:
+            raise ValueError(f"{where}: logit_bias has {len(bias)} entries, over "
+                             f"EngineConfig.max_logit_bias={cfg.max_logit_bias}")
+        for token in bias:
+            if token >= vocab:
+                raise ValueError(f"{where}: logit_bias: token {token} is outside the vocabulary ({vocab})")
+        allowed = params.allowed_token_ids or ()
+        if len(allowed) > cfg.max_allowed_token_ids:
+            raise ValueError(f"{where}: allowed_token_ids has {len(allowed)} entries, over "
+                             f"EngineConfig.max_allowed_token_ids={cfg.max_allowed_token_ids}")
+        for token in allowed:
+            if token >= vocab:
+                raise ValueError(f"{where}: allowed_token_ids: token {token} is outside the vocabulary ({vocab})")
+        return True
+
+    def join(self, params: SamplingParams, prompt_tokens: Sequence[int] | None) -> int:
+        """A slot for a checked request: its counts zeroed, its prompt, penalties,
+        bias and allowed set written (eager, outside any graph). Returns the slot."""
+        slot = self._free.pop()
+        self.counts[slot].zero_()
+        prompt = np.zeros(0, np.int64) if prompt_tokens is None else np.asarray(prompt_tokens, dtype=np.int64)
+        self.prompt_words[slot].copy_(torch.from_numpy(pack_tokens(prompt, self.vocab_size)))
+        self.rewrite(slot, params)
+        return slot
+
+    def rewrite(self, slot: int, params: SamplingParams) -> None:
+        """New penalties, bias and allowed set for a slot (its counts and prompt stay)."""
+        self.penalties[slot] = torch.tensor(
+            [params.repetition_penalty, params.frequency_penalty, params.presence_penalty], dtype=torch.float32)
+        bias = params.logit_bias or {}
+        ids = np.zeros(self.config.max_logit_bias, np.int64)
+        values = np.zeros(self.config.max_logit_bias, np.float32)
+        ids[: len(bias)] = list(bias.keys())
+        values[: len(bias)] = list(bias.values())
+        self.bias_ids[slot].copy_(torch.from_numpy(ids))
+        self.bias_values[slot].copy_(torch.from_numpy(values))
+        allowed = params.allowed_token_ids
+        self.restricted[slot] = allowed is not None
+        words = pack_tokens(np.asarray(allowed or (), np.int64), self.vocab_size)
+        self.allowed_words[slot].copy_(torch.from_numpy(words))
+
+    def leave(self, slot: int) -> None:
+        """Give a slot back; its state is rewritten when it is handed out again."""
+        if not 1 <= slot < self.counts.shape[0] or slot in self._free:
+            raise ValueError(f"slot={slot}: not an allocated sampling-control slot")
+        self._free.append(slot)
+
+    # -- device side: inside the step -------------------------------------------
+
+    def apply(self, buffers: StepBuffers, bucket: int) -> None:
+        """Penalties -> logit bias -> allowed tokens on `buffers.logits`, in place,
+        after keeping the unprocessed logits in `self.unprocessed`; capture-safe.
+        Row j of a request counts the drafts its rows 0..j-1 verify as generated."""
+        b = buffers
+        rows = b.rows_for(bucket)
+        logits = b.logits[:rows]  # [rows, V] f32
+        self.unprocessed[:rows].copy_(logits)
+        slot = self.row_slots(b, bucket)  # [rows]
+        counts = self.counts[slot]  # [rows, V] int32, a copy
+        for d in range(1, b.rows_per_req):
+            # Row r at local step s >= d: the draft of row r - d (same request) was generated before it.
+            earlier = b.inputs.local_step[:rows] >= d  # [rows] bool
+            source = (torch.arange(rows, device=logits.device) - d).clamp(min=0)
+            draft = b.resolved_drafts[:rows][source]  # [rows] int64, -1 = none
+            counts.scatter_add_(1, draft.clamp(0, self.vocab_size - 1)[:, None],
+                                (earlier & (draft >= 0)).to(torch.int32)[:, None])
+        pen = self.penalties[slot]  # [rows, 3]
+        apply_penalties_(logits, counts, self.prompt_words[slot], pen[:, 0], pen[:, 1], pen[:, 2])
+        apply_logit_bias_(logits, self.bias_ids[slot], self.bias_values[slot])
+        apply_allowed_tokens_(logits, self.allowed_words[slot], self.restricted[slot])
+
+    def row_slots(self, buffers: StepBuffers, bucket: int) -> torch.Tensor:
+        """[rows] int64: the control slot of each sample row of the bucket."""
+        f = buffers.inputs
+        rows = buffers.rows_for(bucket)
+        return f.control_slots[:bucket][f.row_to_req[:rows]]
+
+    def count(self, buffers: StepBuffers, config: EngineConfig, bucket: int) -> None:
+        """Add the tokens the step emits to their requests' counts; capture-safe.
+        A request emits the tokens of its rows up to its accepted drafts plus
+        one, none when any of its rows failed; slot 0 counts nothing."""
+        b, f = buffers, buffers.inputs
+        rows = b.rows_for(bucket)
+        req = f.row_to_req[:rows]
+        step = f.local_step[:rows]
+        real = step < b.rows_per_req  # padding rows lie past every real row
+        failed_rows = (b.out.error[:rows] != RowError.OK) & real
+        failed = torch.zeros(bucket, dtype=torch.int32, device=req.device).index_add_(
+            0, req, failed_rows.to(torch.int32)) > 0  # [bucket]
+        accepted = b.num_accepted[:bucket][req] if config.max_draft_tokens else torch.zeros_like(step)
+        slot = f.control_slots[:bucket][req]
+        emits = real & (step <= accepted) & ~failed[req] & (slot > 0)
+        token = b.out.tokens[:rows]
+        if config.max_draft_tokens and config.verify_mode == "rejection":
+            token = torch.where(b.emitted[:rows] >= 0, b.emitted[:rows], token)
+        index = torch.where(emits, slot * self.vocab_size + token, torch.full_like(slot, -1))
+        self.counted_index[:rows].copy_(index)
+        self._add(self.counted_index[:rows], 1)
+
+    def _add(self, index: torch.Tensor, sign: int) -> None:
+        """counts.flat[index] += sign for every index >= 0 (-1: nothing); capture-safe."""
+        counted = index >= 0
+        self.counts.view(-1).scatter_add_(0, index.clamp(min=0), counted.to(torch.int32) * sign)
+
+    def recount(self, buffers: StepBuffers, config: EngineConfig, bucket: int) -> None:
+        """After the exact rows changed some draws (eager): take back what `count`
+        added in the graph and count again."""
+        self._add(self.counted_index[: buffers.rows_for(bucket)], -1)
+        self.count(buffers, config, bucket)
+
+    # -- host side: undoing ---------------------------------------------------------
+
+    def start_step(self) -> None:
+        """A step of the controls graphs begins (before its first replay)."""
+        self._parts = []
+
+    def replayed(self, rows: int) -> None:
+        """A part of the step ran over `rows` sample rows: its counts are on the device."""
+        self._uncollected = rows
+
+    def collected(self, rows: int) -> None:
+        """After the part's exact rows: copy what it counted to the host (one small copy)."""
+        index = self.counted_index[:rows].to("cpu", copy=True).numpy()
+        self._parts.append(index[index >= 0])
+        self._uncollected = 0
+
+    def finish_step(self, dropped: np.ndarray) -> None:
+        """The step went through. `dropped` [counted tokens] bool, in row order: tokens of
+        requests that failed after the graph (their prompt logprobs) and emit nothing,
+        taken back now; the rest is kept for a rollback."""
+        index = np.concatenate(self._parts) if self._parts else np.zeros(0, np.int64)
+        self._take_back(index[dropped])
+        self.last_step = index[~dropped]
+        self.steps += 1
+        self._parts = None
+
+    def counted_tokens(self) -> tuple[np.ndarray, np.ndarray]:
+        """(slots, tokens) of what the step in flight counted so far, in row order."""
+        index = np.concatenate(self._parts) if self._parts else np.zeros(0, np.int64)
+        return index // self.vocab_size, index % self.vocab_size
+
+    def _take_back(self, index: np.ndarray) -> None:
+        if len(index):
+            self._add(torch.as_tensor(index, dtype=torch.int64, device=self.device), -1)
+
+    def rollback_to(self, steps: int) -> None:
+        """Undo a step in flight (it raised), or the last finished one if it ran
+        after the checkpoint that saw `steps`."""
+        if self._parts is not None:
+            if self._uncollected:
+                self._add(self.counted_index[: self._uncollected], -1)
+            for index in self._parts:
+                self._take_back(index)
+            self._parts, self._uncollected = None, 0
+            return
+        if self.steps == steps or self.last_step is None:
+            return
+        if self.steps != steps + 1:
+            raise RuntimeError(f"sampling controls: a rollback can undo one step, {self.steps - steps} ran since "
+                               "the checkpoint")
+        self._take_back(self.last_step)
+        self.last_step = None
+        self.steps = steps
