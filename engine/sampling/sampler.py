@@ -1,10 +1,11 @@
 """The sampler's fast path (docs/contract.md §2): the stages composed, in order.
 
-Per sample row: fp32 logits -> forced token -> EOS/stop suppression ->
-temperature -> top-k -> top-p -> min-p -> draw -> logprobs. One stage per
-file, each with its definitions:
+Per sample row: fp32 logits -> forced token -> token bitmask -> EOS/stop
+suppression -> temperature -> top-k -> top-p -> min-p -> draw -> logprobs.
+One stage per file, each with its definitions:
 
 - `rows`: per-request controls expanded to sample rows;
+- `token_bitmask`: structured output and bad words, disallowed tokens -inf;
 - `candidates`: the top C raw logits, and what they settle;
 - `suppression`: EOS / stop ids, and the shift M;
 - `temperature`: processed logits z = (raw - M) / T;
@@ -17,6 +18,7 @@ file, each with its definitions:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -24,11 +26,12 @@ import torch
 from engine.sampling.candidates import decide_on_candidates, top_candidates
 from engine.sampling.draw import drawn_token, inverse_cdf_draw, plain_uniform
 from engine.sampling.errors import PLACEHOLDER_TOKEN, RowError, row_errors, write_placeholders
-from engine.sampling.logprobs import candidate_raw_logprobs, processed_logprobs
+from engine.sampling.logprobs import RowLogprobs, candidate_raw_logprobs, processed_logprobs
 from engine.sampling.normaliser import block_log_normaliser, raw_log_normaliser
 from engine.sampling.rows import SamplingRows, expand_rows
 from engine.sampling.suppression import suppression_and_shift, zero_suppressed_
 from engine.sampling.temperature import processed_logits
+from engine.sampling.token_bitmask import apply_token_bitmask
 from graphs.step_fields import RowParams, SampleOutput
 
 LOGPROBS_MODES = ("raw", "processed")
@@ -58,6 +61,31 @@ def _exp_processed(raw: torch.Tensor, shift: torch.Tensor, rows: SamplingRows) -
     return zero_suppressed_(processed_logits(raw, shift, rows.temperature).exp_(), rows)
 
 
+def controlled_scores(raw: torch.Tensor, token_bitmask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The scores the sampler draws from: the raw logits after the controls
+    before EOS suppression (docs/contract.md §2, stages 3-4).
+
+    Parameters: `raw` [rows, V] f32 logits; `token_bitmask` [rows, ceil(V /
+    32)] int32 or None (no row restricted). Returns: the scores [rows, V] f32
+    (`raw` itself when no control applies) and [rows] bool, the rows the
+    bitmask leaves nothing to sample (None without a bitmask). Capture-safe.
+    """
+    if token_bitmask is None:
+        return raw, None
+    return apply_token_bitmask(raw, token_bitmask)
+
+
+def _unshaped_raw_logprobs(raw: torch.Tensor, token: torch.Tensor, num_top: int) -> tuple[RowLogprobs, torch.Tensor]:
+    """Raw logprobs when the candidates come from controlled scores: the top-N
+    of the raw logits from a top-(N + 1) of their own (the extra one shows
+    whether a tie at the N-th runs past it)."""
+    vocab = raw.shape[1]
+    width = min(num_top + 1, vocab)
+    top_raw, top_ids, _ = top_candidates(raw, width)
+    lse = raw_log_normaliser(raw, top_raw[:, 0])
+    return candidate_raw_logprobs(raw, token, top_raw, top_ids, lse, num_top, width < vocab)
+
+
 def sample(
     logits: torch.Tensor,
     params: RowParams,
@@ -65,6 +93,7 @@ def sample(
     out: SampleOutput | None = None,
     *,
     compute_logprobs: bool = True,
+    token_bitmask: torch.Tensor | None = None,
 ) -> SampleOutput:
     """Sample one token per row; capture-safe.
 
@@ -72,7 +101,9 @@ def sample(
     sampling device; `params` their controls (same device); `cfg` the
     sampler's; `out` preallocated outputs (None: allocated, top-N =
     cfg.max_logprobs). `compute_logprobs=False` leaves logprob, rank and
-    top-N of the rows untouched. Returns: `out`: tokens [rows] int64,
+    top-N of the rows untouched. `token_bitmask` [rows, ceil(V / 32)] int32
+    (same device) or None: the rows' allowed tokens (`token_bitmask.py`).
+    Returns: `out`: tokens [rows] int64,
     logprob [rows] f32, rank [rows] int64, top_ids / top_logprobs [rows, N],
     needs_exact [rows] bool (redo those rows with `sample_exact`), error
     [rows] int64 (`RowError`; nonzero rows hold the placeholder).
@@ -90,27 +121,33 @@ def sample(
     has_tail = cap < vocab
     raw = logits.to(torch.float32)  # [rows, V]
     rows = expand_rows(params, vocab)  # the forced token is among them; it overrides the draw below
+    # Everything below draws from the controlled scores; the finite check and raw logprobs read `raw`.
+    scores, nothing_allowed = controlled_scores(raw, token_bitmask)  # [rows, V] f32
 
-    cand_raw, cand_ids, boundary_raw = top_candidates(raw, cap)  # [rows, C] (raw desc, id asc)
+    cand_raw, cand_ids, boundary_raw = top_candidates(scores, cap)  # [rows, C] (score desc, id asc)
     valid, any_valid, shift = suppression_and_shift(cand_raw, cand_ids, boundary_raw, rows)
-    weights = _exp_processed(raw, shift, rows)  # temperature over the full row: [rows, V] f32 exp(z)
+    weights = _exp_processed(scores, shift, rows)  # temperature over the full row: [rows, V] f32 exp(z)
     block_mass, log_z = block_log_normaliser(weights)
     # top-k -> top-p -> min-p over the candidates, the race among the kept ones, the greedy pick.
     d = decide_on_candidates(cand_raw, cand_ids, boundary_raw, valid, shift, log_z, rows, has_tail, vocab)
     token = drawn_token(rows, d.greedy_token, d.raced, inverse_cdf_draw(weights, block_mass, plain_uniform(rows)))
     # A NaN row's picks may be V (no candidate equals the NaN maximum): the
     # placeholder goes in before anything indexes by token. Without a tail,
-    # no unsuppressed candidate means no unsuppressed token at all; with one,
-    # the exact path decides.
-    error = row_errors(raw, ~any_valid if not has_tail else torch.zeros_like(any_valid))
+    # no valid candidate means no valid token at all; with one, the exact
+    # path decides, unless the bitmask masked the whole tail (a -inf boundary).
+    nothing_left = ~any_valid & (boundary_raw == -math.inf) if has_tail else ~any_valid
+    error = row_errors(raw, nothing_left, nothing_allowed)
     failed = error != RowError.OK
     token = torch.where(failed, PLACEHOLDER_TOKEN, token)
 
     needs_exact = d.needs_exact(rows, any_valid)
     if compute_logprobs:
-        if cfg.logprobs_mode == "raw":
+        if cfg.logprobs_mode == "raw" and scores is raw:
             lse = raw_log_normaliser(raw, cand_raw[:, 0])
             lp, top_tie_in_tail = candidate_raw_logprobs(raw, token, cand_raw, cand_ids, lse, num_top, has_tail)
+            needs_exact = needs_exact | top_tie_in_tail
+        elif cfg.logprobs_mode == "raw":
+            lp, top_tie_in_tail = _unshaped_raw_logprobs(raw, token, num_top)
             needs_exact = needs_exact | top_tie_in_tail
         else:
             lp = processed_logprobs(log_z, d.zs, d.zs_ids, d.p, d.kept, token, num_top)

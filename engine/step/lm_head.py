@@ -36,6 +36,8 @@ class LMHead(ABC):
     hidden_size: int
     dtype: torch.dtype  # the weight's: the default dtype of the hidden-state source
     graph_sets: tuple[str, ...]  # one set of captured graphs each (`StepEngine.replayers`), default first
+    # The graph set of steps with a token bitmask (docs/contract.md §2); None: the head cannot apply one.
+    masked_graphs: str | None = None
     logits_kernel: BlockGemm | None = None  # the verified block GEMM, None: get_logits' own blocks
     batch_invariant_verified: bool = False
     stats: object | None = None  # the head's own counters, saved and restored with the engine's
@@ -81,15 +83,16 @@ def checked_head_weight(weight: object, device: torch.device, name: str) -> torc
     return weight.detach()
 
 
-FULL_CANDIDATES, SMALL_CANDIDATES = "full", "small"
+FULL_CANDIDATES, SMALL_CANDIDATES, MASKED = "full", "small", "masked"
 
 
 class LocalHead(LMHead):
     """The whole LM head on this device: `weight` [V, H] -> fp32 logits in the
-    engine's static `buffers.logits`, sampled there. Two graph sets: the
-    sampler with `sampler.candidate_cap` candidates, and with
+    engine's static `buffers.logits`, sampled there. Graph sets: the
+    sampler with `sampler.candidate_cap` candidates; with
     `EngineConfig.small_candidate_cap` (unless 0) for steps whose requests
-    are all greedy or top-k within it."""
+    are all greedy or top-k within it; and (with `EngineConfig.token_bitmask`)
+    the full sampler after the token bitmask, for steps that restrict a row."""
 
     def __init__(self, lm_head_weight: torch.Tensor, config: EngineConfig) -> None:
         device = config.resolved_device()
@@ -107,6 +110,9 @@ class LocalHead(LMHead):
         self.samplers: dict[str, SamplerConfig] = {FULL_CANDIDATES: config.sampler}
         if config.small_candidate_cap:
             self.samplers[SMALL_CANDIDATES] = dataclasses.replace(config.sampler, candidate_cap=config.small_candidate_cap)
+        if config.token_bitmask:
+            self.samplers[MASKED] = config.sampler
+            self.masked_graphs = MASKED
         self.graph_sets = tuple(self.samplers)
         self.buffers: StepBuffers | None = None
 
@@ -124,7 +130,8 @@ class LocalHead(LMHead):
             block_rows=self.config.block_rows,
             kernel=self.logits_kernel,
         )
-        sample(b.logits[:rows], b.params(bucket), self.samplers[graphs], out=b.outputs(rows))
+        token_bitmask = b.token_bitmask[:rows] if graphs == MASKED else None
+        sample(b.logits[:rows], b.params(bucket), self.samplers[graphs], out=b.outputs(rows), token_bitmask=token_bitmask)
 
     def graphs_for(self, inputs: SamplerInputs, rows: int, stats: EngineStats) -> str:
         """The small-candidate graphs when every request is greedy or has 1 <= top_k <= their cap."""
