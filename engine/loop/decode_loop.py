@@ -81,6 +81,7 @@ class DecodeLoop:
         config: LoopConfig | None = None,
         *,
         engine_config: EngineConfig | None = None,
+        tokenizer: object | None = None,
         capture: bool = True,
     ):
         self.model = model
@@ -89,7 +90,8 @@ class DecodeLoop:
         self.engine = StepEngine(model.lm_head_weight, engine_config_for(cfg, model, engine_config))
         if capture:
             self.engine.capture()
-        self.batch = PersistentBatch(self.engine, cfg.max_num_reqs)
+        # tokenizer: what structured output (json_schema / regex / grammar) compiles against.
+        self.batch = PersistentBatch(self.engine, cfg.max_num_reqs, tokenizer=tokenizer)
         self.shares_prefixes = cfg.prefix_sharing and isinstance(model, PrefixCopy)
         # Finished requests' caches kept as prefix donors: kv slot -> the tokens it holds,
         # least recently used first; when the model has no free slot left, the first one
@@ -142,6 +144,7 @@ class DecodeLoop:
                 f"request {request_id!r}: params.stop_token_ids={params.stop_token_ids} with EOS cover the whole "
                 f"vocabulary ({self.model.vocab_size} ids) while min_tokens={params.min_tokens}: no token could be sampled"
             )
+        self.batch.check_constraints(request_id, params, prompt)  # bad words, structured output (compiled, cached)
         top_n = params.num_logprobs
         if top_n > self.engine.config.sampler.max_logprobs:
             raise ValueError(
@@ -423,14 +426,16 @@ def generate(
     *,
     config: LoopConfig | None = None,
     engine_config: EngineConfig | None = None,
+    tokenizer: object | None = None,
 ) -> list[Completion]:
-    """Run every prompt to completion; completions in prompt order."""
+    """Run every prompt to completion; completions in prompt order. `tokenizer`:
+    the model's, for structured output (json_schema / regex / grammar)."""
     prompts = list(prompts)
     if params is None or isinstance(params, SamplingParams):
         params = [params or SamplingParams()] * len(prompts)
     if len(params) != len(prompts):
         raise ValueError(f"params: {len(params)} entries for {len(prompts)} prompts")
-    loop = DecodeLoop(model, config, engine_config=engine_config)
+    loop = DecodeLoop(model, config, engine_config=engine_config, tokenizer=tokenizer)
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         loop.submit(i, prompt, p)
     done = loop.run()
