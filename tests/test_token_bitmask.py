@@ -206,3 +206,47 @@ def test_an_engine_without_bitmask_graphs_refuses_a_masked_step():
     prepared = batch.prepare(["a"], [1], [1])
     with pytest.raises(ValueError, match="token_bitmask"):
         e.run(torch.zeros(1, H), prepared.inputs, prepared.arrays)
+
+
+def run_with_drafts(e: StepEngine, prompt: list[int], params: SamplingParams, steps: int, propose) -> list[int]:
+    """One request decoded with `propose(emitted) -> drafts` each step (the hidden rows
+    depend on the position only, as in `decode_run`)."""
+    batch = PersistentBatch(e)
+    batch.add("m", prompt, params)
+
+    def hidden_at(pos):
+        return torch.randn(H, generator=torch.Generator().manual_seed(hash(("m", pos, 0)) % 2**31))
+
+    emitted: list[int] = []
+    prepared = batch.prepare(["m"], [len(prompt)], [len(prompt)])
+    out = e.run(torch.stack([hidden_at(p) for p in range(len(prompt))]), prepared.inputs, prepared.arrays)
+    batch.record(prepared, out)
+    emitted += out.tokens[0]
+    while len(emitted) < steps:
+        drafts = propose(emitted)
+        q, k = 1 + len(drafts), len(prompt) + len(emitted) + len(drafts)
+        prepared = batch.prepare(["m"], [q], [k], draft_tokens=[drafts])
+        start = len(prompt) + len(emitted) - 1
+        out = e.run(torch.stack([hidden_at(start + j) for j in range(q)]), prepared.inputs, prepared.arrays)
+        batch.record(prepared, out)
+        assert out.errors[0] is None
+        emitted += out.tokens[0]
+    return emitted[:steps]
+
+
+def test_strict_drafts_with_bad_words_give_the_tokens_of_no_drafts():
+    plain = run_with_drafts(make_engine(max_draft_tokens=2), [3, 4], BANNED, 14, lambda done: [])
+    rng = np.random.default_rng(0)
+
+    def propose(done):  # right continuations, wrong ones and banned ones
+        right = plain[len(done) : len(done) + 2]
+        return [int(t) if rng.random() < 0.7 else int(rng.integers(0, V)) for t in right]
+
+    assert run_with_drafts(make_engine(max_draft_tokens=2), [3, 4], BANNED, 14, propose) == plain
+
+
+def test_rejection_mode_never_accepts_a_banned_draft():
+    e = make_engine(max_draft_tokens=2, verify_mode="rejection")
+    rng = np.random.default_rng(1)
+    emitted = run_with_drafts(e, [3, 4], BANNED, 40, lambda done: [int(t) for t in rng.integers(0, V, 2)])
+    assert all(t % 2 for t in emitted)
