@@ -250,3 +250,13 @@ def test_rejection_mode_never_accepts_a_banned_draft():
     rng = np.random.default_rng(1)
     emitted = run_with_drafts(e, [3, 4], BANNED, 40, lambda done: [int(t) for t in rng.integers(0, V, 2)])
     assert all(t % 2 for t in emitted)
+
+
+def test_rows_redone_exactly_see_the_mask():
+    """Few candidates and a wide top-p: the kept set reaches past the candidates,
+    so rows go to the exact path, which must apply the same bitmask."""
+    e = make_engine(sampler=SamplerConfig(candidate_cap=16, max_logprobs=2), small_candidate_cap=0)
+    params = SamplingParams(temperature=2.0, top_p=0.99, seed=4, bad_words=tuple((t,) for t in range(0, V, 2)))
+    emitted = run_with_drafts(e, [3, 4], params, 30, lambda done: [])
+    assert e.stats.exact_rows > 0
+    assert all(t % 2 for t in emitted)
