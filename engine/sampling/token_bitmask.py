@@ -37,10 +37,10 @@ def unpack_token_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
     sampling device; `vocab` V. Returns: [rows, V] bool, True = allowed.
     Capture-safe.
     """
-    shifts = torch.arange(BITS_PER_WORD, dtype=torch.int32, device=words.device)
-    # An arithmetic shift of a negative word keeps its sign bits; `& 1` reads bit b alone.
-    bits = (words[:, :, None] >> shifts) & 1  # [rows, W, 32] int32
-    return bits.view(words.shape[0], -1)[:, :vocab].bool()
+    # 1 << 31 is int32's sign bit: the & reads it like any other bit.
+    bits = torch.bitwise_left_shift(torch.ones((), dtype=torch.int32, device=words.device),
+                                    torch.arange(BITS_PER_WORD, dtype=torch.int32, device=words.device))  # [32]
+    return ((words[:, :, None] & bits) != 0).view(words.shape[0], -1)[:, :vocab]  # [rows, W * 32] -> [rows, V]
 
 
 def apply_token_bitmask(scores: torch.Tensor, words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
