@@ -130,6 +130,7 @@ class TokenConstraint:
         self.matcher = matcher
         self.stop_token_ids = tuple(int(t) for t in stop_token_ids)
         self.single_bans = np.array(sorted({w[0] for w in bad_words if len(w) == 1}), dtype=np.int64)
+        self._single_mask: np.ndarray | None = None  # [words] int32: all ones but the one-token bad words
         self.longer_words = tuple(tuple(w) for w in bad_words if len(w) > 1)
         keep = max((len(w) - 1 for w in self.longer_words), default=0)
         prompt = [int(t) for t in prompt_tokens]
@@ -146,8 +147,14 @@ class TokenConstraint:
         drafts 0..j-1 were accepted."""
         if self.matcher is not None:
             self._fill_grammar(rows, drafts)
-        if self.single_bans.size or self.longer_words:
-            tail = (self.prompt_tail + self.output)[-self.context_needed :] if self.context_needed else []
+        if self.single_bans.size:
+            if self._single_mask is None:
+                self._single_mask = np.full(rows.shape[1], -1, dtype=np.int32)
+                for token in self.single_bans:
+                    ban_token(self._single_mask, int(token))
+            rows &= self._single_mask
+        if self.longer_words:
+            tail = (self.prompt_tail + self.output)[-self.context_needed :]
             for j in range(len(rows)):
                 self._ban_words(rows[j], tail + [int(d) for d in drafts[:j]])
 
@@ -175,8 +182,6 @@ class TokenConstraint:
             matcher.rollback(advanced)
 
     def _ban_words(self, row: np.ndarray, context: list[int]) -> None:
-        for token in self.single_bans:
-            ban_token(row, int(token))
         for word in self.longer_words:
             n = len(word) - 1
             if len(context) >= n and tuple(context[len(context) - n :]) == word[:-1]:
