@@ -209,3 +209,61 @@ def test_drafts_from_the_pool_are_refused_for_a_constrained_request():
     with pytest.raises(ValueError, match=r"request 'a': token constraints need the drafts on the host"):
         batch.prepare(["a"], [3], [5])
     assert batch.prepare(["a"], [3], [5], draft_tokens=[[7, 8]]).arrays.token_bitmask.shape == (3, 2)
+
+
+def test_set_generated_puts_the_matcher_back_as_a_rolled_back_step_needs():
+    weight = torch.randn(BYTE_VOCAB, H, generator=torch.Generator().manual_seed(1))
+    e = StepEngine(weight, EngineConfig(max_num_reqs=2, device="cpu", use_graphs=False, eos_token_id=BYTE_EOS))
+    batch = PersistentBatch(e, tokenizer=ByteChatMLTokenizer())
+    row = batch.add("a", [65], SamplingParams(regex="(ab)+c", temperature=0.0))
+
+    def step(q, k):
+        prepared = batch.prepare(["a"], [q], [k])
+        out = e.run(torch.randn(q, H), prepared.inputs, prepared.arrays)
+        batch.record(prepared, out)
+        return out.tokens[0]
+
+    assert step(1, 1) == [ord("a")]
+    before = batch.prepare(["a"], [1], [2]).arrays.token_bitmask.copy()
+    assert allowed_ids(before[0]) == [ord("b")]
+    assert step(1, 2) == [ord("b")]
+    batch.set_generated(np.array([row]), np.array([1], dtype=np.int32))  # the loop's rollback of that step
+    np.testing.assert_array_equal(batch.prepare(["a"], [1], [2]).arrays.token_bitmask, before)
+
+
+def test_a_failed_loop_step_rolls_the_constraints_back():
+    """DecodeLoop's atomic step with a bad-words request: a step that raises after
+    its tokens were recorded is undone and redone; the completions equal a clean run."""
+    from engine.loop.config import LoopConfig
+    from engine.loop.decode_loop import DecodeLoop
+    from engine.models.llama import LlamaConfig, LlamaModel
+
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=12,
+                            bad_words=tuple((t,) for t in range(0, 256, 2)) + ((5, 7), (9, 11, 13)))
+
+    def run(fail_at: set[int]) -> list[int]:
+        model = LlamaModel.random(LlamaConfig.tiny(), seed=0, num_slots=2, batch_invariant=True)
+        loop = DecodeLoop(model, LoopConfig(max_num_reqs=2, max_draft_tokens=2), engine_config=EngineConfig(use_graphs=False),
+                          capture=False)
+        record, calls = loop.batch.record, [0]
+
+        def flaky_record(*args):
+            record(*args)
+            calls[0] += 1
+            if calls[0] in fail_at:
+                raise RuntimeError("after the step's tokens were recorded")
+
+        loop.batch.record = flaky_record
+        loop.submit("a", [5, 9, 11], params)
+        while loop.has_work():
+            try:
+                loop.step()
+            except RuntimeError:
+                pass
+            for req in loop.running:  # the constraint's context is exactly what the request emitted
+                assert loop.batch.constraints.of[req.table_row].output == req.completion.tokens
+        return loop.finished["a"].tokens
+
+    clean = run(set())
+    assert all(t % 2 for t in clean)
+    assert run({2, 3, 6}) == clean
