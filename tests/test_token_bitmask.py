@@ -138,7 +138,7 @@ def make_engine(**config) -> StepEngine:
 def decode_run(e: StepEngine, requests: dict, steps: int, hidden_seed: int = 0) -> dict:
     """Prefill then decode each request for `steps` steps, one token a step; the hidden
     rows come from (request, position), so a request's rows do not depend on its batch."""
-    batch = PersistentBatch(e)
+    batch = PersistentBatch(e, capacity=len(requests))
     out_tokens = {rid: [] for rid in requests}
     errors = {rid: None for rid in requests}
     for rid, (prompt, params) in requests.items():
@@ -188,6 +188,13 @@ def test_bad_words_hold_and_a_masked_request_is_the_same_alone_in_a_crowd_and_re
         assert (a, b) != (3, 5)
     for a, b, c in zip(tokens, tokens[1:], tokens[2:]):
         assert (a, b, c) != (7, 9, 11)
+
+
+@pytest.mark.filterwarnings("ignore:a step with 3 requests exceeds the largest graph bucket")
+def test_a_step_above_the_largest_bucket_splits_the_bitmask_with_it():
+    requests = {"x": ([9, 9, 9], SamplingParams(temperature=0.0, bad_words=((9, 9),))), "m": ([3, 4], BANNED),
+                "y": ([2], SamplingParams(temperature=1.0, seed=1, bad_words=((5, 7),)))}
+    assert decode_run(make_engine(max_num_reqs=1), requests, 8) == decode_run(make_engine(), requests, 8)
 
 
 def test_a_dead_end_fails_only_its_request():
