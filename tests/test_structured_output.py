@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine import LoopConfig, SamplingParams, generate, load_smollm2
+from engine import EngineConfig, LoopConfig, SamplingParams, generate, load_smollm2
 from engine.host.token_constraints import TokenConstraints
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -44,7 +44,10 @@ def test_schema_constrained_outputs_parse_and_validate_with_and_without_drafts(s
             prompts.append(prompt)
             params.append(SamplingParams(temperature=temperature, seed=seed, max_tokens=24, json_schema=schema))
             schemas.append(schema)
-    runs = {k: generate(model, prompts, params, config=LoopConfig(max_num_reqs=9, max_draft_tokens=k), tokenizer=tok)
+    # One bucket, no small-candidate graphs: capture stays short; every step uses the bitmask graphs anyway.
+    engine_config = EngineConfig(buckets=(9,), small_candidate_cap=0)
+    runs = {k: generate(model, prompts, params, config=LoopConfig(max_num_reqs=9, max_draft_tokens=k),
+                        engine_config=engine_config, tokenizer=tok)
             for k in (0, 3)}
     for k, completions in runs.items():
         for c, schema in zip(completions, schemas):
