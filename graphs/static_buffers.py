@@ -84,6 +84,8 @@ class StepBuffers:
     pool_tokens: torch.Tensor  # [(pool_slots + 1) * max_draft] int64; the extra slot absorbs "no write"
     pool_logprobs: torch.Tensor  # same shape, f32
     draft_probs: torch.Tensor | None  # [max_rows, V] f32, rejection mode only: q of each row's draft
+    # [max_rows, ceil(V / 32)] int32 packed allowed-token bits, written only by steps that restrict a row
+    token_bitmask: torch.Tensor | None
     packed: torch.Tensor  # [nbytes] uint8 on the device: every per-step field
     staging: torch.Tensor  # [nbytes] uint8 on the host (pinned on CUDA)
     inputs: Any  # typed device views into `packed` (`step_inputs_class`), full size, one attribute per field
@@ -113,9 +115,11 @@ class StepBuffers:
         device: torch.device,
         pool_slots: int = 0,
         draft_probs: bool = False,
+        token_bitmask_words: int = 0,
     ) -> StepBuffers:
         """Static buffers for the declared per-step fields (and the fixed
-        ones: source, hidden, logits, outputs, draft pool); raises ValueError
+        ones: source, hidden, logits, outputs, draft pool; a token bitmask of
+        `token_bitmask_words` int32 words per row unless 0); raises ValueError
         naming a field the buffers cannot stage."""
         declared = tuple(step_fields)
         rows_per_req = 1 + max_draft_tokens
@@ -172,6 +176,8 @@ class StepBuffers:
             pool_tokens=pool_tokens,
             pool_logprobs=pool_logprobs,
             draft_probs=torch.zeros(max_rows, vocab_size, device=device) if draft_probs else None,
+            token_bitmask=(torch.full((max_rows, token_bitmask_words), -1, dtype=torch.int32, device=device)
+                           if token_bitmask_words else None),
             packed=packed,
             staging=staging,
             inputs=inputs,
@@ -204,6 +210,8 @@ class StepBuffers:
         }
         if self.draft_probs is not None:
             named["draft_probs"] = self.draft_probs
+        if self.token_bitmask is not None:
+            named["token_bitmask"] = self.token_bitmask
         named.update({f"out.{k}": v for k, v in vars(self.out).items()})
         return named
 
@@ -270,7 +278,8 @@ class StepBuffers:
             view[...] = np.random.default_rng(0).integers(-5, 2**20, view.shape).astype(view.dtype)
             self._high_water[name] = len(view)
         self.packed.copy_(self.staging)
-        for tensor in (self.hidden, self.logits, self.num_accepted, self.emitted, *vars(self.out).values()):
+        scribbled = (self.hidden, self.logits, self.num_accepted, self.emitted, *vars(self.out).values())
+        for tensor in scribbled + ((self.token_bitmask,) if self.token_bitmask is not None else ()):
             if tensor.dtype == torch.bool:
                 tensor.fill_(True)
             elif tensor.is_floating_point():

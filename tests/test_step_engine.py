@@ -325,7 +325,7 @@ def test_small_candidate_steps_sample_exactly_what_full_candidate_steps_do():
     weight[100:164] = weight[100]  # 64 tokens share one logit: ties wider than 32 candidates
     small = StepEngine(weight, EngineConfig(max_num_reqs=MAX_REQS, device="cpu", eos_token_id=7))
     full = StepEngine(weight, EngineConfig(max_num_reqs=MAX_REQS, device="cpu", eos_token_id=7, small_candidate_cap=0))
-    assert "2 graphs each" in str(small.capture())
+    assert "3 graphs each" in str(small.capture())  # full, small candidates, token bitmask
     full.capture()
     sizes = [1, 4, 9, 16] * 5
     for seed, n in enumerate(sizes):

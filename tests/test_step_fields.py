@@ -123,7 +123,7 @@ def test_request_columns_and_ledger_parameter_arrays_come_from_the_declaration()
             np.testing.assert_array_equal(got, np.asarray(want, dtype=f.dtype), err_msg=f.name)
         assert (getattr(empty, f.name) == f.padding).all(), f.name  # padding requests
     assert {f.name for f in PARAM_FIELDS} <= {f.name for f in dataclasses.fields(SamplerInputs)}
-    assert [f.name for f in dataclasses.fields(StepArrays)] == [f.name for f in STEP_FIELDS] + ["draft_probs"]
+    assert [f.name for f in dataclasses.fields(StepArrays)] == [f.name for f in STEP_FIELDS] + ["draft_probs", "token_bitmask"]
 
 
 @pytest.mark.parametrize("device", DEVICES)

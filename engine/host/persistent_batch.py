@@ -36,6 +36,7 @@ from engine.host.ledger import (
     validate_batch,
 )
 from engine.host.params import SamplingParams, SeqMeta
+from engine.host.token_constraints import TokenConstraint, TokenConstraints
 
 if TYPE_CHECKING:
     from engine import EngineConfig, StepEngine, StepOutput
@@ -470,14 +471,23 @@ class PersistentBatch:
     > 0` and `draft_pool_slots != 1`) every request also holds a pool slot:
     a decode whose drafts are not given reads what a draft head wrote there
     last step (`next_drafts=`), at most once.
+
+    Token constraints (docs/contract.md §2): a request with `bad_words`, or
+    with structured output (`json_schema` / `regex` / `grammar`, which needs
+    the `tokenizer` the model's vocabulary comes from), gets its per-row token
+    bitmask built in `prepare` (drafts included) and its state advanced in
+    `record`; `set_generated` rolls it back with the counts.
     """
 
-    def __init__(self, engine: StepEngine, capacity: int | None = None):
+    def __init__(self, engine: StepEngine, capacity: int | None = None, *, tokenizer: object | None = None):
         config = engine.config
         self.engine = engine
         self.table, self.ledger_options = _engine_table(engine, capacity or config.max_num_reqs)
         self.draft_slots = DraftSlots(config.pool_slots) if config.draft_pool else None
         self._rows_in_range = b""  # the last rows (as bytes) found in range and holding requests
+        # Per table row: its token constraint (bad words, structured output), if any.
+        self.constraints = TokenConstraints(engine.vocab_size, tokenizer, config.eos_token_id)
+        self._constrained = np.zeros(self.table.capacity, dtype=bool)
 
     def __len__(self) -> int:
         return len(self.table)
@@ -493,17 +503,40 @@ class PersistentBatch:
         params = SamplingParams() if params is None else params
         if prompt_tokens is None:
             raise ValueError(f"request {request_id!r}: prompt_tokens=None: the batch needs the prompt")
+        if request_id in self.table.row_of:
+            raise ValueError(f"request {request_id!r}: request_id is already in the table")
+        constraint = self.check_constraints(request_id, params, prompt_tokens)
         if self.draft_slots is None or len(self.table) == self.table.capacity:
-            return self.table.add(request_id, params, prompt_tokens)  # a full table raises before a slot is taken
-        slot = self.draft_slots.allocate()
-        try:
-            return self.table.add(request_id, params, prompt_tokens, mtp_write_slot=slot)
-        except BaseException:
-            self.draft_slots.release(slot)
-            raise
+            row = self.table.add(request_id, params, prompt_tokens)  # a full table raises before a slot is taken
+        else:
+            slot = self.draft_slots.allocate()
+            try:
+                row = self.table.add(request_id, params, prompt_tokens, mtp_write_slot=slot)
+            except BaseException:
+                self.draft_slots.release(slot)
+                raise
+        if constraint is not None:
+            self.constraints.of[row] = constraint
+            self._constrained[row] = True
+        return row
+
+    def check_constraints(self, request_id: Hashable, params: SamplingParams,
+                          prompt_tokens: Sequence[int]) -> TokenConstraint | None:
+        """The token constraint `params` asks for (None: none), every check run:
+        bad words inside the vocabulary, the structured-output spec compiled
+        (cached by kind and text), a tokenizer present. **Raises** ValueError
+        naming the request, the field and the value; changes nothing."""
+        return self.constraints.make(request_id, params, prompt_tokens)
 
     def update(self, request_id: Hashable, params: SamplingParams) -> None:
-        """New sampling parameters for a request in the batch (validated first)."""
+        """New sampling parameters for a request in the batch (validated first).
+        Its bad words and structured output cannot change."""
+        row = self.table.row(request_id)
+        old = self.table.params[row]
+        if (old.bad_words, old.structured) != (params.bad_words, params.structured):
+            field = "bad_words" if old.bad_words != params.bad_words else (params.structured or old.structured)[0]
+            raise ValueError(f"request {request_id!r}: params.{field}: a request's token constraints are fixed "
+                             "when it is added (remove and add it again)")
         self.table.update(request_id, params)
 
     def check_controls(self, request_id: Hashable, params: SamplingParams) -> None:
@@ -513,10 +546,12 @@ class PersistentBatch:
         self.table.controls.check_params(request_id, params)
 
     def remove(self, request_id: Hashable) -> None:
-        """Free the request's row (and its draft-info slot)."""
+        """Free the request's row (and its draft-info slot and token constraint)."""
         row = self.table.row(request_id)
         slot = int(self.table.cols.mtp_write_slot[row])
         self.table.remove(request_id)
+        self.constraints.of.pop(row, None)
+        self._constrained[row] = False
         self._rows_in_range = b""
         if self.draft_slots is not None:
             self.draft_slots.release(slot)
@@ -568,7 +603,32 @@ class PersistentBatch:
                                          draft_logprobs=draft_logprobs, next_drafts=next_drafts,
                                          next_draft_logprobs=next_draft_logprobs)
         arrays.control_slots = table.control_slots_of(rows, inputs)
+        constrained = np.flatnonzero(self._constrained[rows])
+        if len(constrained):
+            arrays.token_bitmask = self._token_bitmask(rows, constrained, inputs, arrays)
         return BatchStep(rows, inputs, arrays, read)
+
+    def _token_bitmask(self, rows: np.ndarray, constrained: np.ndarray, inputs: SamplerInputs,
+                       arrays: StepArrays) -> np.ndarray | None:
+        """[sample rows, words] int32: the constrained requests' rows filled in
+        (row j with drafts 0..j-1 taken as accepted), the others all ones.
+        None when no sample row of the step is restricted (a prompt chunk
+        that is not the last throws its token away)."""
+        wanted = [i for i in constrained if not inputs.is_prompt[i] or inputs.is_last_chunk[i]]
+        if not wanted:
+            return None
+        for i in wanted:
+            first, count = int(inputs.sample_offsets[i]), int(inputs.sample_counts[i])
+            # A negative draft is one the graph reads from the draft-info pool.
+            if count > 1 and (arrays.row_drafts[first : first + count - 1] < 0).any():
+                raise ValueError(f"request {inputs.request_ids[i]!r}: token constraints need the drafts on the host: "
+                                 "pass draft_tokens (drafts read from the draft-info pool are not seen here)")
+        mask = np.full((inputs.num_sample_rows, self.constraints.words), -1, dtype=np.int32)
+        for i in wanted:
+            first, count = int(inputs.sample_offsets[i]), int(inputs.sample_counts[i])
+            drafts = arrays.row_drafts[first : first + count - 1] if count > 1 else ()
+            self.constraints.of[int(rows[i])].fill(mask[first : first + count], drafts)
+        return mask
 
     def _check_lengths(self, rows: np.ndarray, is_prompt: np.ndarray, seqlen_q: np.ndarray, seqlen_k: np.ndarray,
                        prompt_len: np.ndarray, generated: np.ndarray) -> None:
@@ -596,13 +656,18 @@ class PersistentBatch:
         step wrote hold fresh draft info (the ones it read are consumed)."""
         emitted = np.fromiter(map(len, out.tokens), dtype=np.int32, count=len(out.tokens))
         self.table.record_emitted(step.rows, emitted)
+        for i in np.flatnonzero(self._constrained[step.rows]):
+            self.constraints.of[int(step.rows[i])].advance(out.tokens[i])
         if self.draft_slots is not None:
             self.draft_slots.consume(step.read_slots)
             self.draft_slots.mark_written(step.inputs.mtp_info_write_slots)
 
     def set_generated(self, rows: np.ndarray, counts: np.ndarray) -> None:
-        """Set the generated-token counts of table rows (undoing a step the caller rolled back)."""
+        """Set the generated-token counts of table rows (undoing a step the caller
+        rolled back); their token constraints go back to the state after as many tokens."""
         self.table.set_generated(rows, counts)
+        for i in np.flatnonzero(self._constrained[rows]):
+            self.constraints.of[int(rows[i])].rollback_to(int(counts[i]))
 
 
 def _counts(name: str, values: Sequence[int] | np.ndarray, n: int) -> np.ndarray:
@@ -621,6 +686,16 @@ _STEP_COUNTS = tuple(attrgetter(name) for name in ("seqlen_q", "seqlen_k", "num_
 _IS_PROMPT = attrgetter("is_prompt")
 _FORCED_TOKEN = attrgetter("forced_token")
 _SLOTS = (attrgetter("mtp_read_slot"), attrgetter("mtp_write_slot"))
+
+
+def _refuse_token_constraints(ids: tuple, params: tuple) -> None:
+    """The SeqMeta path keeps no output tokens, so it cannot serve bad words or
+    structured output: ValueError naming the first request that asks."""
+    for request_id, p in zip(ids, params):
+        field = "bad_words" if p.bad_words else (p.structured[0] if p.structured else None)
+        if field is not None:
+            raise ValueError(f"request {request_id!r}: params.{field}: StepEngine.step(hidden, seqs) applies no "
+                             "token constraints; use PersistentBatch(engine, tokenizer=) and engine.run")
 
 
 class SeqMetaFront:
@@ -663,6 +738,8 @@ class SeqMetaFront:
         if n > self.table.capacity:
             self._reset(2 * n)
         ids, params = tuple(map(_REQUEST_ID, seqs)), tuple(map(_PARAMS, seqs))
+        if ids != self._last_ids or not all(map(operator.is_, params, self._last_params)):
+            _refuse_token_constraints(ids, params)
         self.clock += 1
         if ids == self._last_ids:
             rows = self._last_rows

@@ -95,8 +95,9 @@ class DecodeLoop:
         tokenizer: ChatTokenizer | None = None,
         capture: bool = True,
     ):
-        """`tokenizer` (any `ChatTokenizer`; only `decode` is used here): fills
-        `Completion.text` and enables `stop` strings."""
+        """`tokenizer` (a `ChatTokenizer`): fills `Completion.text`, enables `stop`
+        strings, and is what structured output (json_schema / regex / grammar)
+        compiles against."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or LoopConfig()
@@ -104,7 +105,7 @@ class DecodeLoop:
         self.engine = StepEngine(model.lm_head_weight, engine_config_for(cfg, model, engine_config))
         if capture:
             self.engine.capture()
-        self.batch = PersistentBatch(self.engine, cfg.max_num_reqs)
+        self.batch = PersistentBatch(self.engine, cfg.max_num_reqs, tokenizer=tokenizer)
         self.shares_prefixes = cfg.prefix_sharing and isinstance(model, PrefixCopy)
         # Finished requests' caches kept as prefix donors: kv slot -> the tokens it holds,
         # least recently used first; when the model has no free slot left, the first one
@@ -173,6 +174,7 @@ class DecodeLoop:
                 f"request {request_id!r}: params.stop_token_ids={params.stop_token_ids} with EOS cover the whole "
                 f"vocabulary ({self.model.vocab_size} ids) while min_tokens={params.min_tokens}: no token could be sampled"
             )
+        self.batch.check_constraints(request_id, params, prompt)  # bad words, structured output (compiled, cached)
         top_n = params.num_logprobs
         if top_n > self.engine.config.sampler.max_logprobs:
             raise ValueError(
@@ -514,7 +516,8 @@ def generate(
     tokenizer: ChatTokenizer | None = None,
 ) -> list[Completion | list[Completion]]:
     """Run every prompt to completion; completions in prompt order. A prompt whose params
-    have `n > 1` gets the list of its n completions in place of one."""
+    have `n > 1` gets the list of its n completions in place of one. `tokenizer`: the
+    model's, for `Completion.text`, stop strings and structured output."""
     prompts = list(prompts)
     if params is None or isinstance(params, SamplingParams):
         params = [params or SamplingParams()] * len(prompts)

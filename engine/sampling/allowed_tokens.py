@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from engine.sampling.penalties import unpack_bits
+from engine.sampling.token_bitmask import unpack_token_bitmask
 
 
 def apply_allowed_tokens_(logits: torch.Tensor, words: torch.Tensor, restricted: torch.Tensor) -> torch.Tensor:
@@ -20,5 +20,5 @@ def apply_allowed_tokens_(logits: torch.Tensor, words: torch.Tensor, restricted:
     allowed set packed; `restricted` [rows] bool; same device. Returns:
     `logits`. Capture-safe.
     """
-    banned = ~unpack_bits(words, logits.shape[1]) & restricted[:, None]  # [rows, V]
+    banned = ~unpack_token_bitmask(words, logits.shape[1]) & restricted[:, None]  # [rows, V]
     return logits.masked_fill_(banned, -math.inf)

@@ -99,11 +99,17 @@ def decide_on_candidates(
     # The best a token outside the candidates can be.
     boundary_z = processed_logits(boundary_raw[:, None], shift, rows.temperature).squeeze(1)
     boundary_p = torch.exp(boundary_z.to(torch.float64) - log_z)
+    # A -inf boundary (the token bitmask masked every token past the
+    # candidates) leaves nothing outside them to keep: the row is settled.
+    tail_masked = boundary_raw == -math.inf
     # The top-k cut is known when the k-th token is a candidate above the
     # boundary; an unknown one leaves top-p's renormaliser unknown.
-    k_known = (rows.top_k <= zs.shape[1]) & ((ks.kth_z > boundary_z) if has_tail else torch.ones_like(rows.k_on))
+    k_known = tail_masked | (
+        (rows.top_k <= zs.shape[1]) & ((ks.kth_z > boundary_z) if has_tail else torch.ones_like(rows.k_on))
+    )
     boundary_kept = (
-        (~rows.k_on | (boundary_z >= ks.kth_z))
+        ~tail_masked
+        & (~rows.k_on | (boundary_z >= ks.kth_z))
         & (~rows.p_on | (boundary_p >= ks.t_star))
         & (~rows.m_on | (boundary_p >= ks.min_p_level))
     )

@@ -25,20 +25,25 @@ class RowError(IntEnum):
     LOGITS_NOT_FINITE = 1  # a NaN or +-inf logit in the row
     NOTHING_LEFT = 2  # the controls leave no token (EOS / stop suppression covers the vocabulary)
     HIDDEN_NOT_FINITE = 3  # set by the caller that owns the hidden states (`fail_rows`)
+    NO_TOKEN_ALLOWED = 4  # the token bitmask (structured output, bad words) allows no token
 
 
 PLACEHOLDER_TOKEN = 0  # the token of a failed row: in the vocabulary, never emitted
 
 
-def row_errors(raw: torch.Tensor, nothing_left: torch.Tensor) -> torch.Tensor:
-    """Each row's `RowError`: not finite first, then nothing left.
+def row_errors(raw: torch.Tensor, nothing_left: torch.Tensor, nothing_allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's `RowError`: not finite first, then nothing allowed by the
+    token bitmask, then nothing left.
 
     Parameters: `raw` [rows, V] f32 logits; `nothing_left` [rows] bool, rows
-    whose controls leave no token. Returns: [rows] int64 codes. Capture-safe.
+    whose controls leave no token; `nothing_allowed` [rows] bool or None, rows
+    whose token bitmask allows none. Returns: [rows] int64 codes. Capture-safe.
     """
     finite = torch.isfinite(raw).all(-1)
     ok = torch.full_like(nothing_left, int(RowError.OK), dtype=torch.int64)
     left = torch.where(nothing_left, int(RowError.NOTHING_LEFT), ok)
+    if nothing_allowed is not None:
+        left = torch.where(nothing_allowed, int(RowError.NO_TOKEN_ALLOWED), left)
     return torch.where(finite, left, int(RowError.LOGITS_NOT_FINITE))
 
 

@@ -9,6 +9,7 @@ benchmarks); `kept_sets` lists each row's kept tokens; verification's
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -20,7 +21,7 @@ from engine.sampling import filters
 from engine.sampling.logprobs import RowLogprobs, processed_logprobs, token_logprobs, top_n_ids
 from engine.sampling.normaliser import block_log_normaliser, raw_log_normaliser
 from engine.sampling.rows import SamplingRows, expand_rows
-from engine.sampling.sampler import SamplerConfig
+from engine.sampling.sampler import SamplerConfig, controlled_scores
 from engine.sampling.suppression import suppressed_mask, unsuppressed_shift
 from engine.sampling.temperature import processed_logits
 from graphs.step_fields import RowParams, SampleOutput
@@ -35,7 +36,7 @@ EXACT_CHUNK_ROWS = 64
 class FullRowDistribution:
     """A row's processed distribution over the whole vocabulary, sorted."""
 
-    valid: torch.Tensor  # [rows, V] bool: not a suppressed stop id
+    valid: torch.Tensor  # [rows, V] bool: not a suppressed stop id, not masked (-inf)
     weights: torch.Tensor  # [rows, V] f32: exp(z) by token id, suppressed ids 0
     block_mass: torch.Tensor  # [rows, blocks] f32
     log_z: torch.Tensor  # [rows] f64
@@ -55,7 +56,8 @@ def full_row_distribution(raw: torch.Tensor, rows: SamplingRows) -> FullRowDistr
     # Sorted outputs keep the input's layout, and float32 sums over them
     # round in memory order: work on row-major logits whatever the caller's.
     raw = raw.contiguous()
-    valid = ~suppressed_mask(rows, raw.shape[1])
+    # -inf: a token the token bitmask masked, never valid.
+    valid = ~suppressed_mask(rows, raw.shape[1]) & (raw > -math.inf)
     shift = unsuppressed_shift(raw, valid, raw.amax(-1))
     z = processed_logits(raw, shift, rows.temperature, valid=valid)  # [rows, V] f32
     weights = z.exp()
@@ -73,21 +75,22 @@ def _if_any(needed: torch.Tensor, draw: Callable[[], torch.Tensor]) -> torch.Ten
 def _write_exact_rows(
     logits: torch.Tensor, params: RowParams, cfg: SamplerConfig, index: torch.Tensor, out: SampleOutput,
     compute_logprobs: bool = True, unprocessed: torch.Tensor | None = None,
+    token_bitmask: torch.Tensor | None = None,
 ) -> None:
     """Rows `index` [n] int64 of `out`, decided over the whole vocabulary (eager)."""
     raw = logits.to(torch.float32)[index]  # [n, V]
     before = raw if unprocessed is None else unprocessed.to(torch.float32)[index]  # [n, V] before the controls
     vocab = raw.shape[1]
     rows = expand_rows(params.rows(index), vocab)
-    d = full_row_distribution(raw, rows)
-    # With the sampling controls, a -inf (not allowed) token is no token to choose.
-    error = row_errors(before, ~(d.valid if unprocessed is None else d.valid & torch.isfinite(raw)).any(-1))
+    scores, nothing_allowed = controlled_scores(raw, None if token_bitmask is None else token_bitmask[index])
+    d = full_row_distribution(scores, rows)  # a -inf (not allowed) token is no token to choose
+    error = row_errors(before, ~d.valid.any(-1), nothing_allowed)
     # The kept set is a prefix of the sorted row: race over the longest one only.
     width = max(1, int(d.kept.kept.sum(-1).max()))
     raced = _if_any(~rows.greedy & ~rows.plain, lambda: gumbel_race(
         d.zs[:, :width], d.zs_ids[:, :width], d.kept.kept[:, :width], rows.seed, rows.position, vocab))
     plain = _if_any(rows.plain, lambda: inverse_cdf_draw(d.weights, d.block_mass, plain_uniform(rows)))
-    greedy = _if_any(rows.greedy, lambda: greedy_token(raw, torch.arange(vocab, device=raw.device), d.valid, vocab))
+    greedy = _if_any(rows.greedy, lambda: greedy_token(scores, torch.arange(vocab, device=raw.device), d.valid, vocab))
     token = drawn_token(rows, greedy, raced, plain)
     failed = error != RowError.OK
     token = torch.where(failed, PLACEHOLDER_TOKEN, token)
@@ -116,15 +119,15 @@ def sample_exact(
     *,
     compute_logprobs: bool = True,
     unprocessed: torch.Tensor | None = None,
+    token_bitmask: torch.Tensor | None = None,
 ) -> SampleOutput:
     """Redo the given rows over the full vocabulary.
 
-    Parameters: `logits` [rows, V] (any float dtype, read as f32), `params`
-    and `cfg` as given to `sample`; `rows` [rows] bool mask or [n] int64
-    index of the rows to redo; `out` the fast path's `SampleOutput`, written
-    in place on those rows. `compute_logprobs=False` leaves logprob, rank and
-    top-N untouched. `unprocessed`: as in `sample` (the logits before the
-    sampling controls, for the finiteness check and raw logprobs). Returns: `out`.
+    Parameters: `logits` [rows, V] (any float dtype, read as f32), `params`,
+    `cfg`, `unprocessed` and `token_bitmask` as given to `sample`; `rows`
+    [rows] bool mask or [n] int64 index of the rows to redo; `out` the fast
+    path's `SampleOutput`, written in place on those rows.
+    `compute_logprobs=False` leaves logprob, rank and top-N untouched.
 
     Eager and host-synchronising: it runs after the captured step, only for
     rows the fast path flagged. Results equal an unlimited `candidate_cap`.
@@ -133,18 +136,20 @@ def sample_exact(
     index = torch.nonzero(rows).flatten() if rows.dtype == torch.bool else rows.flatten().to(torch.int64)
     for start in range(0, len(index), EXACT_CHUNK_ROWS):
         _write_exact_rows(logits, params, cfg, index[start : start + EXACT_CHUNK_ROWS], out, compute_logprobs,
-                          unprocessed)
+                          unprocessed, token_bitmask)
     return out
 
 
-def sample_reference(logits: torch.Tensor, params: RowParams, cfg: SamplerConfig, num_top: int | None = None) -> SampleOutput:
+def sample_reference(logits: torch.Tensor, params: RowParams, cfg: SamplerConfig, num_top: int | None = None,
+                     token_bitmask: torch.Tensor | None = None) -> SampleOutput:
     """Every row of `logits` [rows, V] by the exact path (tests and benchmarks).
 
     Returns: a new `SampleOutput` with top-N = `num_top` (None: cfg.max_logprobs).
     """
     rows_n = logits.shape[0]
     out = SampleOutput.allocate(rows_n, cfg.max_logprobs if num_top is None else num_top, logits.device)
-    return sample_exact(logits, params, cfg, torch.arange(rows_n, device=logits.device), out)
+    return sample_exact(logits, params, cfg, torch.arange(rows_n, device=logits.device), out,
+                        token_bitmask=token_bitmask)
 
 
 def kept_sets(logits: torch.Tensor, params: RowParams) -> torch.Tensor:

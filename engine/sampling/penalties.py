@@ -11,25 +11,13 @@ Per row, over fp32 logits, in this order:
 drafts 0..j-1 as generated (the caller adds them to the row's counts), so a
 draft row sees exactly what one-token decoding would have seen there.
 
-Bitmasks use xgrammar's packed layout: bit b of int32 word w is token 32w + b.
+The prompt's tokens come packed as a token bitmask (`token_bitmask.py`).
 """
 from __future__ import annotations
 
 import torch
 
-BITS = 32
-
-
-def unpack_bits(words: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Packed token sets to a dense mask.
-
-    Parameters: `words` [rows, ceil(V/32)] int32 on the logits' device, bit b
-    of word w set for token 32w + b; `vocab` V. Returns: [rows, V] bool.
-    Capture-safe.
-    """
-    shifts = torch.arange(BITS, dtype=torch.int32, device=words.device)  # [32]
-    bits = (words[:, :, None] >> shifts) & 1  # [rows, W, 32]; the arithmetic shift keeps bit b of a negative word
-    return bits.view(words.shape[0], -1)[:, :vocab].bool()
+from engine.sampling.token_bitmask import unpack_token_bitmask
 
 
 def apply_penalties_(
@@ -50,7 +38,7 @@ def apply_penalties_(
     """
     vocab = logits.shape[1]
     generated = counts > 0  # [rows, V]
-    seen = generated | unpack_bits(prompt_words, vocab)
+    seen = generated | unpack_token_bitmask(prompt_words, vocab)
     rp = repetition[:, None]
     penalised = torch.where(logits > 0, logits / rp, logits * rp)
     torch.where(seen, penalised, logits, out=logits)

@@ -1,10 +1,14 @@
 """The sampler's fast path (docs/contract.md §2): the stages composed, in order.
 
-Per sample row: fp32 logits -> forced token -> EOS/stop suppression ->
-temperature -> top-k -> top-p -> min-p -> draw -> logprobs. One stage per
-file, each with its definitions:
+Per sample row: fp32 logits -> forced token -> penalties, logit bias,
+allowed tokens -> token bitmask -> EOS/stop suppression -> temperature ->
+top-k -> top-p -> min-p -> draw -> logprobs. One stage per file, each with
+its definitions:
 
 - `rows`: per-request controls expanded to sample rows;
+- `penalties`, `logit_bias`, `allowed_tokens`: the sampling controls, applied
+  to the logits in place before `sample` by the step (`engine/step/controls.py`);
+- `token_bitmask`: structured output and bad words, disallowed tokens -inf;
 - `candidates`: the top C raw logits, and what they settle;
 - `suppression`: EOS / stop ids, and the shift M;
 - `temperature`: processed logits z = (raw - M) / T;
@@ -30,6 +34,7 @@ from engine.sampling.normaliser import block_log_normaliser, raw_log_normaliser
 from engine.sampling.rows import SamplingRows, expand_rows
 from engine.sampling.suppression import suppression_and_shift, zero_suppressed_
 from engine.sampling.temperature import processed_logits
+from engine.sampling.token_bitmask import apply_token_bitmask
 from graphs.step_fields import RowParams, SampleOutput
 
 LOGPROBS_MODES = ("raw", "processed")
@@ -59,9 +64,24 @@ def _exp_processed(raw: torch.Tensor, shift: torch.Tensor, rows: SamplingRows) -
     return zero_suppressed_(processed_logits(raw, shift, rows.temperature).exp_(), rows)
 
 
+def controlled_scores(raw: torch.Tensor, token_bitmask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The scores the sampler draws from: `raw` after the token bitmask
+    (docs/contract.md §2, stage 4; the penalties, logit bias and allowed
+    tokens of stage 3 are already in `raw` when the step applies them).
+
+    Parameters: `raw` [rows, V] f32 logits; `token_bitmask` [rows, ceil(V /
+    32)] int32 or None (no row restricted). Returns: the scores [rows, V] f32
+    (`raw` itself without a bitmask) and [rows] bool, the rows the bitmask
+    leaves nothing to sample (None without a bitmask). Capture-safe.
+    """
+    if token_bitmask is None:
+        return raw, None
+    return apply_token_bitmask(raw, token_bitmask)
+
+
 def _unprocessed_logprobs(plain: torch.Tensor, token: torch.Tensor, num_top: int) -> tuple[RowLogprobs, torch.Tensor]:
     """Raw logprobs from the unprocessed logits `plain` [rows, V] f32 when the
-    candidates are those of the controlled row: the top-N come from N + 1
+    candidates are those of the controlled scores: the top-N come from N + 1
     candidates of their own (a tie at the N-th sends the row to the exact path)."""
     vocab = plain.shape[1]
     cap = min(num_top + 1, vocab)
@@ -78,6 +98,7 @@ def sample(
     *,
     compute_logprobs: bool = True,
     unprocessed: torch.Tensor | None = None,
+    token_bitmask: torch.Tensor | None = None,
 ) -> SampleOutput:
     """Sample one token per row; capture-safe.
 
@@ -88,7 +109,9 @@ def sample(
     top-N of the rows untouched. `unprocessed` [rows, V] f32 (same device):
     the logits before the sampling controls (penalties, logit bias, allowed
     tokens) when `logits` hold the controlled ones; the finiteness check and
-    raw logprobs read it (None: `logits` are unprocessed). Returns: `out`: tokens [rows] int64,
+    raw logprobs read it (None: `logits` are unprocessed). `token_bitmask`
+    [rows, ceil(V / 32)] int32 (same device) or None: the rows' allowed
+    tokens (`token_bitmask.py`). Returns: `out`: tokens [rows] int64,
     logprob [rows] f32, rank [rows] int64, top_ids / top_logprobs [rows, N],
     needs_exact [rows] bool (redo those rows with `sample_exact`), error
     [rows] int64 (`RowError`; nonzero rows hold the placeholder).
@@ -108,36 +131,34 @@ def sample(
     # The controls' -inf (tokens not allowed) is no fault of the row: only the model's logits must be finite.
     plain = raw if unprocessed is None else unprocessed.to(torch.float32)  # [rows, V]
     rows = expand_rows(params, vocab)  # the forced token is among them; it overrides the draw below
+    # Everything below draws from the controlled scores; the finite check and raw logprobs read `plain`.
+    scores, nothing_allowed = controlled_scores(raw, token_bitmask)  # [rows, V] f32
 
-    cand_raw, cand_ids, boundary_raw = top_candidates(raw, cap)  # [rows, C] (raw desc, id asc)
+    cand_raw, cand_ids, boundary_raw = top_candidates(scores, cap)  # [rows, C] (score desc, id asc)
     valid, any_valid, shift = suppression_and_shift(cand_raw, cand_ids, boundary_raw, rows)
-    weights = _exp_processed(raw, shift, rows)  # temperature over the full row: [rows, V] f32 exp(z)
+    weights = _exp_processed(scores, shift, rows)  # temperature over the full row: [rows, V] f32 exp(z)
     block_mass, log_z = block_log_normaliser(weights)
     # top-k -> top-p -> min-p over the candidates, the race among the kept ones, the greedy pick.
     d = decide_on_candidates(cand_raw, cand_ids, boundary_raw, valid, shift, log_z, rows, has_tail, vocab)
     token = drawn_token(rows, d.greedy_token, d.raced, inverse_cdf_draw(weights, block_mass, plain_uniform(rows)))
     # A NaN row's picks may be V (no candidate equals the NaN maximum): the
     # placeholder goes in before anything indexes by token. Without a tail,
-    # no unsuppressed candidate means no unsuppressed token at all; with one,
-    # the exact path decides.
-    nothing_left = ~any_valid if not has_tail else torch.zeros_like(any_valid)
-    if unprocessed is not None:
-        # The allowed tokens may all be suppressed stop ids: every unsuppressed
-        # candidate is -inf, and so is every token past them (<= the boundary).
-        best = torch.where(valid, cand_raw, torch.full_like(cand_raw, -math.inf)).amax(-1)
-        nothing_left = nothing_left | (any_valid & (best == -math.inf))
-    error = row_errors(plain, nothing_left)
+    # no valid candidate (neither a suppressed stop id nor -inf) means no
+    # valid token at all; with one, the exact path decides, unless the
+    # controls set the whole tail to -inf (a -inf boundary).
+    nothing_left = ~any_valid & (boundary_raw == -math.inf) if has_tail else ~any_valid
+    error = row_errors(plain, nothing_left, nothing_allowed)
     failed = error != RowError.OK
     token = torch.where(failed, PLACEHOLDER_TOKEN, token)
 
     needs_exact = d.needs_exact(rows, any_valid)
     if compute_logprobs:
-        if cfg.logprobs_mode == "raw":
-            if unprocessed is None:
-                lse = raw_log_normaliser(raw, cand_raw[:, 0])
-                lp, top_tie_in_tail = candidate_raw_logprobs(raw, token, cand_raw, cand_ids, lse, num_top, has_tail)
-            else:
-                lp, top_tie_in_tail = _unprocessed_logprobs(plain, token, num_top)
+        if cfg.logprobs_mode == "raw" and scores is plain:
+            lse = raw_log_normaliser(raw, cand_raw[:, 0])
+            lp, top_tie_in_tail = candidate_raw_logprobs(raw, token, cand_raw, cand_ids, lse, num_top, has_tail)
+            needs_exact = needs_exact | top_tie_in_tail
+        elif cfg.logprobs_mode == "raw":
+            lp, top_tie_in_tail = _unprocessed_logprobs(plain, token, num_top)
             needs_exact = needs_exact | top_tie_in_tail
         else:
             lp = processed_logprobs(log_z, d.zs, d.zs_ids, d.p, d.kept, token, num_top)

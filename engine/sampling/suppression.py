@@ -79,10 +79,11 @@ def suppression_and_shift(
     Parameters: `cand_raw`, `cand_ids` [rows, C] the candidates' raw logits
     (f32) and ids (int64); `boundary_raw` [rows] f32, the C-th candidate's
     value; `rows` the rows' controls. Returns: `valid` [rows, C] bool (the
-    candidate is not a suppressed stop id), `any_valid` [rows] bool, and
-    `shift` [rows] f32, M. M is a candidate unless every candidate is a
-    suppressed stop id (C <= the number of stop ids); such a row goes to the
-    exact path and the boundary value keeps its numbers finite. Capture-safe.
+    candidate is not a suppressed stop id, nor -inf: masked by the token
+    bitmask), `any_valid` [rows] bool, and `shift` [rows] f32, M. M is a
+    candidate unless every candidate is a suppressed stop id (C <= the number
+    of stop ids); such a row goes to the exact path and the boundary value
+    keeps its numbers finite. Capture-safe.
     """
-    valid = ~suppressed_at(cand_ids, rows)
+    valid = ~suppressed_at(cand_ids, rows) & (cand_raw > -math.inf)
     return valid, valid.any(-1), unsuppressed_shift(cand_raw, valid, boundary_raw)

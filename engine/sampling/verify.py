@@ -48,6 +48,7 @@ from engine.sampling.exact import full_row_distribution
 from engine.sampling.filters import top_k_mask
 from engine.sampling.rng import ACCEPT, RESIDUAL, uniform
 from engine.sampling.rows import expand_rows
+from engine.sampling.sampler import controlled_scores
 from graphs.step_fields import RowParams
 
 _NONE = torch.iinfo(torch.int64).max  # scatter-min identity: "no rejection seen"
@@ -98,14 +99,15 @@ def emitted_mask(num_accepted: torch.Tensor, row_to_req: torch.Tensor, local_ste
     return local_step <= num_accepted[row_to_req]
 
 
-def target_probs(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
+def target_probs(logits: torch.Tensor, params: RowParams, token_bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """The processed distribution each row's draw follows.
 
-    Parameters: `logits` [rows, V] (read as f32) and their `params`.
+    Parameters: `logits` [rows, V] (read as f32), their `params` and
+    `token_bitmask` ([rows, ceil(V / 32)] int32 or None), as `sample` takes them.
     Returns: [rows, V] f64 by token id: the kept set of
     `engine.sampling.exact.full_row_distribution` (the sampler's own
     suppression, temperature, normaliser and filters), renormalised; greedy
-    rows one-hot at the greedy token (largest unsuppressed raw logit,
+    rows one-hot at the greedy token (largest valid score,
     smallest id), forced rows one-hot at the forced token. One full-row sort
     per row; capture-safe.
 
@@ -113,17 +115,17 @@ def target_probs(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
     takes max(p - q, 0): in float32 the residual of two close distributions
     is mostly rounding noise, and the sampler's own p is float64 already.
     """
-    raw = logits.to(torch.float32)  # [rows, V]
-    vocab = raw.shape[1]
+    scores, _ = controlled_scores(logits.to(torch.float32), token_bitmask)  # [rows, V]
+    vocab = scores.shape[1]
     rows = expand_rows(params, vocab)
-    d = full_row_distribution(raw, rows)
+    d = full_row_distribution(scores, rows)
     kept_p = torch.where(d.kept.kept, d.p, torch.zeros((), dtype=d.p.dtype, device=d.p.device))
     mass = kept_p.sum(-1, keepdim=True)  # > 0 unless every token is a suppressed stop id
     kept_p = kept_p / torch.where(mass > 0, mass, torch.ones_like(mass))
     probs = torch.empty_like(kept_p).scatter_(1, d.zs_ids, kept_p)  # back to token order
 
-    ids = torch.arange(vocab, device=raw.device)
-    one_hot_token = torch.where(rows.forced >= 0, rows.forced, greedy_token(raw, ids, d.valid, vocab))
+    ids = torch.arange(vocab, device=scores.device)
+    one_hot_token = torch.where(rows.forced >= 0, rows.forced, greedy_token(scores, ids, d.valid, vocab))
     one_hot = (ids == one_hot_token[:, None]).to(torch.float64)
     return torch.where((rows.greedy | (rows.forced >= 0))[:, None], one_hot, probs)
 

@@ -21,6 +21,7 @@ import torch
 
 from engine.ops import gather
 from engine.sampling.errors import RowError, fail_rows
+from engine.sampling.sampler import controlled_scores
 from engine.sampling.verify import accept_strict, draft_in_top_k, target_probs, verify_rejection
 from engine.step.config import EngineConfig
 from engine.step.controls import SamplingControls
@@ -35,13 +36,16 @@ class StepBody:
     `logits_and_sample(bucket)` is the LM head's part: from `buffers.hidden`
     to `buffers.out` (local logits and the sampler, or a shard's logits and
     the collectives of a vocab-parallel head). `controls`: the engine's
-    sampling-control state in a controls graph set (the head applies them),
-    whose emitted tokens this step counts; None elsewhere."""
+    sampling-control state in a graph set that applies it (the head applies
+    the controls), whose emitted tokens this step counts; None elsewhere.
+    `token_bitmask`: the static bitmask buffer when this graph set applies
+    it (verification must see the same masked distribution), else None."""
 
     buffers: StepBuffers
     config: EngineConfig
     logits_and_sample: Callable[[int], None]
     controls: SamplingControls | None = None
+    token_bitmask: torch.Tensor | None = None
 
     def __call__(self, bucket: int) -> None:
         b = self.buffers
@@ -52,7 +56,7 @@ class StepBody:
         self.logits_and_sample(bucket)
         fail_non_finite_hidden(b, rows)
         if self.config.max_draft_tokens:
-            verify_and_store_drafts(b, self.config, bucket)
+            verify_and_store_drafts(b, self.config, bucket, self.token_bitmask)
         if self.controls is not None:
             self.controls.count(b, self.config, bucket)
 
@@ -75,12 +79,13 @@ def resolve_drafts(buffers: StepBuffers, bucket: int) -> None:
     torch.where(staged == READ_FROM_POOL, from_pool, staged, out=b.resolved_drafts[:rows])
 
 
-def verify_and_store_drafts(buffers: StepBuffers, config: EngineConfig, bucket: int) -> None:
+def verify_and_store_drafts(buffers: StepBuffers, config: EngineConfig, bucket: int,
+                            token_bitmask: torch.Tensor | None = None) -> None:
     """Verify each row's resolved draft, then write the draft head's proposals
     for the next step into each request's write slot."""
     b, f = buffers, buffers.inputs
     k = config.max_draft_tokens
-    verify_drafts(b, config, bucket)
+    verify_drafts(b, config, bucket, token_bitmask)
     if not config.draft_pool:
         return  # no pool: every write slot is 0, there is nothing to write
     # Slot 0 is padding and never written: writes aimed at it land in the extra slot.
@@ -91,23 +96,27 @@ def verify_and_store_drafts(buffers: StepBuffers, config: EngineConfig, bucket: 
     b.pool_logprobs.index_copy_(0, pool_rows, f.next_draft_logprobs[:bucket, :k].flatten())
 
 
-def verify_drafts(buffers: StepBuffers, config: EngineConfig, bucket: int) -> None:
+def verify_drafts(buffers: StepBuffers, config: EngineConfig, bucket: int,
+                  token_bitmask: torch.Tensor | None = None) -> None:
     """num_accepted (and, in rejection mode, the emitted token per row) from
-    the rows' draws and their resolved drafts. Also run eagerly after the
-    exact rows changed some draws."""
+    the rows' draws and their resolved drafts, against the distributions the
+    rows drew from (masked by `token_bitmask` [max_rows, W] int32 when
+    given). Also run eagerly after the exact rows changed some draws."""
     b = buffers
     rows = b.rows_for(bucket)
+    mask = None if token_bitmask is None else token_bitmask[:rows]
     params = b.params(bucket)
     drafts = b.resolved_drafts[:rows]  # [rows] int64, -1 = none
     k_req = params.top_ks.to(torch.int64) if config.top_k_space_verify else None
     if config.verify_mode == "strict":
         allowed = None
         if k_req is not None:
-            allowed = draft_in_top_k(b.logits[:rows], drafts, k_req[params.row_to_req], config.sampler.candidate_cap)
+            scores, _ = controlled_scores(b.logits[:rows], mask)
+            allowed = draft_in_top_k(scores, drafts, k_req[params.row_to_req], config.sampler.candidate_cap)
         accept_strict(b.out.tokens[:rows], drafts, params.row_to_req, params.local_step, bucket,
                       draft_allowed=allowed, out=b.num_accepted[:bucket])
         return
-    p = target_probs(b.logits[:rows], params)  # [rows, V] f64
+    p = target_probs(b.logits[:rows], params, mask)  # [rows, V] f64
     # Rows without staged probabilities count their draft as one-hot q.
     one_hot = torch.zeros_like(b.draft_probs[:rows]).scatter_(1, drafts.clamp(min=0)[:, None], 1.0)
     q = torch.where(b.inputs.has_draft_probs[:rows, None], b.draft_probs[:rows], one_hot)

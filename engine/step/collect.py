@@ -34,15 +34,18 @@ def collect(buffers: StepBuffers, config: EngineConfig, bucket: int, arrays: Ste
     b = buffers
     rows, capacity, n = len(arrays.row_to_req), b.rows_for(bucket), len(arrays.temperatures)
     params, out = b.params(bucket), b.outputs(capacity)
+    token_bitmask = b.token_bitmask if arrays.token_bitmask is not None else None  # the step's, staged
     with stage("exact rows"):
         flags = out.needs_exact[:rows].cpu()
         if bool(flags.any()):
             index = torch.nonzero(flags).flatten()
             sample_exact(b.logits[:capacity], params, config.sampler, index, out, compute_logprobs=want_logprobs,
-                         unprocessed=None if controls is None else controls.unprocessed[:capacity])
+                         unprocessed=None if controls is None else controls.unprocessed[:capacity],
+                         token_bitmask=None if token_bitmask is None else token_bitmask[:capacity])
             stats.exact_rows += len(index)
             if config.max_draft_tokens:
-                verify_drafts(b, config, bucket)  # the drafts were checked against the fast path's draws
+                # The drafts were checked against the fast path's draws.
+                verify_drafts(b, config, bucket, token_bitmask)
             if controls is not None:
                 controls.recount(b, config, bucket)  # the graph counted the fast path's draws
     with stage("output copy"):

@@ -34,6 +34,10 @@ class EngineConfig:
     # answer might lie past the candidates are redone exactly), only speed: a
     # top-32 of a 49k vocabulary costs a quarter of a top-1024. 0 = off.
     small_candidate_cap: int = 32
+    # A third set of graphs applies a per-row token bitmask (structured output, bad words;
+    # docs/contract.md §2); only steps that restrict a row use it, the others pay nothing
+    # for it. False: no bitmask buffer, no graphs, and a step with a bitmask is refused.
+    token_bitmask: bool = True
     batch_invariant: bool = True  # LM head in fixed row blocks: tokens independent of the bucket
     # Rows per LM-head GEMM in batch-invariant mode, for the sampled rows and the
     # prompt logprobs alike. None: `engine.ops.default_block_rows` of the device.

@@ -33,7 +33,8 @@ from engine.host.params import SamplingParams
 from engine.sampling.allowed_tokens import apply_allowed_tokens_
 from engine.sampling.errors import RowError
 from engine.sampling.logit_bias import apply_logit_bias_
-from engine.sampling.penalties import BITS, apply_penalties_
+from engine.sampling.penalties import apply_penalties_
+from engine.sampling.token_bitmask import BITS_PER_WORD, bitmask_words
 from engine.step.config import EngineConfig
 from graphs.static_buffers import StepBuffers
 
@@ -42,9 +43,9 @@ log = logging.getLogger(__name__)
 
 def pack_tokens(tokens: np.ndarray, vocab: int) -> np.ndarray:
     """[ceil(V/32)] int32: bit b of word w set for each token 32w + b in `tokens`."""
-    bits = np.zeros(-(-vocab // BITS) * BITS, dtype=bool)
+    bits = np.zeros(bitmask_words(vocab) * BITS_PER_WORD, dtype=bool)
     bits[np.asarray(tokens, dtype=np.int64)] = True
-    return np.packbits(bits.reshape(-1, BITS), axis=1, bitorder="little").view("<i4").reshape(-1).astype(np.int32)
+    return np.packbits(bits.reshape(-1, BITS_PER_WORD), axis=1, bitorder="little").view("<i4").reshape(-1).astype(np.int32)
 
 
 class SamplingControls:
@@ -56,7 +57,7 @@ class SamplingControls:
 
     def __init__(self, config: EngineConfig, vocab_size: int, max_rows: int, device: torch.device):
         slots = config.max_control_slots + 1
-        words = -(-vocab_size // BITS)
+        words = bitmask_words(vocab_size)
         self.config, self.vocab_size, self.device = config, vocab_size, device
         self.counts = torch.zeros(slots, vocab_size, dtype=torch.int32, device=device)
         self.prompt_words = torch.zeros(slots, words, dtype=torch.int32, device=device)

@@ -37,6 +37,8 @@ class LMHead(ABC):
     hidden_size: int
     dtype: torch.dtype  # the weight's: the default dtype of the hidden-state source
     graph_sets: tuple[str, ...]  # one set of captured graphs each (`StepEngine.replayers`), default first
+    # The graph set of steps with a token bitmask (docs/contract.md §2); None: the head cannot apply one.
+    masked_graphs: str | None = None
     logits_kernel: BlockGemm | None = None  # the verified block GEMM, None: get_logits' own blocks
     batch_invariant_verified: bool = False
     stats: object | None = None  # the head's own counters, saved and restored with the engine's
@@ -91,15 +93,20 @@ def checked_head_weight(weight: object, device: torch.device, name: str) -> torc
 FULL_CANDIDATES, SMALL_CANDIDATES = "full", "small"
 # The graph set of steps where some request holds a control slot: plain steps never pay for the controls.
 CONTROLLED = "controls"
+# The graph set of steps that restrict a row by the token bitmask; it applies the controls too.
+MASKED = "masked"
 
 
 class LocalHead(LMHead):
     """The whole LM head on this device: `weight` [V, H] -> fp32 logits in the
-    engine's static `buffers.logits`, sampled there. Two graph sets: the
-    sampler with `sampler.candidate_cap` candidates, and with
+    engine's static `buffers.logits`, sampled there. Graph sets: the
+    sampler with `sampler.candidate_cap` candidates; with
     `EngineConfig.small_candidate_cap` (unless 0) for steps whose requests
     are all greedy or top-k within it; with `attach_controls`, a third
-    (`CONTROLLED`, full candidates) for steps where a request uses controls."""
+    (`CONTROLLED`, full candidates) for steps where a request uses controls;
+    with `EngineConfig.token_bitmask`, another (`MASKED`, full candidates,
+    the controls too when attached) for steps that restrict a row by the
+    token bitmask."""
 
     supports_controls = True
 
@@ -119,6 +126,9 @@ class LocalHead(LMHead):
         self.samplers: dict[str, SamplerConfig] = {FULL_CANDIDATES: config.sampler}
         if config.small_candidate_cap:
             self.samplers[SMALL_CANDIDATES] = dataclasses.replace(config.sampler, candidate_cap=config.small_candidate_cap)
+        if config.token_bitmask:
+            self.samplers[MASKED] = config.sampler
+            self.masked_graphs = MASKED
         self.graph_sets = tuple(self.samplers)
         self.buffers: StepBuffers | None = None
         self.controls: SamplingControls | None = None
@@ -142,11 +152,15 @@ class LocalHead(LMHead):
             block_rows=self.config.block_rows,
             kernel=self.logits_kernel,
         )
-        unprocessed = None
-        if graphs == CONTROLLED:
+        unprocessed = token_bitmask = None
+        if graphs in (CONTROLLED, MASKED) and self.controls is not None:
+            # In a masked step without controls every staged slot is 0 (neutral).
             self.controls.apply(b, bucket)  # b.logits now hold the controlled logits
             unprocessed = self.controls.unprocessed[:rows]
-        sample(b.logits[:rows], b.params(bucket), self.samplers[graphs], out=b.outputs(rows), unprocessed=unprocessed)
+        if graphs == MASKED:
+            token_bitmask = b.token_bitmask[:rows]
+        sample(b.logits[:rows], b.params(bucket), self.samplers[graphs], out=b.outputs(rows),
+               unprocessed=unprocessed, token_bitmask=token_bitmask)
 
     def graphs_for(self, inputs: SamplerInputs, rows: int, stats: EngineStats) -> str:
         """The small-candidate graphs when every request is greedy or has 1 <= top_k <= their cap."""

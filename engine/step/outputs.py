@@ -21,6 +21,7 @@ ROW_ERROR_CAUSES = {
     RowError.LOGITS_NOT_FINITE: "logits row not finite (NaN or inf)",
     RowError.NOTHING_LEFT: "no token left after the sampling controls (EOS/stop suppression)",
     RowError.HIDDEN_NOT_FINITE: "hidden state not finite",
+    RowError.NO_TOKEN_ALLOWED: "no token allowed by the token bitmask (structured output or bad words)",
 }
 
 

@@ -2,7 +2,8 @@
 
 `StepArrays` holds what `StepBuffers.load` copies: one attribute per
 declared per-step field (`engine/host/step_fields.py`), under the same
-names, plus the drafts' distributions for the rejection-mode buffer. Its
+names, plus the drafts' distributions for the rejection-mode buffer and
+the token bitmask, which travel in copies of their own. Its
 attributes, `from_inputs` and the split into parts all derive from the
 declaration.
 """
@@ -35,6 +36,9 @@ class StepArrays(_StagedFields):
     `eos_suppression_rows` lists row numbers, as the ledger hands them."""
 
     draft_probs: dict[int, torch.Tensor] | None = None  # first sample row -> [k, V] q of its drafts
+    # [rows, ceil(V / 32)] int32 in xgrammar's packed layout (bit b of word w: token 32 w + b, 1 = allowed;
+    # a row of -1 restricts nothing); None: no row is restricted this step. Its own copy, only when set.
+    token_bitmask: np.ndarray | None = None
 
     @classmethod
     def from_inputs(cls, inputs: SamplerInputs, stop_ids: np.ndarray) -> StepArrays:
@@ -55,6 +59,7 @@ class StepArrays(_StagedFields):
             else:
                 sliced = value[r0:r1] if f.per == "row" else value[a:b]
                 part[f.name] = sliced - a if f.index_of == "req" else sliced
+        part["token_bitmask"] = None if self.token_bitmask is None else self.token_bitmask[r0:r1]
         part["draft_probs"] = (
             None if self.draft_probs is None
             else {row - r0: q for row, q in self.draft_probs.items() if r0 <= row < r1}

@@ -43,6 +43,7 @@ from engine.host.ledger import SamplerInputs
 from engine.host.persistent_batch import SeqMetaFront
 from engine.host.params import SeqMeta
 from engine.host.step_fields import STEP_FIELDS
+from engine.sampling.token_bitmask import bitmask_words
 from engine.step.body import StepBody
 from engine.step.checkpoint import EngineCheckpoint, copy_counters, restore_counters
 from engine.step.collect import collect
@@ -54,7 +55,7 @@ from engine.step.outputs import StepOutput, assemble, row_errors
 from engine.step.prompt_logprobs import PromptLogprobAccumulator, PromptLogprobUpdate
 from engine.step.staging import StepArrays
 from engine.step.stop_ids import StopIds
-from engine.step.validation import check_hidden_states, check_ledger, is_same_view
+from engine.step.validation import check_hidden_states, check_ledger, check_token_bitmask, is_same_view
 from graphs.buckets import BucketTable
 from graphs.replay import CaptureReport, GraphReplayer
 from graphs.static_buffers import StepBuffers
@@ -98,6 +99,7 @@ class StepEngine:
             device=self.device,
             pool_slots=config.pool_slots,
             draft_probs=config.verify_mode == "rejection" and config.max_draft_tokens > 0,
+            token_bitmask_words=bitmask_words(self.vocab_size) if self.head.masked_graphs is not None else 0,
         )
         self.head.attach(self.buffers)
         # Sampling controls (penalties, logit bias, allowed tokens): state only when the config asks.
@@ -114,7 +116,8 @@ class StepEngine:
         # One replayer per graph set of the head: a captured graph fixes its sampler variant and collectives.
         self.replayers: dict[str, GraphReplayer] = {
             graphs: GraphReplayer(StepBody(self.buffers, config, functools.partial(self.head.logits_and_sample, graphs=graphs),
-                                           controls=self.controls if graphs == CONTROLLED else None),
+                                           controls=self.controls if graphs in (CONTROLLED, self.head.masked_graphs) else None,
+                                           token_bitmask=self.buffers.token_bitmask if graphs == self.head.masked_graphs else None),
                                   self.buckets, static, self.device,
                                   check_addresses_each_replay=config.check_addresses_each_replay)
             for graphs in self.head.graph_sets
@@ -238,6 +241,8 @@ class StepEngine:
         engine is as if it had not started."""
         host_start = time.perf_counter() if host_start is None else host_start
         self.validate(hidden_states, inputs)
+        check_token_bitmask(arrays.token_bitmask, inputs.num_sample_rows, self.vocab_size,
+                            applies=self.head.masked_graphs is not None)
         if inputs.num_reqs == 0:
             return StepOutput.empty()
         mark = self.checkpoint()
@@ -261,9 +266,15 @@ class StepEngine:
         # slice at a time. Rows are independent (batch-invariant logits, per-row
         # sampling), so this equals one big step.
         parts = self.buckets.parts(n)
+        # A step that restricts a row by the token bitmask runs the masked graphs (which apply the
+        # controls too); one where a request holds a control slot, the controls graphs.
         controlled = arrays.control_slots is not None
-        graphs = CONTROLLED if controlled else self.head.graphs_for(
-            inputs, sum(self.buffers.rows_for(p) for _, _, p in parts), self.stats)
+        if arrays.token_bitmask is not None:
+            graphs = self.head.masked_graphs
+        elif controlled:
+            graphs = CONTROLLED
+        else:
+            graphs = self.head.graphs_for(inputs, sum(self.buffers.rows_for(p) for _, _, p in parts), self.stats)
         replayer = self.replayers[graphs]
         if bucket is None:
             replayer.record_eager_fallback(n)
@@ -348,6 +359,10 @@ class StepEngine:
             if arrays.draft_probs:
                 for row, q in arrays.draft_probs.items():
                     b.draft_probs[row : row + len(q)].copy_(_upload(q, self.device))
+            if arrays.token_bitmask is not None:
+                # Only steps that restrict a row pay for this copy (the masked graphs read it).
+                mask = arrays.token_bitmask
+                b.token_bitmask[: len(mask)].copy_(_upload(torch.from_numpy(mask), self.device))
             b.load(arrays if sample_rows is arrays.selected_token_indices
                    else dataclasses.replace(arrays, selected_token_indices=sample_rows), bucket)
 

@@ -66,3 +66,17 @@ def check_ledger(inputs: SamplerInputs, *, vocab_size: int, max_logprobs: int) -
         row = int(np.argmax(forced))
         raise ValueError(f"request {inputs.request_ids[int(inputs.row_to_req[row])]!r}: "
                          f"forced_token={int(forced[row])}: outside the vocabulary ({vocab_size})")
+
+
+def check_token_bitmask(mask: object, rows: int, vocab_size: int, *, applies: bool) -> None:
+    """A step's token bitmask is None or a C-contiguous int32 numpy array
+    [rows, ceil(vocab_size / 32)], on an engine whose head applies one."""
+    if mask is None:
+        return
+    if not applies:
+        raise ValueError("StepArrays.token_bitmask: this engine applies no token bitmask "
+                         "(EngineConfig(token_bitmask=False), or a head without masked graphs)")
+    words = -(-vocab_size // 32)
+    if not isinstance(mask, np.ndarray) or mask.dtype != np.int32 or mask.shape != (rows, words):
+        shape = f"{mask.dtype} {mask.shape}" if isinstance(mask, np.ndarray) else type_name(mask)
+        raise ValueError(f"StepArrays.token_bitmask: {shape}, expected int32 [{rows} sample rows, {words} words]")

@@ -1,0 +1,57 @@
+"""The token bitmask (docs/contract.md §2, stage 4): which tokens each row may produce.
+
+Structured output (a grammar's next allowed tokens) and bad words arrive as
+one row of int32 words per sample row, in xgrammar's packed layout: bit b of
+word w stands for token 32 w + b, 1 = allowed; a row of all ones (-1 words)
+restricts nothing. The host builds it (`engine/host/token_constraints.py`).
+
+It applies after the penalties, the logit bias and the allowed-token mask and
+before EOS suppression: a disallowed token's score becomes -inf, so every
+later stage (the candidates, the filters, the draws, processed logprobs,
+verification's target distribution) sees only allowed tokens. Raw logprobs
+read the logits before any control and do not see it.
+
+A row whose mask leaves no finite score fails on its own
+(`RowError.NO_TOKEN_ALLOWED`). Its scores stay as they were, finite, so the
+stages after this one compute ordinary numbers on it before the placeholder
+replaces its results.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+BITS_PER_WORD = 32
+
+
+def bitmask_words(vocab: int) -> int:
+    """Words per row of a token bitmask over `vocab` tokens: ceil(V / 32)."""
+    return -(-vocab // BITS_PER_WORD)
+
+
+def unpack_token_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Each row's allowed tokens.
+
+    Parameters: `words` [rows, ceil(V / 32)] int32 packed bits on the
+    sampling device; `vocab` V. Returns: [rows, V] bool, True = allowed.
+    Capture-safe.
+    """
+    # 1 << 31 is int32's sign bit: the & reads it like any other bit.
+    bits = torch.bitwise_left_shift(torch.ones((), dtype=torch.int32, device=words.device),
+                                    torch.arange(BITS_PER_WORD, dtype=torch.int32, device=words.device))  # [32]
+    return ((words[:, :, None] & bits) != 0).view(words.shape[0], -1)[:, :vocab]  # [rows, W * 32] -> [rows, V]
+
+
+def apply_token_bitmask(scores: torch.Tensor, words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Disallowed tokens to -inf.
+
+    Parameters: `scores` [rows, V] f32, the logits after the controls before
+    this stage; `words` [rows, ceil(V / 32)] int32, the rows' bitmasks, same
+    device. Returns: the masked scores [rows, V] f32 (a new tensor; a row
+    with no allowed finite score keeps its scores), and [rows] bool, the rows
+    the mask leaves nothing to sample. Capture-safe.
+    """
+    allowed = unpack_token_bitmask(words, scores.shape[1])  # [rows, V] bool
+    nothing_allowed = ~(allowed & (scores > -math.inf)).any(-1)  # [rows]
+    return scores.masked_fill(~allowed & ~nothing_allowed[:, None], -math.inf), nothing_allowed
