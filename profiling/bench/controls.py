@@ -1,4 +1,4 @@
-"""Sampling controls (penalties, logit bias, allowed tokens) against plain sampling.
+"""Sampling controls (penalties, logit bias, allowed tokens, the token bitmask) against plain sampling.
 
 `python -m profiling.bench [--threads N] controls [--quick] [--batch 64]
 [--vocab 128256] [--repeats N] [--json]`. B decode requests over fp32 logits
@@ -8,10 +8,12 @@ then `sample_exact` for flagged rows); each other column: the controls graph's
 work on the same rows, i.e. the copy of the unprocessed logits, the stage(s)
 (`SamplingControls.apply`) and the same sampler, exact rows included. Cases:
 penalties (repetition 1.2, frequency 0.5, presence 0.5 over a 512-token prompt
-and 256 generated tokens), a 256-entry logit bias, 1024 allowed tokens, and
-all together. Both sides restore the logits from a copy first (the controls
+and 256 generated tokens), a 256-entry logit bias, 1024 allowed tokens, all
+three together ("all"), a per-row token bitmask allowing half the vocabulary
+(structured output and bad words arrive this way; "bitmask"), and everything
+at once ("all+bitmask"). Both sides restore the logits from a copy first (the controls
 rewrite them in place), and the sides alternate within each repeat. Medians in
-milliseconds; ratio = case / plain (lower is better; the bar for "all" is 1.3x).
+milliseconds; ratio = case / plain (lower is better; the bar for "all+bitmask" is 1.3x).
 """
 from __future__ import annotations
 
@@ -33,16 +35,26 @@ from profiling.bench.sample import lm_like_logits
 PROMPT_LEN, GENERATED = 512, 256
 
 
-def _cases(vocab: int, rng: np.random.Generator) -> dict[str, dict]:
+def _cases(vocab: int, rng: np.random.Generator) -> dict[str, tuple[dict, bool]]:
+    """case -> (SamplingParams controls, whether the rows carry a token bitmask)."""
     bias = {int(t): float(v) for t, v in zip(rng.choice(vocab, 256, replace=False), rng.uniform(-5, 5, 256))}
     allowed = tuple(int(t) for t in rng.choice(vocab, min(1024, vocab), replace=False))
     penalties = dict(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.5)
+    every = dict(**penalties, logit_bias=bias, allowed_token_ids=allowed)
     return {
-        "penalties": penalties,
-        "bias": dict(logit_bias=bias),
-        "allowed": dict(allowed_token_ids=allowed),
-        "all": dict(**penalties, logit_bias=bias, allowed_token_ids=allowed),
+        "penalties": (penalties, False),
+        "bias": (dict(logit_bias=bias), False),
+        "allowed": (dict(allowed_token_ids=allowed), False),
+        "all": (every, False),
+        "bitmask": ({}, True),
+        "all+bitmask": (every, True),
     }
+
+
+def _half_allowed_bitmask(rows: int, vocab: int, rng: np.random.Generator) -> torch.Tensor:
+    """[rows, ceil(V/32)] int32: each token allowed with probability 1/2."""
+    words = -(-vocab // 32)
+    return torch.from_numpy(rng.integers(-(2**31), 2**31, (rows, words), dtype=np.int64).astype(np.int32))
 
 
 def _staged_engine(batch: int, vocab: int, controls: dict, rng: np.random.Generator) -> StepEngine:
@@ -56,6 +68,8 @@ def _staged_engine(batch: int, vocab: int, controls: dict, rng: np.random.Genera
         params = SamplingParams(temperature=0.8, top_p=0.9, seed=i, **controls)
         table.add(i, rng.integers(0, vocab, PROMPT_LEN).tolist(), params)
         slot = int(table.table.control_slot[table.table.row(i)])
+        if slot == 0:
+            continue  # no control slot (the bitmask-only case): slot 0 stays neutral
         history = torch.from_numpy(rng.integers(0, vocab, GENERATED))
         engine.controls.counts[slot].index_add_(0, history, torch.ones(GENERATED, dtype=torch.int32))
     table.table.record_emitted(table.rows_of(ids), np.full(batch, GENERATED, np.int32))
@@ -64,8 +78,10 @@ def _staged_engine(batch: int, vocab: int, controls: dict, rng: np.random.Genera
     return engine
 
 
-def _sampler(engine: StepEngine, batch: int, saved: torch.Tensor, controlled: bool):
-    """One timed call: restore the logits, (apply the controls,) sample, redo flagged rows exactly."""
+def _sampler(engine: StepEngine, batch: int, saved: torch.Tensor, controlled: bool,
+             token_bitmask: torch.Tensor | None = None):
+    """One timed call: restore the logits, (apply the controls,) sample (through the
+    bitmask when given), redo flagged rows exactly."""
     b, cfg = engine.buffers, engine.config.sampler
     params, out = b.params(batch), b.outputs(batch)
     logits = b.logits[:batch]
@@ -75,9 +91,10 @@ def _sampler(engine: StepEngine, batch: int, saved: torch.Tensor, controlled: bo
         logits.copy_(saved)
         if controlled:
             engine.controls.apply(b, batch)
-        sample(logits, params, cfg, out, unprocessed=unprocessed)
+        sample(logits, params, cfg, out, unprocessed=unprocessed, token_bitmask=token_bitmask)
         if bool(out.needs_exact.any()):
-            sample_exact(logits, params, cfg, out.needs_exact.clone(), out, unprocessed=unprocessed)
+            sample_exact(logits, params, cfg, out.needs_exact.clone(), out, unprocessed=unprocessed,
+                         token_bitmask=token_bitmask)
 
     return run
 
@@ -113,10 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, B={batch}, V={vocab}, repeats={repeats}")
 
     rows, figures = [], {}
-    for case, controls in _cases(vocab, rng).items():
+    for case, (controls, masked) in _cases(vocab, rng).items():
         engine = _staged_engine(batch, vocab, controls, rng)
-        plain_ms, case_ms = _alternating_ms([_sampler(engine, batch, saved, False), _sampler(engine, batch, saved, True)],
-                                            repeats)
+        mask = _half_allowed_bitmask(batch, vocab, rng) if masked else None
+        plain_ms, case_ms = _alternating_ms([_sampler(engine, batch, saved, False),
+                                             _sampler(engine, batch, saved, bool(controls), mask)], repeats)
         rows.append([case, plain_ms, case_ms, ratio(case_ms, plain_ms)])
         figures[case] = {"plain_ms": plain_ms, "controls_ms": case_ms, "ratio": case_ms / plain_ms}
     print_table(["case", "plain ms", "controls ms", "controls/plain"], rows)
