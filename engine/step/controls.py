@@ -127,21 +127,14 @@ class SamplingControls:
         if not uses_controls(params):
             return False
         where = f"request {request_id!r}"
-        cfg, vocab = self.config, self.vocab_size
-        bias = params.logit_bias or {}
-        if len(bias) > cfg.max_logit_bias:
-            raise ValueError(f"{where}: logit_bias has {len(bias)} entries, over "
-                             f"EngineConfig.max_logit_bias={cfg.max_logit_bias}")
-        for token in bias:
-            if token >= vocab:
-                raise ValueError(f"{where}: logit_bias: token {token} is outside the vocabulary ({vocab})")
-        allowed = params.allowed_token_ids or ()
-        if len(allowed) > cfg.max_allowed_token_ids:
-            raise ValueError(f"{where}: allowed_token_ids has {len(allowed)} entries, over "
-                             f"EngineConfig.max_allowed_token_ids={cfg.max_allowed_token_ids}")
-        for token in allowed:
-            if token >= vocab:
-                raise ValueError(f"{where}: allowed_token_ids: token {token} is outside the vocabulary ({vocab})")
+        for name, tokens, cap in (("logit_bias", tuple(params.logit_bias or ()), "max_logit_bias"),
+                                  ("allowed_token_ids", params.allowed_token_ids or (), "max_allowed_token_ids")):
+            limit = getattr(self.config, cap)
+            if len(tokens) > limit:
+                raise ValueError(f"{where}: {name} has {len(tokens)} entries, over EngineConfig.{cap}={limit}")
+            for token in tokens:
+                if token >= self.vocab_size:
+                    raise ValueError(f"{where}: {name}: token {token} is outside the vocabulary ({self.vocab_size})")
         return True
 
     def join(self, params: SamplingParams, prompt_tokens: Sequence[int] | None) -> int:
