@@ -191,15 +191,17 @@ class _DecodePlan:
 
     members: np.ndarray  # [num_reqs] bool: the batch's requests in the group
     token_rows: torch.Tensor | None  # the group's token rows in the batch; None: every row
-    # Per group token: its row in the [span * query rows] query tiles, and in the [span * rows]
-    # attention output. None in fast mode when the group's slots are 0..span-1 in batch order:
-    # the queries are the tiles and the output is in order.
+    # Fast mode, per group token: its slot (its row of the queries). None when the group's
+    # slots are 0..span-1 in batch order: the queries are q itself. Unused in invariant mode.
     tile_rows: torch.Tensor | None
+    # Per group token: its row in the [span * rows] queries and attention output (slot * rows
+    # + its index among its request's new tokens). None where tile_rows is None.
     out_rows: torch.Tensor | None
     span: int  # attention covers cache slots [0, span)
     rows: int  # most new tokens of a group request
     keys: int  # key positions read per slot (fast: the longest context; invariant: whole key tiles)
     visible: torch.Tensor  # boolean mask, broadcast against the scores
+    query_tiles: int = 1  # invariant mode: query tiles per (slot, kv head), for group heads x rows
 
 
 def _ceil_to(n: int, multiple: int) -> int:
@@ -559,18 +561,21 @@ class LlamaModel:
             visible = visible[:, None, None, :]  # [span, 1, 1, longest]: over kv heads and stacked query heads
             in_order = np.array_equal(slots, np.arange(span))
             tile_rows = None if in_order else self._to_device(slots)
-        else:
-            # `_tiled_attention`'s masks for a one-tile query: query j sits at position
-            # length - new + j; padding rows borrow the last real position.
-            kb = self.key_block
-            keys = _ceil_to(longest, kb)
-            query_pos = np.minimum(lengths[:, None] - new[:, None] + np.arange(rows), lengths[:, None] - 1)
-            key_pos = torch.arange(keys, device=self.device).view(1, keys // kb, 1, kb)
-            visible = key_pos <= self._to_device(query_pos).view(span, 1, rows, 1)  # [span, kt, rows, kb]
-            visible = visible.view(span, 1, 1, 1, keys // kb, rows, kb)  # the query rows' scores only
-            tile_rows = self._to_device(np.repeat(slots * self.row_block, seqlens_q) + j)
-        out_rows = None if tile_rows is None else self._to_device(np.repeat(slots * rows, seqlens_q) + j)
-        return _DecodePlan(members, token_rows, tile_rows, out_rows, span, rows, keys, visible)
+            out_rows = None if in_order else self._to_device(np.repeat(slots * rows, seqlens_q) + j)
+            return _DecodePlan(members, token_rows, tile_rows, out_rows, span, rows, keys, visible)
+        # `_tiled_attention`'s masks: query j sits at position length - new + j; padding rows
+        # borrow the last real position. A (slot, kv head)'s query tiles hold its group heads x
+        # rows pairs, pair p = g * rows + j in row p % row_block of tile p // row_block; rows
+        # past the last pair take pair p's query position for j = p % rows (and are dropped).
+        qb, kb = self.row_block, self.key_block
+        keys, group = _ceil_to(longest, kb), self.config.num_heads // self.config.num_kv_heads
+        query_tiles = -(-group * rows // qb)
+        query_pos = np.minimum(lengths[:, None] - new[:, None] + np.arange(rows), lengths[:, None] - 1)  # [span, rows]
+        pair_pos = query_pos[:, np.arange(query_tiles * qb) % rows]  # [span, qt * qb]
+        key_pos = torch.arange(keys, device=self.device).view(1, 1, 1, keys // kb, 1, kb)
+        visible = key_pos <= self._to_device(pair_pos).view(span, 1, query_tiles, 1, qb, 1)  # [span, 1, qt, kt, qb, kb]
+        out_rows = self._to_device(np.repeat(slots * rows, seqlens_q) + j)
+        return _DecodePlan(members, token_rows, None, out_rows, span, rows, keys, visible, query_tiles)
 
     def _decode_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _DecodePlan
@@ -597,38 +602,41 @@ class LlamaModel:
         of new tokens (`q` `[n, heads, d]`, the group's tokens in batch order), all in one set
         of calls; returns `[n, heads * d]`.
 
-        Every request gets the tiles `_tiled_attention` would build for it alone (its queries
-        in the first rows of a `[row_block, d]` tile, `[row_block, key_block]` score tiles),
-        as items of the same bmm. Key tiles past a request's own context, up to the longest
-        one, are fully masked: their probabilities are exact zeros, so they add exact zeros
-        to the in-order folds and the result is bit-identical to the request alone.
+        Every query row meets the same `[row_block, d] x [d, key_block]` and `[row_block,
+        key_block] x [key_block, d]` bmm items as in `_tiled_attention`, with the same
+        elementwise steps and in-order folds over key tiles. Only its row in the item differs:
+        the query heads that share a KV head are stacked in one item (a decode step fills 3
+        rows of one item instead of 1 row of each of 3), which keeps its bits because the
+        probe found the tile bmm invariant to a row's position and neighbours
+        (`batch_invariant_verified`). Key tiles past a request's own context, up to the
+        longest one, are fully masked: their probabilities are exact zeros, so they add exact
+        zeros to the folds and the result is bit-identical to the request alone.
         """
         n, heads, d = q.shape
         kv_heads = k_cache.shape[2]
         group = heads // kv_heads
-        qb, kb, span, r = self.row_block, self.key_block, plan.span, plan.rows
+        qb, kb, span, r, qt = self.row_block, self.key_block, plan.span, plan.rows, plan.query_tiles
         kt = plan.keys // kb
-        padded = q.new_zeros(span * qb, heads, d)
-        padded[plan.tile_rows] = q
-        q6 = padded.view(span, qb, kv_heads, group, d).permute(0, 2, 3, 1, 4)[:, :, :, None]  # [s, kv, g, 1, qb, d]
+        padded = q.new_zeros(span * r, heads, d)
+        padded[plan.out_rows] = q
+        pairs = padded.view(span, r, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(span, kv_heads, group * r, d)
+        if qt * qb > group * r:
+            pairs = F.pad(pairs, (0, 0, 0, qt * qb - group * r))
+        q5 = pairs.view(span, kv_heads, qt, 1, qb, d)
         keys = k_cache[:span, : plan.keys].view(span, kt, kb, kv_heads, d).permute(0, 3, 1, 4, 2)  # [s, kv, kt, d, kb]
         values = v_cache[:span, : plan.keys].view(span, kt, kb, kv_heads, d).permute(0, 3, 1, 2, 4)  # [s, kv, kt, kb, d]
-        tiles = (span, kv_heads, group, 1, kt)
-        q_pairs = q6[:, :, :, :, None].expand(*tiles, qb, d).reshape(-1, qb, d)
-        k_pairs = keys[:, :, None, None].expand(*tiles, d, kb).reshape(-1, d, kb)
-        # The GEMMs run on whole tiles (their shape picks the kernel); the elementwise work and
-        # the folds only on the first r rows, which hold every request's queries.
-        scores = torch.bmm(q_pairs, k_pairs).view(*tiles, qb, kb)[..., :r, :] * (1.0 / math.sqrt(d))
-        scores = scores.masked_fill(~plan.visible, float("-inf"))  # [s, kv, g, 1, kt, r, kb]
-        head_rows = torch.exp(scores - scores.amax(dim=(4, 6), keepdim=True))
-        probs = head_rows.new_zeros(*tiles, qb, kb)
-        probs[..., :r, :] = head_rows
-        v_pairs = values[:, :, None, None].expand(*tiles, kb, d).reshape(-1, kb, d)
-        partial = torch.bmm(probs.view(-1, qb, kb), v_pairs).view(*tiles, qb, d)[..., :r, :]  # [s, kv, g, 1, kt, r, d]
-        numer = partial.cumsum(dim=4)[:, :, :, :, -1]  # [s, kv, g, 1, r, d]
-        denom = head_rows.sum(dim=-1).cumsum(dim=4)[:, :, :, :, -1]  # [s, kv, g, 1, r]
-        o = (numer / denom[..., None])[:, :, :, 0]  # [s, kv, g, r, d]
-        return o.permute(0, 3, 1, 2, 4).reshape(span * r, heads * d)[plan.out_rows]
+        tiles = (span, kv_heads, qt, kt)
+        q_pairs = q5.expand(*tiles, qb, d).reshape(-1, qb, d)
+        k_pairs = keys[:, :, None].expand(*tiles, d, kb).reshape(-1, d, kb)
+        scores = torch.bmm(q_pairs, k_pairs).view(*tiles, qb, kb) * (1.0 / math.sqrt(d))
+        scores = scores.masked_fill(~plan.visible, float("-inf"))  # [s, kv, qt, kt, qb, kb]
+        probs = torch.exp(scores - scores.amax(dim=(3, 5), keepdim=True))
+        v_pairs = values[:, :, None].expand(*tiles, kb, d).reshape(-1, kb, d)
+        partial = torch.bmm(probs.view(-1, qb, kb), v_pairs).view(*tiles, qb, d)
+        numer = partial.cumsum(dim=3)[:, :, :, -1]  # [s, kv, qt, qb, d]
+        denom = probs.sum(dim=-1).cumsum(dim=3)[:, :, :, -1]  # [s, kv, qt, qb]
+        o = (numer / denom[..., None]).view(span, kv_heads, qt * qb, d)[:, :, : group * r]
+        return o.reshape(span, kv_heads, group, r, d).permute(0, 3, 1, 2, 4).reshape(span * r, heads * d)[plan.out_rows]
 
     def _tiled_attention(self, q: torch.Tensor, k_slot: torch.Tensor, v_slot: torch.Tensor, k_len: int) -> torch.Tensor:
         """Batch-invariant attention of one request: q `[Lq, heads, d]` against its whole cache slot.
