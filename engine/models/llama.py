@@ -200,7 +200,7 @@ class _DecodePlan:
     span: int  # attention covers cache slots [0, span)
     rows: int  # most new tokens of a group request
     keys: int  # key positions read per slot (fast: the longest context; invariant: whole key tiles)
-    visible: torch.Tensor  # boolean mask, broadcast against the scores
+    visible: torch.Tensor  # mask broadcast against the scores (fast: additive; invariant: boolean)
     query_tiles: int = 1  # invariant mode: query tiles per (slot, kv head), for group heads x rows
 
 
@@ -558,7 +558,10 @@ class LlamaModel:
             keys = longest
             lengths_t = self._to_device(lengths)
             visible = torch.arange(longest, device=self.device)[None, :] < lengths_t[:, None]  # [span, longest]
-            visible = visible[:, None, None, :]  # [span, 1, 1, longest]: over kv heads and stacked query heads
+            # As an additive mask (0 or -inf, [span, 1, 1, longest]: over kv heads and stacked query
+            # heads): what SDPA would turn a boolean mask into, in every layer.
+            visible = torch.zeros(span, 1, 1, longest, device=self.device, dtype=self.dtype).masked_fill_(
+                ~visible[:, None, None, :], float("-inf"))
             in_order = np.array_equal(slots, np.arange(span))
             tile_rows = None if in_order else self._to_device(slots)
             out_rows = None if in_order else self._to_device(np.repeat(slots * rows, seqlens_q) + j)
