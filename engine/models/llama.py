@@ -22,7 +22,8 @@ Two execution modes share every weight and the cache:
   instead of rsqrt.
 
 On CPU the projections run on prepacked copies of their weights: oneDNN's in fast mode
-(one call per projection for any row count; oneDNN follows the CPU's ISA on any vendor),
+from 4 rows on (one call per projection for any row count; oneDNN follows the CPU's ISA on
+any vendor; fewer rows run F.linear),
 the first of oneDNN's and MKL's that the probe finds invariant in batch-invariant mode.
 The KV cache starts uninitialised and is zeroed only where attention reads masked
 padding.
@@ -147,11 +148,14 @@ class LlamaWeights:
 
 
 _PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
-# The fast mode's GEMMs: oneDNN's prepacked weights laid out for 16-row GEMMs, one call per
-# projection for any row count. Measured on SmolLM2's projections (2 Sapphire Rapids cores,
-# fp32): 1 row as fast as F.linear, 4 rows barely slower than 1, 16 rows about 0.7x
-# F.linear's time. oneDNN dispatches on the ISA (AVX2, AVX-512, AMX), not the vendor.
+# The fast mode's GEMMs from FAST_PACKED_FROM rows on: oneDNN's prepacked weights laid out
+# for 16-row GEMMs, one call per projection for any row count (oneDNN dispatches on the ISA:
+# AVX2, AVX-512, AMX; not on the vendor). Fewer rows run F.linear: a matrix-vector product
+# streams the weights once whatever the library, and on SmolLM2's projections (2 quiet Xeon
+# cores, fp32, all 30 layers) 1 row took 16.7 ms through F.linear against 23.7 ms on oneDNN's
+# layout, while 16 rows took 40.8 ms against 33.0 ms.
 FAST_PACK_ROWS = 16
+FAST_PACKED_FROM = 4
 
 
 def fuse_layer(
@@ -253,8 +257,9 @@ class LlamaModel:
         # Batch-invariant attention reads whole key tiles, so the cache is rounded up to a tile.
         self.cache_len = _ceil_to(max_context, key_block) if batch_invariant else max_context
         # Prepacked weights (see `LlamaWeights.packed_layers`; each packing holds one more copy
-        # of the projections): the fast mode runs every GEMM on oneDNN's (FAST_PACK_ROWS) where
-        # it applies; the batch-invariant mode tries oneDNN's, then MKL's, for its row blocks.
+        # of the projections): the fast mode runs its GEMMs of FAST_PACKED_FROM rows or more on
+        # oneDNN's (FAST_PACK_ROWS) where it applies; the batch-invariant mode tries oneDNN's,
+        # then MKL's, for its row blocks.
         self.packed_weights = packed_weights and self.device.type == "cpu"
         self._fast_layers = self.weights.layers
         if self.packed_weights and not batch_invariant:
@@ -417,7 +422,8 @@ class LlamaModel:
             rows = _ceil_to(total, self.row_block)
             layers = self._invariant_layers
         else:
-            rows, layers = total, self._fast_layers
+            rows = total
+            layers = self._fast_layers if total >= FAST_PACKED_FROM else self.weights.layers
         token_ids = token_ids.to(self.device)
         positions = positions.to(self.device)
         if rows > total:
