@@ -57,7 +57,8 @@ class BlockGemm:
     runs and picks a `BlockGemm` that holds.
 
     `kernel` names an entry of `BLOCK_KERNELS`; `packed` is its prepared form of `weight`
-    (MKL's packed layout for `mkl_packed`, None for `mm`). Lives on the weight's device.
+    (oneDNN's blocked layout for `onednn`, MKL's packed layout for `mkl_packed`, None for
+    `mm`). Lives on the weight's device.
     """
 
     kernel: str
@@ -85,10 +86,38 @@ def _mkl_packed_block(gemm: BlockGemm, block: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkl._mkl_linear(block, gemm.packed, gemm.weight, None, gemm.block_rows)
 
 
+def _onednn_block(gemm: BlockGemm, block: torch.Tensor) -> torch.Tensor:
+    return onednn_linear(block, gemm.packed)
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight.T` (plus `residual`, added by the GEMM's epilogue) on a weight that
+    `onednn_pack` prepared. x `[rows, K]` (any row count), CPU, the weight's dtype; residual
+    `[rows, N]` or None. Returns a new `[rows, N]` tensor. oneDNN picks its kernel from the
+    ISA the CPU reports (AVX2, AVX-512, AMX), not from its vendor."""
+    if residual is None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [None], "")
+    return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, None, "add")
+
+
+def onednn_pack(weight: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """`weight` `[N, K]` in oneDNN's blocked layout for GEMMs of about `rows` rows (any row
+    count runs on it), or None where oneDNN does not apply: a CPU weight in fp32 or bf16,
+    dense, and a torch built with oneDNN."""
+    if (weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16)
+            or not weight.is_contiguous() or not torch.backends.mkldnn.is_available()
+            or torch._guards.detect_fake_mode() is not None):
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+
+
 # The block kernels by name: `[block_rows, K]` block -> `[block_rows, N]`. A registry (not a
 # branch) so the invariance tests can plant a kernel that breaks the promise and watch the
-# probe refuse it.
+# probe refuse it. In the order the batch-invariant modes try them: oneDNN first (its
+# kernels follow the CPU's ISA on any vendor; the speed of MKL's packed GEMM, chosen on one
+# Intel machine, did not carry to an AMD EPYC), then MKL's packed GEMM, then `mm`.
 BLOCK_KERNELS: dict[str, Callable[[BlockGemm, torch.Tensor], torch.Tensor]] = {
+    "onednn": _onednn_block,
     "mkl_packed": _mkl_packed_block,
     "mm": _mm_block,
 }
@@ -96,11 +125,15 @@ BLOCK_KERNELS: dict[str, Callable[[BlockGemm, torch.Tensor], torch.Tensor]] = {
 
 def block_gemm(weight: torch.Tensor, kernel: str, block_rows: int) -> BlockGemm | None:
     """`weight` [N, K] prepared for `kernel` at `block_rows`-row blocks, or None where the
-    kernel does not apply. `mkl_packed` needs a dense fp32 CPU weight and a torch with MKL;
-    measured at H = 576, V = 49152,
-    16-row blocks, 2 AVX-512 cores: 8.8 ms per block against 12.6 ms for `mm`."""
+    kernel does not apply. `onednn` needs a dense fp32 or bf16 CPU weight and a torch with
+    oneDNN (`onednn_pack`); `mkl_packed` a dense fp32 CPU weight and a torch with MKL
+    (measured at H = 576, V = 49152, 16-row blocks, 2 AVX-512 cores: 8.8 ms per block
+    against 12.6 ms for `mm`)."""
     if block_rows < 1:
         raise ValueError(f"block_rows={block_rows}: must be >= 1")
+    if kernel == "onednn":
+        packed = onednn_pack(weight, block_rows)
+        return None if packed is None else BlockGemm(kernel, weight, block_rows, packed)
     if kernel == "mkl_packed":
         if (weight.device.type != "cpu" or weight.dtype != torch.float32 or not weight.is_contiguous()
                 or not torch.backends.mkl.is_available()):

@@ -62,7 +62,7 @@ class CaptureReport:
     # each capture, so warm-up scratch is released again.
     pool_bytes: int | None
     graphs_per_bucket: int = 1  # the step engine captures a second sampler variant per bucket
-    logits_kernel: str | None = None  # the step engine's verified LM-head block GEMM, e.g. "mkl_packed[16]"
+    logits_kernel: str | None = None  # the step engine's verified LM-head block GEMM, e.g. "onednn[16]"
     # Aten ops the capture-safety check saw per bucket (the checked run; on
     # CUDA the first warm-up), in capture order.
     ops_checked: tuple[int, ...] = ()

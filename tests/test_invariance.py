@@ -182,7 +182,7 @@ def test_engine_falls_back_from_a_planted_kernel(planted):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         engine = StepEngine(weight, EngineConfig(max_num_reqs=8, logits_block_rows=16))
-    first_kernel = "mkl_packed" if torch.backends.mkl.is_available() else "mm"
+    first_kernel = next(k for k in BLOCK_KERNELS if block_gemm(weight, k, 8) is not None)
     assert engine.batch_invariant_verified and engine.stats.logits_kernel == f"{first_kernel}[8]"
     assert_rows_invariant(weight, engine.logits_kernel, [1, 16, 17, 40], seed=0)
 
@@ -261,7 +261,7 @@ def test_model_falls_back_from_a_planted_kernel_and_stays_invariant(planted):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model = LlamaModel.random(LlamaConfig.tiny(), seed=0, batch_invariant=True, num_slots=4)
-    first_kernel = "mkl_packed" if model.mkl_packed else "mm"
+    first_kernel = next(k for k in BLOCK_KERNELS if block_gemm(model.weights.layers[0].qkv, k, 8) is not None)
     assert model.batch_invariant_verified
     assert model.gemm_kernels == dict.fromkeys(("qkv", "o_proj", "gate_up", "down"), f"{first_kernel}[8]")
     alone, crowd = hidden_alone_and_in_a_crowd(model)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.step.invariance import choose_block_gemm, lm_head_candidates
-from engine.ops import block_gemm, gather, get_logits
+from engine.ops import block_gemm, gather, get_logits, onednn_linear
 from graphs.capture_safety import capture_safety_check
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.int8, torch.uint8, torch.bool]
@@ -180,6 +180,25 @@ def test_mkl_packed_blocks_are_close_to_plain_blocks():
         others = torch.randn(batch, 576, generator=gen)
         got = get_logits(others, weight, batch_invariant=True, kernel=packed)
         torch.testing.assert_close(got, get_logits(others, weight, batch_invariant=True, block_rows=16), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_onednn_blocks_and_any_row_calls_are_close_to_plain_ones():
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(2048, 576, generator=gen)
+    packed = block_gemm(weight, "onednn", 16)
+    assert packed is not None and packed.name == "onednn[16]"
+    assert block_gemm(weight.t().contiguous().t(), "onednn", 16) is None  # strided: nothing to pack
+    assert block_gemm(weight.double(), "onednn", 16) is None
+    for batch in (1, 3, 17, 40):
+        others = torch.randn(batch, 576, generator=gen)
+        plain = others @ weight.T
+        got = get_logits(others, weight, batch_invariant=True, kernel=packed)
+        torch.testing.assert_close(got, plain, atol=1e-4, rtol=1e-5)
+        # Any row count in one call, with the residual added by the GEMM's epilogue.
+        residual = torch.randn(batch, 2048, generator=gen)
+        torch.testing.assert_close(onednn_linear(others, packed.packed), plain, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(onednn_linear(others, packed.packed, residual), plain + residual, atol=1e-4, rtol=1e-5)
 
 
 def test_get_logits_rejects_a_kernel_of_another_weight():

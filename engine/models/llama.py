@@ -21,8 +21,10 @@ Two execution modes share every weight and the cache:
   RMSNorm uses sqrt + divide (correctly rounded in vector and scalar code alike)
   instead of rsqrt.
 
-On CPU (fp32, MKL) GEMMs of the row counts that repeat (the invariant blocks; 4-16
-row decode steps padded to 8 or 16) run on MKL-packed copies of the projections.
+On CPU the projections run on prepacked copies of their weights: oneDNN's in fast mode
+from 4 rows on (one call per projection for any row count; oneDNN follows the CPU's ISA on
+any vendor; fewer rows run F.linear),
+the first of oneDNN's and MKL's that the probe finds invariant in batch-invariant mode.
 The KV cache starts uninitialised and is zeroed only where attention reads masked
 padding.
 
@@ -40,7 +42,7 @@ import torch.nn.functional as F
 
 from engine.step.invariance import bmm_tiles_invariant, choose_block_gemm, warn_not_invariant
 from engine.models.protocol import ForwardBatch, check_forward_args
-from engine.ops import BlockGemm, block_gemm
+from engine.ops import BlockGemm, block_gemm, onednn_linear
 
 
 @dataclass(frozen=True)
@@ -100,25 +102,26 @@ class LlamaWeights:
     embed: torch.Tensor  # [V, H], also the LM head (tied)
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [H]
-    # Layers with MKL-packed projections, per GEMM row count (`packed_layers`).
-    _packed: dict[int, list[LayerWeights]] = field(default_factory=dict, init=False, repr=False, compare=False)
+    # Layers with prepacked projections, per (kernel, GEMM row count) (`packed_layers`).
+    _packed: dict[tuple[str, int], list[LayerWeights] | None] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
 
-    def packed_layers(self, rows: int) -> list[LayerWeights]:
-        """The layers with every projection as an MKL-packed `BlockGemm` of `rows`-row blocks,
-        built once per row count and shared by the models on these weights. With exactly
-        `rows` rows, `_mkl_linear` on the packed form runs SmolLM2's projections about 1.3x
-        faster than F.linear (fast mode's padded steps, the batch-invariant mode's row
-        blocks); other row counts gain nothing. Its summation order may differ from
-        F.linear's; whether it is one order for every row of a block is probed
-        (`engine.step.invariance`) before the batch-invariant mode relies on it."""
-        if rows not in self._packed:
-            pack = lambda w: block_gemm(w, "mkl_packed", rows)  # noqa: E731
-            self._packed[rows] = [
-                LayerWeights(**{f.name: pack(getattr(layer, f.name)) if f.name in _PROJECTIONS else getattr(layer, f.name)
-                                for f in fields(LayerWeights)})
-                for layer in self.layers
+    def packed_layers(self, kernel: str, rows: int) -> list[LayerWeights] | None:
+        """The layers with every projection as a `BlockGemm` of `kernel` (`engine.ops`) at
+        `rows`-row blocks, built once per (kernel, rows) and shared by the models on these
+        weights; None where the kernel does not apply (device, dtype, torch build). A packed
+        form's summation order may differ from F.linear's; whether it is one order for every
+        row of a block is probed (`engine.step.invariance`) before the batch-invariant mode
+        relies on it."""
+        if (kernel, rows) not in self._packed:
+            packed = [
+                {name: block_gemm(getattr(layer, name), kernel, rows) for name in _PROJECTIONS} for layer in self.layers
             ]
-        return self._packed[rows]
+            self._packed[kernel, rows] = None if any(g is None for p in packed for g in p.values()) else [
+                LayerWeights(**{f.name: p.get(f.name, getattr(layer, f.name)) for f in fields(LayerWeights)})
+                for layer, p in zip(self.layers, packed)
+            ]
+        return self._packed[kernel, rows]
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> LlamaWeights:
         device = torch.device(device)
@@ -145,10 +148,14 @@ class LlamaWeights:
 
 
 _PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
-# Fast-mode row counts with MKL-packed weights. Measured on SmolLM2 decode steps (2 AVX-512
-# cores): 4-8 rows padded to 8 and 9-16 padded to 16 take 0.75-0.9x the time of F.linear on
-# the real rows; 1-3 rows run as fast or faster through F.linear.
-PACKED_ROWS = (8, 16)
+# The fast mode's GEMMs from FAST_PACKED_FROM rows on: oneDNN's prepacked weights laid out
+# for 16-row GEMMs, one call per projection for any row count (oneDNN dispatches on the ISA:
+# AVX2, AVX-512, AMX; not on the vendor). Fewer rows run F.linear: a matrix-vector product
+# streams the weights once whatever the library, and on SmolLM2's projections (2 quiet Xeon
+# cores, fp32, all 30 layers) 1 row took 16.7 ms through F.linear against 23.7 ms on oneDNN's
+# layout, while 16 rows took 40.8 ms against 33.0 ms.
+FAST_PACK_ROWS = 16
+FAST_PACKED_FROM = 4
 
 
 def fuse_layer(
@@ -188,12 +195,17 @@ class _DecodePlan:
 
     members: np.ndarray  # [num_reqs] bool: the batch's requests in the group
     token_rows: torch.Tensor | None  # the group's token rows in the batch; None: every row
-    tile_rows: torch.Tensor  # per group token: its row in the [span * query rows] query tiles
-    out_rows: torch.Tensor  # per group token: its row in the [span * rows] attention output
+    # Fast mode, per group token: its slot (its row of the queries). None when the group's
+    # slots are 0..span-1 in batch order: the queries are q itself. Unused in invariant mode.
+    tile_rows: torch.Tensor | None
+    # Per group token: its row in the [span * rows] queries and attention output (slot * rows
+    # + its index among its request's new tokens). None where tile_rows is None.
+    out_rows: torch.Tensor | None
     span: int  # attention covers cache slots [0, span)
     rows: int  # most new tokens of a group request
     keys: int  # key positions read per slot (fast: the longest context; invariant: whole key tiles)
-    visible: torch.Tensor  # boolean mask, broadcast against the scores
+    visible: torch.Tensor  # mask broadcast against the scores (fast: additive; invariant: boolean)
+    query_tiles: int = 1  # invariant mode: query tiles per (slot, kv head), for group heads x rows
 
 
 def _ceil_to(n: int, multiple: int) -> int:
@@ -219,7 +231,7 @@ class LlamaModel:
         batch_invariant: bool = False,
         row_block: int = 16,
         key_block: int = 64,
-        mkl_packed: bool = True,
+        packed_weights: bool = True,
     ) -> None:
         max_context = config.max_position if max_context is None else max_context
         if not 1 <= max_context <= config.max_position:
@@ -244,15 +256,15 @@ class LlamaModel:
 
         # Batch-invariant attention reads whole key tiles, so the cache is rounded up to a tile.
         self.cache_len = _ceil_to(max_context, key_block) if batch_invariant else max_context
-        # MKL-packed weights (see `LlamaWeights.packed_layers`): in fast mode a step of n rows,
-        # PACKED_ROWS[i] / 2 <= n <= PACKED_ROWS[i], runs padded to PACKED_ROWS[i] rows; the
-        # batch-invariant mode tries them first for its row blocks. Each row count holds one
-        # more copy of the projections.
-        self.mkl_packed = mkl_packed and self.device.type == "cpu" and dtype == torch.float32 and torch.backends.mkl.is_available()
-        self._packed_rows = PACKED_ROWS if self.mkl_packed and not batch_invariant else ()
-        for rows in self._packed_rows:
-            self.weights.packed_layers(rows)  # now, not inside the first step that needs them
-        # Batch-invariant mode: each projection's verified block GEMM, e.g. {"qkv": "mkl_packed[16]"}.
+        # Prepacked weights (see `LlamaWeights.packed_layers`; each packing holds one more copy
+        # of the projections): the fast mode runs its GEMMs of FAST_PACKED_FROM rows or more on
+        # oneDNN's (FAST_PACK_ROWS) where it applies; the batch-invariant mode tries oneDNN's,
+        # then MKL's, for its row blocks.
+        self.packed_weights = packed_weights and self.device.type == "cpu"
+        self._fast_layers = self.weights.layers
+        if self.packed_weights and not batch_invariant:
+            self._fast_layers = self.weights.packed_layers("onednn", FAST_PACK_ROWS) or self.weights.layers
+        # Batch-invariant mode: each projection's verified block GEMM, e.g. {"qkv": "onednn[16]"}.
         self.gemm_kernels: dict[str, str] = {}
         self._invariant_layers: list[LayerWeights] = []
         self.batch_invariant_verified = batch_invariant and self._probe_invariant_kernels()
@@ -269,23 +281,25 @@ class LlamaModel:
         half = config.head_dim // 2
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(half, dtype=torch.float64) * 2 / config.head_dim))
         angles = torch.arange(self.cache_len, dtype=torch.float64)[:, None] * inv_freq[None, :]  # [cache_len, d/2]
-        self._rope_cos = angles.cos().to(device=self.device, dtype=dtype)
-        self._rope_sin = angles.sin().to(device=self.device, dtype=dtype)
+        cos, sin = angles.cos().to(device=self.device, dtype=dtype), angles.sin().to(device=self.device, dtype=dtype)
+        self._rope_cos = torch.cat([cos, cos], dim=-1)  # [cache_len, d]
+        self._rope_sin = torch.cat([-sin, sin], dim=-1)
 
     def _probe_invariant_kernels(self) -> bool:
-        """Pick every projection's block GEMM (`engine.step.invariance`): the first of MKL-packed
-        (when `mkl_packed`) and plain `mm`, at `row_block` rows and then at each smaller
+        """Pick every projection's block GEMM (`engine.step.invariance`): the first of oneDNN's
+        and MKL's packed GEMMs (when `packed_weights`) and plain `mm`, at `row_block` rows and then at each smaller
         divisor of it (the forward pads to whole `row_block` blocks, which they split
         evenly), that is batch-invariant here; probe the attention tiles' two bmm shapes.
         Builds `_invariant_layers` and `gemm_kernels`; warns and returns False when a
         projection or a tile shape has nothing that holds."""
-        kernels = ("mkl_packed", "mm") if self.mkl_packed else ("mm",)
+        kernels = ("onednn", "mkl_packed", "mm") if self.packed_weights else ("mm",)
         sizes = [rows for rows in range(self.row_block, 0, -1) if self.row_block % rows == 0]
 
         def gemm_of(layer: int, name: str, kernel: str, rows: int) -> BlockGemm | None:
-            if kernel == "mkl_packed":
-                return getattr(self.weights.packed_layers(rows)[layer], name)
-            return block_gemm(getattr(self.weights.layers[layer], name), kernel, rows)
+            if kernel == "mm":
+                return block_gemm(getattr(self.weights.layers[layer], name), kernel, rows)
+            packed = self.weights.packed_layers(kernel, rows)
+            return None if packed is None else getattr(packed[layer], name)
 
         failed = []
         chosen: dict[str, tuple[str, int]] = {}
@@ -317,7 +331,7 @@ class LlamaModel:
         options = dict(
             num_slots=self.num_slots, max_context=self.max_context, device=self.device, dtype=self.dtype,
             batch_invariant=self.batch_invariant, row_block=self.row_block, key_block=self.key_block,
-            mkl_packed=self.mkl_packed,
+            packed_weights=self.packed_weights,
         )
         options.update(kwargs)
         return LlamaModel(self.config, self.weights, **options)  # type: ignore[arg-type]
@@ -408,8 +422,8 @@ class LlamaModel:
             rows = _ceil_to(total, self.row_block)
             layers = self._invariant_layers
         else:
-            rows = next((n for n in self._packed_rows if n // 2 <= total <= n), total)
-            layers = self.weights.packed_layers(rows) if rows in self._packed_rows else self.weights.layers
+            rows = total
+            layers = self._fast_layers if total >= FAST_PACKED_FROM else self.weights.layers
         token_ids = token_ids.to(self.device)
         positions = positions.to(self.device)
         if rows > total:
@@ -431,20 +445,24 @@ class LlamaModel:
         self._make_finite(batch, plan)
         one_by_one = [entry for entry, grouped in zip(layout, few) if not grouped]
 
-        cos = self._rope_cos[positions][:, None, :]  # [rows, 1, d/2]
-        sin = self._rope_sin[positions][:, None, :]
+        # RoPE tables per row: cos twice, and (-sin, sin), so a rotation is x * cos + swapped(x) * sin.
+        cos, sin = self._rope_cos[positions][:, None, :], self._rope_sin[positions][:, None, :]  # [rows, 1, d]
         heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        attend = self._tiled_decode_attention if self.batch_invariant else self._decode_attention
+        # The common decode step (every request in the group, no padding rows): attention
+        # returns the layer's whole attention output, so nothing is scattered into a buffer.
+        whole = plan is not None and plan.token_rows is None and not one_by_one and rows == total
+        attn = None if whole else torch.zeros(rows, heads * d, device=self.device, dtype=self.dtype)
         x = self.weights.embed[token_ids]  # [rows, H]
-        attn = torch.zeros(rows, heads * d, device=self.device, dtype=self.dtype)
         for layer, k_cache, v_cache in zip(layers, self.k_cache, self.v_cache):
             qkv = self._linear(self._rms_norm(x, layer.attn_norm), layer.qkv)  # [rows, (heads + 2 kv) d]
-            q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
-            q = _rope(q.view(rows, heads, d), cos, sin)
-            k = _rope(k.view(rows, kv_heads, d), cos, sin)
+            qk = self._rope(qkv[:, : (heads + kv_heads) * d].view(rows, heads + kv_heads, d), cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
             k_cache.view(-1, kv_heads, d).index_copy_(0, cache_rows, k[:total])
-            v_cache.view(-1, kv_heads, d).index_copy_(0, cache_rows, v.view(rows, kv_heads, d)[:total])
-            if plan is not None:
-                attend = self._tiled_decode_attention if self.batch_invariant else self._decode_attention
+            v_cache.view(-1, kv_heads, d).index_copy_(0, cache_rows, qkv[:total, (heads + kv_heads) * d :].view(total, kv_heads, d))
+            if whole:
+                attn = attend(q, k_cache, v_cache, plan)
+            elif plan is not None:
                 if plan.token_rows is None:  # every request is in the group
                     attn[:total] = attend(q[:total], k_cache, v_cache, plan)
                 else:
@@ -454,9 +472,9 @@ class LlamaModel:
                     attn[start:end] = self._tiled_attention(q[start:end], k_cache[slot], v_cache[slot], seqlen_k)
                 else:
                     attn[start:end] = self._sdpa_attention(q[start:end], k_cache[slot, :seqlen_k], v_cache[slot, :seqlen_k])
-            x = x + self._linear(attn, layer.o_proj)
+            x = self._linear(attn, layer.o_proj, residual=x)
             gate, up = self._linear(self._rms_norm(x, layer.mlp_norm), layer.gate_up).chunk(2, dim=-1)
-            x = x + self._linear(F.silu(gate) * up, layer.down)
+            x = self._linear(F.silu(gate) * up, layer.down, residual=x)
         hidden = self._rms_norm(x, self.weights.final_norm)[:total]
         if out is None:
             return hidden
@@ -475,16 +493,36 @@ class LlamaModel:
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         variance = x.pow(2).mean(dim=-1, keepdim=True)
+        if not self.batch_invariant:  # Hugging Face's formula (torch's rms_norm is no faster on CPU)
+            return weight * (x * torch.rsqrt(variance + self.config.rms_norm_eps))
         return x / torch.sqrt(variance + self.config.rms_norm_eps) * weight
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor | BlockGemm) -> torch.Tensor:
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate-half RoPE on x `[rows, heads, d]` (queries and keys together), cos and sin
+        `[rows, 1, d]` as `_rope_cos` / `_rope_sin` hold them: x * cos + (x2, x1) * (-sin, sin).
+        Each element is one product of each kind and one add (x1 cos - x2 sin rounds the same
+        as x1 cos + x2 (-sin)); the fast mode fuses the second product and the add."""
+        rows, heads, d = x.shape
+        swapped = x.reshape(rows, heads, 2, d // 2).flip(2).view(rows, heads, d)  # (x2, x1)
+        if not self.batch_invariant:
+            return torch.addcmul(x * cos, swapped, sin)
+        # Not addcmul: its vector body and scalar tail may round differently (one FMA or
+        # two roundings), and which one an element takes depends on its place in the batch.
+        return x * cos + swapped * sin
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor | BlockGemm, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight.T, plus `residual` when given."""
         if isinstance(weight, BlockGemm):
+            if not self.batch_invariant:  # oneDNN's packed weight: one call for any row count
+                return onednn_linear(x, weight.packed, residual)
             # x has a multiple of weight.block_rows rows. In batch-invariant mode: one GEMM call
             # per block of a shape probed to give every row one summation order, so a row's
             # result cannot depend on how many rows share the step. (A single [rows, K] GEMM,
             # and even a bmm over the blocks, lets MKL change its blocking with the row count.)
-            return weight(x)
-        return F.linear(x, weight)
+            y = weight(x)
+        else:
+            y = F.linear(x, weight)
+        return y if residual is None else residual + y
 
     def _sdpa_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """One request: q `[Lq, heads, d]` against its cached `[Lk, kv_heads, d]`; returns `[Lq, heads * d]`."""
@@ -526,20 +564,27 @@ class LlamaModel:
             keys = longest
             lengths_t = self._to_device(lengths)
             visible = torch.arange(longest, device=self.device)[None, :] < lengths_t[:, None]  # [span, longest]
-            visible = visible[:, None, None, :]  # [span, 1, 1, longest]: over kv heads and stacked query heads
-            tile_rows = self._to_device(slots)
-        else:
-            # `_tiled_attention`'s masks for a one-tile query: query j sits at position
-            # length - new + j; padding rows borrow the last real position.
-            kb = self.key_block
-            keys = _ceil_to(longest, kb)
-            query_pos = np.minimum(lengths[:, None] - new[:, None] + np.arange(rows), lengths[:, None] - 1)
-            key_pos = torch.arange(keys, device=self.device).view(1, keys // kb, 1, kb)
-            visible = key_pos <= self._to_device(query_pos).view(span, 1, rows, 1)  # [span, kt, rows, kb]
-            visible = visible.view(span, 1, 1, 1, keys // kb, rows, kb)  # the query rows' scores only
-            tile_rows = self._to_device(np.repeat(slots * self.row_block, seqlens_q) + j)
+            # As an additive mask (0 or -inf, [span, 1, 1, longest]: over kv heads and stacked query
+            # heads): what SDPA would turn a boolean mask into, in every layer.
+            visible = torch.zeros(span, 1, 1, longest, device=self.device, dtype=self.dtype).masked_fill_(
+                ~visible[:, None, None, :], float("-inf"))
+            in_order = np.array_equal(slots, np.arange(span))
+            tile_rows = None if in_order else self._to_device(slots)
+            out_rows = None if in_order else self._to_device(np.repeat(slots * rows, seqlens_q) + j)
+            return _DecodePlan(members, token_rows, tile_rows, out_rows, span, rows, keys, visible)
+        # `_tiled_attention`'s masks: query j sits at position length - new + j; padding rows
+        # borrow the last real position. A (slot, kv head)'s query tiles hold its group heads x
+        # rows pairs, pair p = g * rows + j in row p % row_block of tile p // row_block; rows
+        # past the last pair take pair p's query position for j = p % rows (and are dropped).
+        qb, kb = self.row_block, self.key_block
+        keys, group = _ceil_to(longest, kb), self.config.num_heads // self.config.num_kv_heads
+        query_tiles = -(-group * rows // qb)
+        query_pos = np.minimum(lengths[:, None] - new[:, None] + np.arange(rows), lengths[:, None] - 1)  # [span, rows]
+        pair_pos = query_pos[:, np.arange(query_tiles * qb) % rows]  # [span, qt * qb]
+        key_pos = torch.arange(keys, device=self.device).view(1, 1, 1, keys // kb, 1, kb)
+        visible = key_pos <= self._to_device(pair_pos).view(span, 1, query_tiles, 1, qb, 1)  # [span, 1, qt, kt, qb, kb]
         out_rows = self._to_device(np.repeat(slots * rows, seqlens_q) + j)
-        return _DecodePlan(members, token_rows, tile_rows, out_rows, span, rows, keys, visible)
+        return _DecodePlan(members, token_rows, None, out_rows, span, rows, keys, visible, query_tiles)
 
     def _decode_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _DecodePlan
@@ -551,10 +596,13 @@ class LlamaModel:
         group = heads // kv_heads
         keys = k_cache[: plan.span, : plan.keys].transpose(1, 2)  # [span, kv_heads, longest, d], a view
         values = v_cache[: plan.span, : plan.keys].transpose(1, 2)
-        queries = q.new_zeros(plan.span, kv_heads, group, d)  # query heads sharing a KV head, stacked
-        queries[plan.tile_rows] = q.view(n, kv_heads, group, d)
+        if plan.tile_rows is None:  # request i in slot i
+            queries = q.reshape(n, kv_heads, group, d)  # query heads sharing a KV head, stacked
+        else:
+            queries = q.new_zeros(plan.span, kv_heads, group, d)
+            queries[plan.tile_rows] = q.view(n, kv_heads, group, d)
         o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.visible)  # [span, kv_heads, group, d]
-        return o[plan.out_rows].reshape(n, heads * d)
+        return (o if plan.out_rows is None else o[plan.out_rows]).reshape(n, heads * d)
 
     def _tiled_decode_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _DecodePlan
@@ -563,38 +611,41 @@ class LlamaModel:
         of new tokens (`q` `[n, heads, d]`, the group's tokens in batch order), all in one set
         of calls; returns `[n, heads * d]`.
 
-        Every request gets the tiles `_tiled_attention` would build for it alone (its queries
-        in the first rows of a `[row_block, d]` tile, `[row_block, key_block]` score tiles),
-        as items of the same bmm. Key tiles past a request's own context, up to the longest
-        one, are fully masked: their probabilities are exact zeros, so they add exact zeros
-        to the in-order folds and the result is bit-identical to the request alone.
+        Every query row meets the same `[row_block, d] x [d, key_block]` and `[row_block,
+        key_block] x [key_block, d]` bmm items as in `_tiled_attention`, with the same
+        elementwise steps and in-order folds over key tiles. Only its row in the item differs:
+        the query heads that share a KV head are stacked in one item (a decode step fills 3
+        rows of one item instead of 1 row of each of 3), which keeps its bits because the
+        probe found the tile bmm invariant to a row's position and neighbours
+        (`batch_invariant_verified`). Key tiles past a request's own context, up to the
+        longest one, are fully masked: their probabilities are exact zeros, so they add exact
+        zeros to the folds and the result is bit-identical to the request alone.
         """
         n, heads, d = q.shape
         kv_heads = k_cache.shape[2]
         group = heads // kv_heads
-        qb, kb, span, r = self.row_block, self.key_block, plan.span, plan.rows
+        qb, kb, span, r, qt = self.row_block, self.key_block, plan.span, plan.rows, plan.query_tiles
         kt = plan.keys // kb
-        padded = q.new_zeros(span * qb, heads, d)
-        padded[plan.tile_rows] = q
-        q6 = padded.view(span, qb, kv_heads, group, d).permute(0, 2, 3, 1, 4)[:, :, :, None]  # [s, kv, g, 1, qb, d]
+        padded = q.new_zeros(span * r, heads, d)
+        padded[plan.out_rows] = q
+        pairs = padded.view(span, r, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(span, kv_heads, group * r, d)
+        if qt * qb > group * r:
+            pairs = F.pad(pairs, (0, 0, 0, qt * qb - group * r))
+        q5 = pairs.view(span, kv_heads, qt, 1, qb, d)
         keys = k_cache[:span, : plan.keys].view(span, kt, kb, kv_heads, d).permute(0, 3, 1, 4, 2)  # [s, kv, kt, d, kb]
         values = v_cache[:span, : plan.keys].view(span, kt, kb, kv_heads, d).permute(0, 3, 1, 2, 4)  # [s, kv, kt, kb, d]
-        tiles = (span, kv_heads, group, 1, kt)
-        q_pairs = q6[:, :, :, :, None].expand(*tiles, qb, d).reshape(-1, qb, d)
-        k_pairs = keys[:, :, None, None].expand(*tiles, d, kb).reshape(-1, d, kb)
-        # The GEMMs run on whole tiles (their shape picks the kernel); the elementwise work and
-        # the folds only on the first r rows, which hold every request's queries.
-        scores = torch.bmm(q_pairs, k_pairs).view(*tiles, qb, kb)[..., :r, :] * (1.0 / math.sqrt(d))
-        scores = scores.masked_fill(~plan.visible, float("-inf"))  # [s, kv, g, 1, kt, r, kb]
-        head_rows = torch.exp(scores - scores.amax(dim=(4, 6), keepdim=True))
-        probs = head_rows.new_zeros(*tiles, qb, kb)
-        probs[..., :r, :] = head_rows
-        v_pairs = values[:, :, None, None].expand(*tiles, kb, d).reshape(-1, kb, d)
-        partial = torch.bmm(probs.view(-1, qb, kb), v_pairs).view(*tiles, qb, d)[..., :r, :]  # [s, kv, g, 1, kt, r, d]
-        numer = partial.cumsum(dim=4)[:, :, :, :, -1]  # [s, kv, g, 1, r, d]
-        denom = head_rows.sum(dim=-1).cumsum(dim=4)[:, :, :, :, -1]  # [s, kv, g, 1, r]
-        o = (numer / denom[..., None])[:, :, :, 0]  # [s, kv, g, r, d]
-        return o.permute(0, 3, 1, 2, 4).reshape(span * r, heads * d)[plan.out_rows]
+        tiles = (span, kv_heads, qt, kt)
+        q_pairs = q5.expand(*tiles, qb, d).reshape(-1, qb, d)
+        k_pairs = keys[:, :, None].expand(*tiles, d, kb).reshape(-1, d, kb)
+        scores = torch.bmm(q_pairs, k_pairs).view(*tiles, qb, kb) * (1.0 / math.sqrt(d))
+        scores = scores.masked_fill(~plan.visible, float("-inf"))  # [s, kv, qt, kt, qb, kb]
+        probs = torch.exp(scores - scores.amax(dim=(3, 5), keepdim=True))
+        v_pairs = values[:, :, None].expand(*tiles, kb, d).reshape(-1, kb, d)
+        partial = torch.bmm(probs.view(-1, qb, kb), v_pairs).view(*tiles, qb, d)
+        numer = partial.cumsum(dim=3)[:, :, :, -1]  # [s, kv, qt, qb, d]
+        denom = probs.sum(dim=-1).cumsum(dim=3)[:, :, :, -1]  # [s, kv, qt, qb]
+        o = (numer / denom[..., None]).view(span, kv_heads, qt * qb, d)[:, :, : group * r]
+        return o.reshape(span, kv_heads, group, r, d).permute(0, 3, 1, 2, 4).reshape(span * r, heads * d)[plan.out_rows]
 
     def _tiled_attention(self, q: torch.Tensor, k_slot: torch.Tensor, v_slot: torch.Tensor, k_len: int) -> torch.Tensor:
         """Batch-invariant attention of one request: q `[Lq, heads, d]` against its whole cache slot.
@@ -632,9 +683,3 @@ class LlamaModel:
         denom = probs.sum(dim=-1).cumsum(dim=3)[:, :, :, -1]  # [kv, g, qt, qb]
         o = numer / denom[..., None]
         return o.permute(2, 3, 0, 1, 4).reshape(q_tiles * qb, heads * d)[:q_len]
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE: x `[rows, heads, d]`, cos/sin `[rows, 1, d/2]`."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

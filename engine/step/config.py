@@ -127,4 +127,4 @@ class EngineStats:
     small_candidate_steps: int = 0  # steps sampled with EngineConfig.small_candidate_cap candidates
     bucket_histogram: dict[int, int] = field(default_factory=dict)
     host_seconds: float = 0.0  # ledger + validation + staging, summed
-    logits_kernel: str = "plain"  # the LM head's verified block GEMM, e.g. "mkl_packed[16]"; "plain": one GEMM
+    logits_kernel: str = "plain"  # the LM head's verified block GEMM, e.g. "onednn[16]"; "plain": one GEMM

@@ -116,8 +116,9 @@ class LocalHead(LMHead):
         self.config = config
         self.vocab_size, self.hidden_size = self.weight.shape
         self.dtype = self.weight.dtype
-        # The block GEMM, probed here (engine.step.invariance): the configured block on
-        # MKL-packed weights where there are any (CPU fp32), else the first that holds.
+        # The block GEMM, probed here (engine.step.invariance): the first kernel of
+        # BLOCK_KERNELS (oneDNN's, MKL's packed weights, mm) at the configured block that
+        # holds, else at a fallback block size.
         if config.batch_invariant:
             self.logits_kernel, self.batch_invariant_verified = choose_block_gemm(lm_head_candidates(self.weight, config.block_rows))
             if not self.batch_invariant_verified:

@@ -2,7 +2,9 @@
 
 SmolLM2-135M-Instruct from the same GGUF file on every side, the demo's 16
 chat prompts, greedy, `--max-tokens` new tokens each, fp32. Runs:
-- ours: `DecodeLoop` (all prompts submitted at once, graphs on, no drafts);
+- ours: `DecodeLoop` (all prompts submitted at once, graphs on, no drafts), the
+  model in its fast mode and in its batch-invariant mode (`--no-invariant` leaves
+  the second out);
 - vLLM (the side-by-side peer, in this process): `vllm.LLM(...).generate` on
   an HF checkpoint that this bench writes from the GGUF into the cache folder
   (config.json, model.safetensors, tokenizer files); its start-up (load and
@@ -47,6 +49,16 @@ from profiling.bench.peer import missing_peer_notice, run_under_peer
 
 # Bump when the written checkpoint changes so stale folders are rewritten.
 HF_CHECKPOINT_FORMAT = 1
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux), for the report: speeds here depend on it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        return "unknown"
+    return f"{names[0]} x {len(names)}" if names else "unknown"
 
 
 def _until_stop(tokens: list[int], stops: set[int]) -> list[int]:
@@ -266,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs of ours, vLLM and HF batched")
     parser.add_argument("--no-peer", action="store_true", help="leave vLLM out (ours against HF only)")
+    parser.add_argument("--no-invariant", action="store_true", help="leave out ours with the batch-invariant model")
     args = parser.parse_args(argv)
     argv = list(argv) if argv is not None else []
     with_peer = not args.no_peer and importlib.util.find_spec("vllm") is not None
@@ -279,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     count, max_tokens = (4, 16) if args.quick else (16, args.max_tokens)
     ours_model, tokenizer = load_smollm2(num_slots=count, max_context=1024)
+    invariant_model = None if args.no_invariant else ours_model.with_options(batch_invariant=True)
     prompts = [tokenizer.chat_prompt([{"role": "user", "content": text}]) for text in CHAT_PROMPTS[:count]]
     stops = set(ours_model.stop_token_ids)
     hf_model = load_hf()
@@ -291,10 +305,13 @@ def main(argv: list[str] | None = None) -> int:
 
     # This VM's speed drifts by up to 2x over minutes: the batched runs alternate
     # and each reports its median over the repeats.
-    t_ours, t_vllm, t_batched = [], [], []
+    t_ours, t_vllm, t_batched, t_invariant = [], [], [], []
     for _ in range(args.repeats):
         ours, seconds, loop = run_ours(ours_model, prompts, max_tokens)
         t_ours.append(seconds)
+        if invariant_model is not None:
+            invariant, seconds, _ = run_ours(invariant_model, prompts, max_tokens)
+            t_invariant.append(seconds)
         if llm is not None:
             from_vllm, seconds = run_vllm(llm, prompts, max_tokens, stops)
             t_vllm.append(seconds)
@@ -309,12 +326,15 @@ def main(argv: list[str] | None = None) -> int:
         return [name, tokens, f"{seconds:.2f}", f"{tokens / seconds:.1f}", f"{seconds / t_ours:.2f}x"]
 
     rows = [["ours (DecodeLoop, graphs)", total, f"{t_ours:.2f}", f"{total / t_ours:.1f}", "1.00x"]]
+    if invariant_model is not None:
+        t_invariant = statistics.median(t_invariant)
+        rows.append(row("ours, batch-invariant model", invariant, t_invariant))
     if llm is not None:
         t_vllm = statistics.median(t_vllm)
         rows.append(row("vLLM CPU (LLM.generate)", from_vllm, t_vllm))
     rows += [row("HF generate, one at a time", hf_single, t_single), row("HF generate, batched", hf_batched, t_batched)]
     print(f"SmolLM2-135M-Instruct, {count} prompts, greedy, {max_tokens} new tokens, fp32, {torch.get_num_threads()} "
-          f"threads, median of {args.repeats} alternating runs (HF one at a time: 1 run)")
+          f"threads, median of {args.repeats} alternating runs (HF one at a time: 1 run); CPU: {cpu_name()}")
     print_table(["run", "tokens", "seconds", "tokens/s", "ours faster by"], rows)
     stats = loop.stats
     print(f"ours, last run: {stats.steps} steps; model forward {stats.forward_seconds:.2f} s, step engine "
@@ -331,5 +351,9 @@ def main(argv: list[str] | None = None) -> int:
         line += f", {same_vllm}/{count} vs vLLM"
         print(f"vLLM start-up (load + compile, not in its run time): {t_startup:.1f} s; ours before it started: "
               f"{t_ours_before:.2f} s; ours / vLLM tokens per second: {t_vllm / t_ours:.2f}x")
+        if invariant_model is not None:
+            print(f"ours with the batch-invariant model / vLLM tokens per second: {t_vllm / t_invariant:.2f}x")
+    if invariant_model is not None:
+        line += f"; batch-invariant model: {sum(a == b for a, b in zip(invariant, hf_single))}/{count} vs HF one at a time"
     print(line)
     return 0 if same_single == count and same_vllm == count else 1

@@ -2,7 +2,9 @@
 
 `python -m profiling.bench forward` (SmolLM2-135M, CPU fp32) or `--quick` (tiny random config).
 The `vs fast` column is the cost of `batch_invariant=True` (fixed row blocks in every GEMM,
-tiled attention) relative to the default mode, measured in the same run.
+tiled attention) relative to the default mode, measured in the same run. `--dtype bf16`
+runs the weights, activations and cache in bf16 (oneDNN uses AVX512-BF16 or AMX where the
+CPU has them; greedy tokens then differ from fp32 references).
 """
 from __future__ import annotations
 
@@ -39,22 +41,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     args = parser.parse_args(argv)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
 
     from engine.models.llama import LlamaConfig, LlamaModel
 
     max_batch = max(args.batches)
     if args.quick:
-        base = LlamaModel.random(LlamaConfig.tiny(), seed=0, num_slots=max_batch, max_context=args.prompt_len + 64)
+        base = LlamaModel.random(LlamaConfig.tiny(), seed=0, num_slots=max_batch, max_context=args.prompt_len + 64,
+                                 dtype=dtype)
         label, repeats = "tiny (random)", args.repeats or 5
     else:
         from engine.models.gguf_loader import load_smollm2
 
         t0 = time.perf_counter()
-        base, _ = load_smollm2(num_slots=max_batch, max_context=args.prompt_len + 64)
+        base, _ = load_smollm2(num_slots=max_batch, max_context=args.prompt_len + 64, dtype=dtype)
         print(f"SmolLM2-135M loaded in {time.perf_counter() - t0:.2f} s (cache: engine.models.gguf_loader.cache_dir())")
         label, repeats = "SmolLM2-135M", args.repeats or 10
-    print(f"model: {label}, device cpu fp32, threads {torch.get_num_threads()}, prompt {args.prompt_len} tokens")
+    print(f"model: {label}, device cpu {args.dtype}, threads {torch.get_num_threads()}, prompt {args.prompt_len} tokens")
 
     rows = []
     for phase in ("prefill", "decode"):
