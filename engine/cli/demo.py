@@ -300,6 +300,8 @@ def summary(result: RunResult, requests: list, telemetry: TelemetrySummary) -> d
         "drafts_accepted": stats.drafts_accepted,
         # None, not NaN, when nothing was proposed (drafts off, or no n-gram ever matched).
         "draft_acceptance": stats.drafts_accepted / stats.drafts_proposed if stats.drafts_proposed else None,
+        # What the sampling controls hold on the device (penalty counts, masks, bias), None when not allocated.
+        "control_state": None if engine.controls is None else engine.controls.describe(),
         "gpu": telemetry.as_dict(),
     }
 
@@ -329,6 +331,7 @@ def summary_rows(figures: dict, drafts_on: bool) -> list[tuple[str, str]]:
         ("time: model forward / step engine / scheduling",
          f"{f['forward_seconds']:.2f} s / {f['engine_seconds']:.2f} s / {f['schedule_seconds']:.2f} s"),
         ("drafts accepted / proposed", drafts),
+        ("sampling-control state", f["control_state"] or "not allocated"),
     ]
 
 
