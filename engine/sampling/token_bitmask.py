@@ -22,12 +22,10 @@ import math
 
 import torch
 
-BITS_PER_WORD = 32
+# The layout is the host's (engine/host/token_constraints.py builds the rows): one definition.
+from engine.host.token_constraints import BITS_PER_WORD, bitmask_words
 
-
-def bitmask_words(vocab: int) -> int:
-    """Words per row of a token bitmask over `vocab` tokens: ceil(V / 32)."""
-    return -(-vocab // BITS_PER_WORD)
+__all__ = ["BITS_PER_WORD", "bitmask_words", "unpack_token_bitmask", "apply_token_bitmask"]
 
 
 def unpack_token_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
