@@ -1,17 +1,16 @@
-"""The draw (docs/contract.md §2): greedy, the Gumbel race, inverse CDF.
+"""The draw (docs/contract.md §2): greedy, inverse CDF over the kept masses.
 
-- Greedy (T = 0): the largest raw logit among unsuppressed tokens, ties to the
+- Greedy (T = 0): the largest raw logit among valid tokens, ties to the
   smallest id. Filters do not change it (the maximum is always kept).
-- Filtered rows draw by a Gumbel race, argmax over kept tokens of
-  z + G(token id), ties to the smallest id, with G from `engine.sampling.rng`
-  keyed by (seed, position, TARGET, token id). The noise of a token does not
-  depend on which other tokens are candidates, so a race over the kept
-  candidates gives the same token as a race over the whole vocabulary.
-- Rows without any filter draw by inverse CDF with one uniform per row
-  (stream TARGET, counter `INVERSE_CDF_COUNTER`): pick the block whose float64
-  cumulative block mass first exceeds u * Z, then the token inside it.
+- Every other row draws by inverse CDF with one uniform per row (stream
+  TARGET, counter `INVERSE_CDF_COUNTER`) over its kept tokens' masses
+  (`engine.sampling.thresholds.token_masses`, float64 integers) in token-id
+  order: the first token whose cumulative mass exceeds u * (the kept mass).
+  The sums are exact, so the draw is the same whether it walks fixed blocks
+  of the whole row or a few candidates sorted by id.
 - A forced token, when set, replaces whatever the row drew.
-Verification draws from explicit float64 distributions with `inverse_cdf`.
+Verification draws from explicit float64 distributions with `inverse_cdf`;
+its top-k-space bonus token races Gumbel noise keyed by token id (`gumbel_race`).
 """
 from __future__ import annotations
 
@@ -86,9 +85,10 @@ def plain_uniform(rows: SamplingRows) -> torch.Tensor:
 def inverse_cdf_draw(weights: torch.Tensor, block_mass: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One token per row by inverse CDF over fixed blocks.
 
-    Parameters: `weights` [rows, V] f32, exp(z) with suppressed tokens 0;
-    `block_mass` [rows, blocks] f32 from `block_log_normaliser(weights)`; `u`
-    [rows] f64 in (0, 1). Returns: [rows] int64 token ids. Capture-safe.
+    Parameters: `weights` [rows, V] nonnegative (the kept masses, f64
+    integers), 0 for tokens never drawn; `block_mass` [rows, blocks] their
+    sums over the normaliser's blocks (`block_sums`); `u` [rows] f64 in
+    (0, 1). Returns: [rows] int64 token ids. Capture-safe.
     """
     rows, vocab = weights.shape
     block_cum = block_mass.to(torch.float64).cumsum(-1)  # [rows, blocks]
@@ -116,12 +116,8 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return _first_above(cum, weights, (u * cum[:, -1])[:, None]).squeeze(1)
 
 
-def drawn_token(
-    rows: SamplingRows, greedy: torch.Tensor, raced: torch.Tensor, plain: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Each row's token from its draws: greedy rows take `greedy`, plain rows
-    `plain` (None: no plain rows reach this caller), the others `raced`; a
-    forced token overrides all three. All [rows] int64. Capture-safe."""
-    token = raced if plain is None else torch.where(rows.plain, plain, raced)
-    token = torch.where(rows.greedy, greedy, token)
+def drawn_token(rows: SamplingRows, greedy: torch.Tensor, drawn: torch.Tensor) -> torch.Tensor:
+    """Each row's token: greedy rows take `greedy`, the others `drawn`; a
+    forced token overrides both. All [rows] int64. Capture-safe."""
+    token = torch.where(rows.greedy, greedy, drawn)
     return torch.where(rows.forced >= 0, rows.forced, token)

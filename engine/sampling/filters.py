@@ -1,22 +1,24 @@
-"""The kept set (docs/contract.md §2): top-k -> top-p -> min-p, defined on values.
+"""The kept set by sorting (docs/contract.md §2): top-k -> top-p -> min-p, defined on values.
 
-One definition for every path: the fast path applies it to a row's sorted
-candidates, the exact path and verification's `target_probs` to the whole
-sorted row. Over processed logits z sorted in (z desc, id asc) order with
-probabilities p = exp(z - log Z) (the full row's normaliser):
+The reference path (`engine.sampling.exact`) and the vocab-parallel candidate
+exchange sort each row (or its candidates) by (z desc, id asc) and apply the
+definitions in a walk; the sampler finds the same thresholds by radix select
+(`engine.sampling.thresholds`) and the two agree bit for bit. Over processed
+logits z with masses w (`thresholds.token_masses`, float64 integers):
 
 - top-k keeps every token whose z >= the k-th largest z (ties at the cut kept).
-- top-p works on the distribution renormalised after top-k (as engines do):
-  walking tokens by decreasing z, t* is the probability of the first token at
-  which the cumulative kept mass reaches top_p * (mass kept by top-k); it keeps
-  every token with p >= t* (ties included), and everything when rounding
-  keeps the sum from ever reaching that level.
-- min-p keeps p >= min_p * max p; the ratio is the same before or after
-  renormalisation, so it is taken on p directly.
+- top-p works on the set top-k kept (as engines do): walking tokens by
+  decreasing z, z* is the z of the first token at which the running mass
+  reaches top_p * (the top-k set's mass); it keeps every token with z >= z*,
+  ties included. The sums are exact, so the walk's order within a tie does
+  not matter and the cut is the smallest set of whole z-levels that holds that
+  much mass.
+- min-p keeps exp(z) >= min_p (the largest token has exp(0) = 1: this is
+  p >= min_p * max p).
 
-Every test is a threshold on a value that falls with z, so the kept set is a
-prefix of the sorted row. `top_k_mask` is the same top-k cut over unsorted
-values (top-k-space verification and prompt logprobs).
+Every test is a threshold on z, so the kept set is a prefix of the sorted row.
+`top_k_mask` is the same top-k cut over unsorted values (top-k-space
+verification and prompt logprobs).
 """
 from __future__ import annotations
 
@@ -34,8 +36,7 @@ class KeptSet:
 
     kept: torch.Tensor  # [rows, M] bool
     kth_z: torch.Tensor  # [rows] f32: the top-k cut, z of the min(k, M)-th token
-    t_star: torch.Tensor  # [rows] f64: the top-p threshold, 0 when top-p keeps everything
-    min_p_level: torch.Tensor  # [rows] f64: min_p * max p
+    p_z: torch.Tensor  # [rows] f32: the top-p cut z*
 
 
 def kth_largest(sorted_desc: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -47,53 +48,25 @@ def kth_largest(sorted_desc: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return sorted_desc.gather(1, (k.clamp(min=1, max=sorted_desc.shape[1]) - 1)[:, None]).squeeze(1)
 
 
-def sorted_distribution(
-    z: torch.Tensor, ids: torch.Tensor | None, log_z: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Processed logits sorted for the filters, with their probabilities.
-
-    Parameters: `z` [rows, M] f32 processed logits (-inf where suppressed);
-    `ids` [rows, M] int64 their token ids, or None when column = token id
-    (a full row); `log_z` [rows] f64, the full row's log normaliser.
-    Returns: `zs` [rows, M] f32 in (z desc, id asc) order (a stable sort of
-    tokens given in id order, or in the candidates' (raw desc, id asc)
-    order), `zs_ids` [rows, M] int64, `p` [rows, M] f64 = exp(zs - log Z).
-    Capture-safe.
-    """
-    if ids is None:
-        zs, zs_ids = torch.sort(z, dim=1, descending=True, stable=True)
-    else:
-        by_z = torch.sort(z, dim=1, descending=True, stable=True).indices
-        zs, zs_ids = z.gather(1, by_z), ids.gather(1, by_z)
-    return zs, zs_ids, torch.exp(zs.to(torch.float64) - log_z[:, None])
-
-
-def kept_set(zs: torch.Tensor, p: torch.Tensor, rows: SamplingRows) -> KeptSet:
+def kept_set(zs: torch.Tensor, weights: torch.Tensor, masses: torch.Tensor, rows: SamplingRows) -> KeptSet:
     """Apply top-k, top-p and min-p to sorted tokens.
 
     Parameters: `zs` [rows, M] f32 processed logits in (z desc, id asc) order,
-    -inf (suppressed) last; `p` [rows, M] f64, their probabilities under the
-    full row's normaliser; `rows` the rows' controls. M may be less than V
-    (the fast path's candidates): the thresholds are then those of the
-    candidates, and the caller decides whether they settle the row.
-    Returns: `KeptSet`. Capture-safe.
+    -inf (not valid) last; `weights` [rows, M] f32 their exp(z); `masses`
+    [rows, M] f64 their `token_masses`; `rows` the rows' controls. M may be
+    less than V (candidates): the caller decides whether they settle the
+    row. Returns: `KeptSet`. Capture-safe.
     """
-    zero = torch.zeros((), dtype=p.dtype, device=p.device)
     alive = zs > -math.inf
     kth_z = kth_largest(zs, rows.top_k)
-    k_mask = ~rows.k_on[:, None] | (zs >= kth_z[:, None])
-    k_p = torch.where(rows.k_on[:, None] & k_mask & alive, p, zero)
-    # One running sum serves both: its last entry is the top-k mass (the
-    # renormaliser of top-p), rounded exactly as the walk that crosses it.
-    cum = torch.where(rows.k_on[:, None], k_p, torch.where(alive, p, zero)).cumsum(-1)  # [rows, M] f64
-    k_mass = torch.where(rows.k_on, cum[:, -1], torch.ones_like(rows.top_p))
-    reached = cum >= (rows.top_p * k_mass)[:, None]
-    first = reached.to(torch.int8).argmax(-1, keepdim=True)  # first index that reaches top_p
-    t_star = torch.where(reached.any(-1), p.gather(1, first).squeeze(1), zero)
-    p_mask = ~rows.p_on[:, None] | (p >= t_star[:, None])
-    min_p_level = rows.min_p * p[:, 0]
-    m_mask = ~rows.m_on[:, None] | (p >= min_p_level[:, None])
-    return KeptSet(alive & k_mask & p_mask & m_mask, kth_z, t_star, min_p_level)
+    in_k = alive & (~rows.k_on[:, None] | (zs >= kth_z[:, None]))
+    cum = torch.where(in_k, masses, 0.0).cumsum(-1)  # [rows, M] f64 integers: exact
+    reached = cum >= (rows.top_p * cum[:, -1])[:, None]
+    first = reached.to(torch.int8).argmax(-1, keepdim=True)  # the first index whose running mass reaches the level
+    p_z = zs.gather(1, first).squeeze(1)
+    keep_p = ~rows.p_on[:, None] | (zs >= p_z[:, None])
+    keep_m = ~rows.m_on[:, None] | (weights >= rows.min_p.to(torch.float32)[:, None])
+    return KeptSet(in_k & keep_p & keep_m, kth_z, p_z)
 
 
 def top_k_mask(values: torch.Tensor, k_rows: torch.Tensor, max_k: int | None = None) -> torch.Tensor:

@@ -18,8 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
+from typing import TYPE_CHECKING
+
 from engine.sampling.normaliser import raw_log_normaliser
 from graphs.step_fields import SampleOutput
+
+if TYPE_CHECKING:
+    from engine.sampling.thresholds import RowDistribution
 
 
 @dataclass
@@ -96,53 +101,47 @@ def candidate_raw_logprobs(
     return top, cand_raw[:, num_top - 1] <= cand_raw[:, -1]
 
 
-def processed_logprobs(
-    log_z: torch.Tensor,
-    zs: torch.Tensor,
-    zs_ids: torch.Tensor,
-    p: torch.Tensor,
-    kept: torch.Tensor,
-    tokens: torch.Tensor,
-    num_top: int,
-) -> RowLogprobs:
-    """Logprobs of the processed, renormalised distribution over the kept tokens.
+def raw_logprobs(plain: torch.Tensor, tokens: torch.Tensor, num_top: int) -> RowLogprobs:
+    """Raw logprobs of whole rows: `plain` [rows, V] f32 unprocessed logits,
+    `tokens` [rows] int64, top-N = `num_top` <= V. Capture-safe."""
+    lse = raw_log_normaliser(plain, plain.amax(-1))
+    logprob, rank = token_logprobs(plain, tokens, log_normaliser=lse)
+    top_ids = top_n_ids(plain, num_top)
+    return RowLogprobs(logprob, rank, top_ids, plain.gather(1, top_ids).to(torch.float64) - lse[:, None])
 
-    Parameters: `log_z` [rows] f64; `zs`, `zs_ids`, `p` [rows, M] from
-    `sorted_distribution`; `kept` [rows, M] bool from `kept_set`; `tokens`
-    [rows] int64; `num_top` N <= M. Returns: `RowLogprobs`. Capture-safe.
-    """
-    log_mass = torch.log(torch.where(kept, p, torch.zeros_like(p)).cumsum(-1)[:, -1])  # [rows] f64
-    lq = torch.where(kept, zs.to(torch.float64) - log_z[:, None] - log_mass[:, None], -math.inf)  # [rows, M]
-    at_token = (zs_ids == tokens[:, None]) & kept
-    # A filtered or suppressed token has logprob -inf: every kept token outranks it.
-    token_z = torch.where(at_token, zs, -math.inf).amax(-1)
+
+def processed_row_logprobs(d: "RowDistribution", tokens: torch.Tensor, num_top: int) -> RowLogprobs:
+    """Logprobs of the distribution each row drew from: its kept tokens'
+    masses over their total (`engine.sampling.thresholds.RowDistribution`,
+    by token id). A token outside the kept set (or of mass 0) has logprob
+    -inf; the rank counts the kept tokens of strictly larger z, and a token
+    not kept ranks after all of them. `tokens` [rows] int64; `num_top` <= V.
+    Capture-safe."""
+    log_q = torch.log(d.kept_mass) - torch.log(d.total)[:, None]  # [rows, V] f64
+    at = tokens[:, None]
+    token_z = torch.where(d.kept.gather(1, at), d.z.gather(1, at), -math.inf)  # [rows, 1]
+    kept_z = torch.where(d.kept, d.z, -math.inf)
+    top_ids = top_n_ids(kept_z, num_top)
     return RowLogprobs(
-        logprob=torch.where(at_token, lq, -math.inf).amax(-1),
-        rank=(kept & (zs > token_z[:, None])).sum(-1) + 1,
-        top_ids=torch.where(kept[:, :num_top], zs_ids[:, :num_top], -1),
-        top_logprobs=lq[:, :num_top],
+        logprob=log_q.gather(1, at).squeeze(1),
+        rank=(kept_z > token_z).sum(-1) + 1,
+        top_ids=torch.where(d.kept.gather(1, top_ids), top_ids, -1),
+        top_logprobs=log_q.gather(1, top_ids),
     )
 
 
-def top_n_ids(logits: torch.Tensor, n: int) -> torch.Tensor:
-    """The ids of the n largest logits per row, best first, ties to the smaller id.
+def top_n_ids(values: torch.Tensor, n: int) -> torch.Tensor:
+    """The ids of the n largest values per row, best first, ties to the smaller id.
 
-    Parameters: `logits` [rows, V] f32; `n` in [1, V]. Returns: [rows, n]
-    int64. Eager: rows where topk's tie order matters are re-picked with a
-    data-dependent shape.
+    Parameters: `values` [rows, V] f32; `n` in [0, V]. Returns: [rows, n]
+    int64. One topk over int64 keys that order by (value desc, id asc) and
+    are all distinct, so topk's unspecified tie order never shows.
+    Capture-safe.
     """
-    values, ids = torch.topk(logits, n, dim=1)  # tie order among equal values is unspecified
-    cut = values[:, -1:]  # [rows, 1] the n-th largest value
-    # Where a token equal to the cut was left out, topk chose among the tied
-    # tokens arbitrarily: re-pick those rows, taking tied tokens by id.
-    redo = torch.nonzero((logits == cut).sum(1) > (values == cut).sum(1)).squeeze(1)
-    if len(redo):
-        sub = logits[redo]  # [redo, V]
-        above = sub > cut[redo]
-        at_cut = sub == cut[redo]
-        need = n - above.sum(1, keepdim=True)
-        keep = above | (at_cut & (at_cut.cumsum(1) <= need))  # exactly n per row
-        ids[redo] = keep.nonzero()[:, 1].view(-1, n)  # row-major, so ids ascend within a row
-    ids = ids.sort(dim=1).values
-    order = torch.sort(logits.gather(1, ids), dim=1, descending=True, stable=True).indices
-    return ids.gather(1, order)
+    vocab = values.shape[1]
+    id_bits = max(1, (vocab - 1).bit_length())
+    bits = torch.add(values, 0.0).contiguous().view(torch.int32)  # + 0.0: -0 and +0 share a key
+    order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)  # monotone in the value
+    ids = torch.arange(vocab, device=values.device)
+    keys = (order << id_bits) | ((1 << id_bits) - 1 - ids)
+    return torch.topk(keys, n, dim=1).indices

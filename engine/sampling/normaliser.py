@@ -22,6 +22,14 @@ def block_log_normaliser(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     block may be partial), and `log_z` [rows] f64, log of their float64 sum.
     Capture-safe.
     """
+    block_mass = block_sums(weights)
+    return block_mass, log_block_total(block_mass)
+
+
+def block_sums(weights: torch.Tensor) -> torch.Tensor:
+    """[rows, ceil(V / BLOCK)] the sum of each block of BLOCK tokens of
+    `weights` [rows, V] (the last block may be partial), in their dtype,
+    along contiguous tokens whatever the caller's layout. Capture-safe."""
     rows, vocab = weights.shape
     # A float32 sum's rounding follows the memory order it walks: a row must
     # be summed along contiguous tokens whatever the caller's layout (a
@@ -35,8 +43,7 @@ def block_log_normaliser(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
         parts.append(weights[:, : full * BLOCK].view(rows, full, BLOCK).sum(-1))
     if vocab % BLOCK:
         parts.append(weights[:, full * BLOCK :].sum(-1, keepdim=True))
-    block_mass = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-    return block_mass, log_block_total(block_mass)
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
 
 def log_block_total(block_mass: torch.Tensor) -> torch.Tensor:

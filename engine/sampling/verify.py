@@ -43,12 +43,12 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampling.draw import greedy_token, gumbel_race, inverse_cdf
-from engine.sampling.exact import full_row_distribution
+from engine.sampling.draw import gumbel_race, inverse_cdf
 from engine.sampling.filters import top_k_mask
 from engine.sampling.rng import ACCEPT, RESIDUAL, uniform
 from engine.sampling.rows import expand_rows
 from engine.sampling.sampler import controlled_scores
+from engine.sampling.thresholds import row_distribution, valid_scores
 from graphs.step_fields import RowParams
 
 _NONE = torch.iinfo(torch.int64).max  # scatter-min identity: "no rejection seen"
@@ -104,12 +104,12 @@ def target_probs(logits: torch.Tensor, params: RowParams, token_bitmask: torch.T
 
     Parameters: `logits` [rows, V] (read as f32), their `params` and
     `token_bitmask` ([rows, ceil(V / 32)] int32 or None), as `sample` takes them.
-    Returns: [rows, V] f64 by token id: the kept set of
-    `engine.sampling.exact.full_row_distribution` (the sampler's own
-    suppression, temperature, normaliser and filters), renormalised; greedy
-    rows one-hot at the greedy token (largest valid score,
-    smallest id), forced rows one-hot at the forced token. One full-row sort
-    per row; capture-safe.
+    Returns: [rows, V] f64 by token id: the kept masses of
+    `engine.sampling.thresholds.row_distribution` (the sampler's own
+    suppression, temperature and filters) over their total, the very
+    distribution the sampler's inverse CDF draws from; greedy rows one-hot
+    at the greedy token (largest valid score, smallest id), forced rows
+    one-hot at the forced token. Capture-safe.
 
     float64 because rejection verification compares p(d) with u * q(d) and
     takes max(p - q, 0): in float32 the residual of two close distributions
@@ -118,14 +118,12 @@ def target_probs(logits: torch.Tensor, params: RowParams, token_bitmask: torch.T
     scores, _ = controlled_scores(logits.to(torch.float32), token_bitmask)  # [rows, V]
     vocab = scores.shape[1]
     rows = expand_rows(params, vocab)
-    d = full_row_distribution(scores, rows)
-    kept_p = torch.where(d.kept.kept, d.p, torch.zeros((), dtype=d.p.dtype, device=d.p.device))
-    mass = kept_p.sum(-1, keepdim=True)  # > 0 unless every token is a suppressed stop id
-    kept_p = kept_p / torch.where(mass > 0, mass, torch.ones_like(mass))
-    probs = torch.empty_like(kept_p).scatter_(1, d.zs_ids, kept_p)  # back to token order
-
+    masked, valid = valid_scores(scores, rows)
+    d = row_distribution(masked, valid, rows)
+    total = d.total[:, None]  # > 0 unless no token is valid
+    probs = d.kept_mass / torch.where(total > 0, total, torch.ones_like(total))
     ids = torch.arange(vocab, device=scores.device)
-    one_hot_token = torch.where(rows.forced >= 0, rows.forced, greedy_token(scores, ids, d.valid, vocab))
+    one_hot_token = torch.where(rows.forced >= 0, rows.forced, masked.argmax(-1))  # ties to the smallest id
     one_hot = (ids == one_hot_token[:, None]).to(torch.float64)
     return torch.where((rows.greedy | (rows.forced >= 0))[:, None], one_hot, probs)
 
