@@ -55,7 +55,7 @@ from engine.host.params import SamplingParams, SeqMeta
 from engine.parallel.sharded_engine import ParallelConfig, ShardedStepEngine
 from engine.parallel.vocab_parallel import VocabShards
 from engine.step.config import EngineConfig
-from engine.step.lm_head import CONTROLLED, FULL_CANDIDATES, SMALL_CANDIDATES
+from engine.step.lm_head import CONTROLLED, FILTERED, GREEDY, PLAIN
 from engine.step.step_engine import StepEngine
 from graphs.capture_safety import CaptureSafetyError, capture_safety_check
 from graphs.replay import CaptureReport, GraphReplayer, simulated_cuda_capture
@@ -204,8 +204,9 @@ def _engine(run: _Run) -> None:
     cfg = run.cfg
     engine = StepEngine(run.weight(cfg.vocab, cfg.hidden),
                         EngineConfig(device="cuda", max_num_reqs=cfg.max_num_reqs, eos_token_id=2))
-    run.capture("engine", engine.replayers[FULL_CANDIDATES])
-    run.capture("engine small-candidate", engine.replayers[SMALL_CANDIDATES])
+    run.capture("engine", engine.replayers[FILTERED])
+    run.capture("engine plain", engine.replayers[PLAIN])
+    run.capture("engine greedy", engine.replayers[GREEDY])
     n = min(5, cfg.max_num_reqs)
     greedy = lambda i: SamplingParams(temperature=0.0, seed=i)  # noqa: E731
     with_prompt_logprobs = lambda i: SamplingParams(temperature=0.5, seed=i, prompt_logprobs=True, logprobs=2)  # noqa: E731
@@ -213,7 +214,7 @@ def _engine(run: _Run) -> None:
     with run.steps("engine", 5):
         engine.step(engine.source, _requests(n, params=_mixed))  # zero-copy source
         engine.step(hidden, _requests(n, decode=True, params=_mixed))  # rows copied into the source
-        engine.step(engine.source, _requests(n, decode=True, params=greedy))  # small-candidate graphs
+        engine.step(engine.source, _requests(n, decode=True, params=greedy))  # the greedy graphs
         engine.step(engine.source, _requests(n, prompt=9, params=with_prompt_logprobs))
         engine.step(engine.source, _requests(cfg.max_num_reqs + 1, decode=True))  # above the largest bucket: eager
 
@@ -223,8 +224,9 @@ def _drafts(run: _Run, mode: str) -> None:
     engine = StepEngine(run.weight(cfg.vocab, cfg.hidden), EngineConfig(
         device="cuda", max_num_reqs=cfg.max_num_reqs, max_draft_tokens=k, verify_mode=mode,
         max_control_slots=cfg.max_num_reqs, max_logit_bias=8, max_allowed_token_ids=64))
-    run.capture(f"drafts {mode}", engine.replayers[FULL_CANDIDATES])
-    run.capture(f"drafts {mode} small-candidate", engine.replayers[SMALL_CANDIDATES])
+    run.capture(f"drafts {mode}", engine.replayers[FILTERED])
+    run.capture(f"drafts {mode} plain", engine.replayers[PLAIN])
+    run.capture(f"drafts {mode} greedy", engine.replayers[GREEDY])
     run.capture(f"drafts {mode} controls", engine.replayers[CONTROLLED])
     n = min(4, cfg.max_num_reqs)
     drafts = [list(range(10 + i, 10 + i + k)) for i in range(n)]

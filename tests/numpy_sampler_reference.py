@@ -8,18 +8,20 @@ remaining raw logit; greedy (T = 0) takes the smallest id holding M; else
 z = (raw - M) / T in float32, p = softmax(z) in float64; top-k keeps z >= the
 k-th largest z; top-p keeps p >= t*, where t* is the p of the first token (by
 decreasing z) at which the mass of the top-k set reaches top_p times that
-set's mass (everything when it never does); min-p keeps p >= min_p * max p.
-Filtered rows draw by a Gumbel race over the kept tokens (noise keyed by
-token id); rows without any filter draw by inverse CDF with one uniform; a
-forced token overrides the draw. Logprobs come from the raw logits ("raw") or
-from the kept, renormalised distribution ("processed").
+set's mass; min-p keeps exp(z) >= min_p (p >= min_p * max p). Masses are
+the integers floor(exp(z) * 2**S), S = 52 - bit_length(V - 1): top-p's walk
+and the draw add those. Every sampled row draws by inverse CDF with one
+uniform over its kept tokens' masses in token-id order; a forced token
+overrides the draw. Logprobs come from the raw logits ("raw") or from the
+kept masses over their total ("processed").
 
-Floating point. The engine sums its normaliser in float32 blocks and this
-reference sums in float64, so the two can disagree only where a decision sits
-within rounding of its threshold. Every such decision is detected (see the
-`*_TOL` constants) and the row is reported `decided=False`: a test compares
-only decided rows. Ties between equal logits are exact in both and stay
-decided; they are the boundary cases the filters' `>=` must keep.
+Floating point. The engine takes exp in float32 and this reference in
+float64, so a mass may differ by one unit and the two can disagree only
+where a decision sits within rounding of its threshold. Every such decision
+is detected (see the `*_TOL` constants) and the row is reported
+`decided=False`: a test compares only decided rows. Ties between equal
+logits are exact in both and stay decided; they are the boundary cases the
+filters' `>=` must keep.
 """
 from __future__ import annotations
 
@@ -70,7 +72,6 @@ def uniform(seed: int, position: int, stream: int, counter: np.ndarray | int) ->
 TOP_P_TOL = 1e-5  # |cumulative mass - level| / level below this: undecided
 INVERSE_CDF_TOL = 1e-5  # a CDF step within this fraction of the total mass from u * total
 MIN_P_TOL = 1e-9  # p / max p against min_p: both sides are exact up to float64 rounding
-RACE_TOL = 1e-9  # winner and runner-up of the Gumbel race closer than this
 LOGPROB_ATOL = 1e-5  # stated tolerance for logprob values (float32 block sums vs float64)
 
 
@@ -111,7 +112,7 @@ def sample_row(raw: np.ndarray, spec: RowSpec, *, num_top: int = 0, mode: str = 
     z[alive] = (raw[alive] - top) / temperature  # float32, as the contract defines z
     z64 = z.astype(np.float64)
     weight = np.exp(z64)  # exp(-inf) = 0 for suppressed ids
-    p = weight / weight.sum()
+    mass = np.floor(weight * 2.0 ** (52 - max(1, (vocab - 1).bit_length())))
 
     order = sorted(range(vocab), key=lambda t: (-z64[t], t))  # z desc, id asc
     kept = alive.copy()
@@ -122,22 +123,20 @@ def sample_row(raw: np.ndarray, spec: RowSpec, *, num_top: int = 0, mode: str = 
     # Parameters travel as float32 (the ledger's dtypes): compare against those values.
     top_p = float(np.float32(spec.top_p))
     if top_p < 1.0:
-        mass_k = p[kept].sum() if k_on else 1.0
-        level = top_p * mass_k
+        level = top_p * mass[kept].sum()
         walk = [t for t in order if kept[t]]
         cum = 0.0
         threshold = None
         for i, t in enumerate(walk):
-            cum += p[t]
+            cum += mass[t]
             # Near the level, the crossing may fall on this token or the next:
             # undecided only if the two would give different thresholds.
-            if abs(cum - level) <= TOP_P_TOL * level and i + 1 < len(walk) and p[walk[i + 1]] != p[t]:
+            if abs(cum - level) <= TOP_P_TOL * level and i + 1 < len(walk) and z64[walk[i + 1]] != z64[t]:
                 decided = False
             if cum >= level:
-                threshold = p[t]
+                threshold = z64[t]
                 break
-        if threshold is not None:
-            kept &= p >= threshold
+        kept &= z64 >= threshold
     min_p = float(np.float32(spec.min_p))
     if min_p > 0.0:
         ratio = np.exp(z64)  # p / max p, since the largest z is 0
@@ -146,24 +145,16 @@ def sample_row(raw: np.ndarray, spec: RowSpec, *, num_top: int = 0, mode: str = 
             decided = False
         kept &= ratio >= min_p
 
-    plain = not greedy and not k_on and top_p >= 1.0 and min_p <= 0.0
     if greedy:
         token = int(np.flatnonzero(alive & (raw == top))[0])
-    elif plain:
+    else:
         u = float(uniform(spec.seed, spec.position, TARGET_STREAM, INVERSE_CDF_COUNTER))
-        cdf = np.cumsum(weight)
+        kept_mass = np.where(kept, mass, 0.0)
+        cdf = np.cumsum(kept_mass)
         target = u * cdf[-1]
-        if np.any(np.abs(cdf[weight > 0] - target) <= INVERSE_CDF_TOL * cdf[-1]):
+        if np.any(np.abs(cdf[kept_mass > 0] - target) <= INVERSE_CDF_TOL * cdf[-1]):
             decided = False
         token = int(np.flatnonzero(cdf > target)[0])
-    else:
-        ids = np.flatnonzero(kept)
-        noise = -np.log(-np.log(uniform(spec.seed, spec.position, TARGET_STREAM, ids)))
-        race = z64[ids] + noise
-        best = race.max()
-        if len(ids) > 1 and np.sort(race)[-2] >= best - RACE_TOL:
-            decided = False
-        token = int(ids[race == best].min())
     if spec.forced >= 0:
         token = spec.forced
 
@@ -180,8 +171,8 @@ def sample_row(raw: np.ndarray, spec: RowSpec, *, num_top: int = 0, mode: str = 
             top_logprobs=[float(raw64[t] - lse) for t in by_raw],
             decided=decided,
         )
-    log_kept_mass = np.log(weight[kept].sum())
-    log_q = np.where(kept, z64 - log_kept_mass, -np.inf)
+    with np.errstate(divide="ignore"):  # a kept token of mass 0 is never drawn: logprob -inf
+        log_q = np.where(kept, np.log(mass) - np.log(mass[kept].sum()), -np.inf)
     token_z = z64[token] if kept[token] else -np.inf
     kept_order = [t for t in order if kept[t]][:num_top]
     top_ids = kept_order + [-1] * (num_top - len(kept_order))

@@ -10,7 +10,10 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from engine.sampling import filters, rng
+from engine.sampling import exact as exact_module
+from engine.sampling import filters, rng, thresholds
+from engine.sampling import sampler as sampler_module
+from engine.sampling import verify as verify_module
 from engine.sampling.exact import EXACT_CHUNK_ROWS, kept_sets, sample_exact, sample_reference
 from engine.sampling.logprobs import token_logprobs
 from engine.sampling.rows import expand_rows
@@ -208,8 +211,10 @@ def test_multi_block_rows_match_numpy_reference():
     _assert_kept_sets_match(logits, params, refs)
 
 
-def test_exact_path_when_kept_set_exceeds_cap():
-    # Flat logits: top-p 0.9 keeps ~90% of 500 tokens, far beyond C = 16.
+def test_flat_rows_are_decided_in_the_call():
+    """Flat logits: top-p 0.9 keeps about 90% of 500 tokens. Every row is
+    decided by `sample` itself (nothing flagged for a later pass) and equals
+    the numpy reference and the sorting reference path."""
     torch.manual_seed(1)
     logits = torch.randn(32, 500) * 0.1
     top_k = np.where(np.arange(32) % 2, 0, 300)
@@ -217,17 +222,14 @@ def test_exact_path_when_kept_set_exceeds_cap():
     params = _params(32, top_p=0.9, top_k=top_k, min_p=min_p)
     cfg = SamplerConfig(candidate_cap=16, max_logprobs=3)
     fast = sample(logits, params, cfg)
-    assert bool(fast.needs_exact.all())
-    combined, _ = _fast_then_exact(logits, params, cfg)
+    assert not bool(fast.needs_exact.any())
+    assert int(kept_sets(logits, params).sum(-1).min()) > 250
     specs = [ref.RowSpec(temperature=1.0, top_k=int(top_k[i]), top_p=0.9, min_p=float(min_p[i]), seed=i, position=i * 3 + 11)
              for i in range(32)]
     refs = ref.sample_rows(logits.numpy(), specs, num_top=3)
-    assert _assert_matches_numpy(combined, refs) >= 28  # rows within rounding of a threshold are skipped
+    assert _assert_matches_numpy(fast, refs) >= 28  # rows within rounding of a threshold are skipped
     _assert_kept_sets_match(logits, params, refs)
-    # The same rows with an unlimited cap never need the exact path and agree.
-    wide = sample(logits, params, SamplerConfig(candidate_cap=1024, max_logprobs=3))
-    assert not bool(wide.needs_exact.any())
-    _assert_same(wide, combined)
+    _assert_same(fast, sample_reference(logits, params, cfg))
 
 
 # --- statistics ------------------------------------------------------------
@@ -437,24 +439,45 @@ def test_padding_stop_slot_never_unsuppresses_stop_id_zero():
 
 # --- one implementation per stage, shared by every path ---------------------------
 
-def _min_p_ignored(real):
-    def planted(zs, p, rows):
-        return real(zs, p, dataclasses.replace(rows, m_on=torch.zeros_like(rows.m_on)))
-    return planted
+def _min_p_ignored(module):
+    """A planted bug: the kept set of `module` (filters or thresholds) ignores min-p."""
+    name = "kept_set" if module is filters else "row_distribution"
+    real = getattr(module, name)
+
+    def planted(*args, **kw):
+        args = list(args)
+        rows = args[-1] if module is filters else args[2]
+        rows = dataclasses.replace(rows, m_on=torch.zeros_like(rows.m_on))
+        args[-1 if module is filters else 2] = rows
+        return real(*args, **kw)
+    return name, planted
 
 
-def _top_k_one_more(real):
-    def planted(zs, p, rows):
-        return real(zs, p, dataclasses.replace(rows, top_k=rows.top_k + 1))
-    return planted
+def _top_k_one_more(module):
+    """A planted bug: top-k keeps the (k+1)-th token too."""
+    name = "kept_set" if module is filters else "row_distribution"
+    real = getattr(module, name)
+
+    def planted(*args, **kw):
+        args = list(args)
+        at = -1 if module is filters else 2
+        args[at] = dataclasses.replace(args[at], top_k=args[at].top_k + 1)
+        return real(*args, **kw)
+    return name, planted
+
+
+PATHS_OF = {"filters": ("exact", "kept_sets"), "thresholds": ("sample", "target_probs")}
 
 
 @pytest.mark.parametrize("plant", [None, _min_p_ignored, _top_k_one_more], ids=["intact", "min-p ignored", "top-k one more"])
-def test_fast_exact_and_verify_paths_share_one_kept_set(monkeypatch, plant):
-    """The fast path (C >= V, so it settles every row itself), the exact path,
+@pytest.mark.parametrize("where", ["filters", "thresholds"])
+def test_sampler_reference_and_verify_paths_agree_on_the_kept_set(monkeypatch, plant, where):
+    """The sampler (radix thresholds), the reference path (sorting walk),
     `kept_sets` and verification's `target_probs` all agree with the numpy
-    reference; a bug planted in `filters.kept_set`, and only there, makes every
-    one of them disagree: none keeps a kept-set definition of its own."""
+    reference. A bug planted in one definition shows in exactly the paths
+    built on it: `filters.kept_set` under the reference path and `kept_sets`,
+    `thresholds.row_distribution` under the sampler and `target_probs`; none
+    keeps a kept-set definition of its own."""
     rows_n, vocab = 48, 60
     logits = torch.randn(rows_n, vocab, generator=torch.Generator().manual_seed(11)) * 1.5
     top_k = np.where(np.arange(rows_n) % 2, 0, 4)
@@ -465,20 +488,25 @@ def test_fast_exact_and_verify_paths_share_one_kept_set(monkeypatch, plant):
     refs = ref.sample_rows(logits.numpy(), specs)
     decided = [i for i, r in enumerate(refs) if r.decided]
     assert len(decided) >= 40
+    module = filters if where == "filters" else thresholds
     if plant is not None:
-        monkeypatch.setattr(filters, "kept_set", plant(filters.kept_set))
-    cfg = SamplerConfig(candidate_cap=64, max_logprobs=0)
+        name, planted = plant(module)
+        monkeypatch.setattr(module, name, planted)
+        for user in (sampler_module, verify_module, exact_module):  # the names the paths imported
+            if hasattr(user, name):
+                monkeypatch.setattr(user, name, planted)
+    cfg = SamplerConfig(max_logprobs=0)
     fast = sample(logits, params, cfg)
-    assert not bool(fast.needs_exact.any())
     exact = sample_reference(logits, params, cfg)
     kept, support = kept_sets(logits, params), target_probs(logits, params) > 0
     agrees = {
-        "fast": all(int(fast.tokens[i]) == refs[i].token for i in decided),
+        "sample": all(int(fast.tokens[i]) == refs[i].token for i in decided),
         "exact": all(int(exact.tokens[i]) == refs[i].token for i in decided),
         "kept_sets": all(np.array_equal(kept[i].numpy(), refs[i].kept) for i in decided),
         "target_probs": all(np.array_equal(support[i].numpy(), refs[i].kept) for i in decided),
     }
-    assert all(agrees.values()) if plant is None else not any(agrees.values()), agrees
+    broken = set() if plant is None else set(PATHS_OF[where])
+    assert {k for k, v in agrees.items() if not v} == broken, agrees
 
 
 def test_token_logprobs_is_the_samplers_raw_logprob():

@@ -74,6 +74,7 @@ class VocabParallelHead(LMHead):
     logprobs alike."""
 
     graph_sets = STRATEGIES
+    flags_exact_rows = True  # the candidate exchange leaves ties past its candidates to the reference path
 
     def __init__(self, lm_head_shard: torch.Tensor, vocab_size: int, config: EngineConfig, parallel: ParallelConfig,
                  group: dist.ProcessGroup | None) -> None:

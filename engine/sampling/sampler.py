@@ -90,7 +90,7 @@ def sample(
     compute_logprobs: bool = True,
     unprocessed: torch.Tensor | None = None,
     token_bitmask: torch.Tensor | None = None,
-    distribution: Callable[..., RowDistribution] = row_distribution,
+    distribution: Callable[..., RowDistribution] | None = None,
 ) -> SampleOutput:
     """Sample one token per row; capture-safe.
 
@@ -104,7 +104,8 @@ def sample(
     raw logprobs read it (None: `logits` are unprocessed). `token_bitmask`
     [rows, ceil(V / 32)] int32 (same device) or None: the rows' allowed
     tokens (`token_bitmask.py`). `distribution`: how the kept set is found
-    (the reference path passes its sorting walk). Returns: `out`: tokens [rows] int64,
+    (None: `thresholds.row_distribution`; the reference path passes its
+    sorting walk). Returns: `out`: tokens [rows] int64,
     logprob [rows] f32, rank [rows] int64, top_ids / top_logprobs [rows, N],
     needs_exact [rows] bool (always False: every row is decided here), error
     [rows] int64 (`RowError`; nonzero rows hold the placeholder).
@@ -130,7 +131,7 @@ def sample(
     processed = compute_logprobs and cfg.logprobs_mode == "processed"
     d = None
     if cfg.stages != "greedy" or processed:
-        d = distribution(masked, valid, rows, filters=cfg.stages == "filters" or processed)
+        d = (distribution or row_distribution)(masked, valid, rows, filters=cfg.stages == "filters" or processed)
     token = greedy if cfg.stages == "greedy" else drawn_token(
         rows, greedy, inverse_cdf_draw(d.kept_mass, d.block_mass, plain_uniform(rows)))
     # No valid token: the argmax of an all -inf row reads -inf. A NaN row's

@@ -1,7 +1,9 @@
-"""After the replay: the rows the graph left to the host, and the copy out.
+"""After the replay: the copy out, and the rows a head's graph left to the host.
 
-    exact rows   rows whose kept set may reach past the candidates, redone over
-                 the full vocabulary (eager), drafts re-verified against them
+    exact rows   only for a head whose sampler can flag rows (the vocab-parallel
+                 candidate exchange, when a tie reaches past its candidates):
+                 redone by the eager reference path, drafts re-verified against
+                 them. The local head decides every row inside the graph.
     output copy  the real rows of the static outputs, copied to the host before
                  the next replay overwrites them
     rescoring    rejection mode: a residual draw's own logprob and rank
@@ -24,20 +26,22 @@ from profiling.ranges import stage
 
 def collect(buffers: StepBuffers, config: EngineConfig, bucket: int, arrays: StepArrays, stats: EngineStats, *,
             want_top: bool, want_logprobs: bool = True, controls: SamplingControls | None = None,
-            ) -> dict[str, np.ndarray]:
+            exact_rows: bool = False) -> dict[str, np.ndarray]:
     """Redo flagged rows exactly, re-verify if needed, and copy the real rows
     out: per sample row tokens, logprob, rank, error (and top_ids /
     top_logprobs with `want_top`), per request num_accepted. Host arrays.
     `controls`: the sampling-control state when the step ran a controls
     graph (`buffers.logits` hold the controlled logits, raw logprobs come
-    from its unprocessed ones, and the counts follow the exact rows' draws)."""
+    from its unprocessed ones, and the counts follow the exact rows' draws).
+    `exact_rows`: whether the head's sampler may have flagged rows (False:
+    nothing is read before the output copy)."""
     b = buffers
     rows, capacity, n = len(arrays.row_to_req), b.rows_for(bucket), len(arrays.temperatures)
     params, out = b.params(bucket), b.outputs(capacity)
     token_bitmask = b.token_bitmask if arrays.token_bitmask is not None else None  # the step's, staged
     with stage("exact rows"):
-        flags = out.needs_exact[:rows].cpu()
-        if bool(flags.any()):
+        flags = out.needs_exact[:rows].cpu() if exact_rows else None
+        if flags is not None and bool(flags.any()):
             index = torch.nonzero(flags).flatten()
             sample_exact(b.logits[:capacity], params, config.sampler, index, out, compute_logprobs=want_logprobs,
                          unprocessed=None if controls is None else controls.unprocessed[:capacity],

@@ -28,12 +28,11 @@ class EngineConfig:
     max_source_rows: int = 8192  # rows of the static hidden-state source
     source_dtype: torch.dtype | None = None  # None: the LM-head weight's dtype
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
-    # A second set of graphs samples with this many candidates per row instead of
-    # sampler.candidate_cap; a step uses it when every request is greedy or has
-    # 1 <= top_k <= it. Results do not depend on the candidate count (rows whose
-    # answer might lie past the candidates are redone exactly), only speed: a
-    # top-32 of a 49k vocabulary costs a quarter of a top-1024. 0 = off.
-    small_candidate_cap: int = 32
+    # Lighter graph sets for steps that need less of the sampler: "greedy" when every
+    # request is greedy (the argmax and raw logprobs only), "plain" when no sampled
+    # request has top-k, top-p or min-p (no threshold passes). Results do not depend on
+    # the set (each row's definitions are the same), only speed. False: one set for all.
+    sampler_variants: bool = True
     # A third set of graphs applies a per-row token bitmask (structured output, bad words;
     # docs/contract.md §2); only steps that restrict a row use it, the others pay nothing
     # for it. False: no bitmask buffer, no graphs, and a step with a bitmask is refused.
@@ -83,14 +82,8 @@ class EngineConfig:
             positive("compaction_keep_tokens")
         if not isinstance(self.sampler, SamplerConfig):
             raise ValueError(f"EngineConfig.sampler={self.sampler!r}: must be a SamplerConfig")
-        small = self.small_candidate_cap
-        if isinstance(small, bool) or not isinstance(small, int) or (
-            small and not self.sampler.max_logprobs <= small < self.sampler.candidate_cap
-        ):
-            raise ValueError(
-                f"EngineConfig.small_candidate_cap={small!r}: must be 0 (off) or an int in "
-                f"[sampler.max_logprobs={self.sampler.max_logprobs}, sampler.candidate_cap={self.sampler.candidate_cap})"
-            )
+        if not isinstance(self.sampler_variants, bool):
+            raise ValueError(f"EngineConfig.sampler_variants={self.sampler_variants!r}: must be a bool")
         BucketTable(self.max_num_reqs, self.buckets)  # raises naming the bad bucket
 
     @property
@@ -123,8 +116,9 @@ class EngineStats:
     eager_steps: int = 0  # use_graphs=False, or graphs never captured
     eager_fallbacks: int = 0  # above the largest bucket
     source_copies: int = 0  # steps whose hidden states were copied into the static source
-    exact_rows: int = 0  # rows redone over the full vocabulary
-    small_candidate_steps: int = 0  # steps sampled with EngineConfig.small_candidate_cap candidates
+    exact_rows: int = 0  # rows redone eagerly by the reference path (only the vocab-parallel candidate exchange flags any)
+    greedy_steps: int = 0  # steps sampled by the greedy graph set (EngineConfig.sampler_variants)
+    plain_steps: int = 0  # steps sampled by the plain graph set (no filtered request)
     bucket_histogram: dict[int, int] = field(default_factory=dict)
     host_seconds: float = 0.0  # ledger + validation + staging, summed
     logits_kernel: str = "plain"  # the LM head's verified block GEMM, e.g. "onednn[16]"; "plain": one GEMM

@@ -3,8 +3,10 @@
 The engine owns the ledger, the static buffers, the graphs and the host side
 of every step. Its `LMHead` owns what depends on where the vocabulary lives:
 the weight, the captured part from the gathered hidden rows to the sampled
-tokens, which of its graph sets a step uses, what must happen before the
-exact rows read full logits rows, and the prompt logprobs.
+tokens, which of its graph sets a step uses, whether its sampler can leave
+rows to the eager reference path (only the vocab-parallel candidate
+exchange does) and what must happen before those read full logits rows, and
+the prompt logprobs.
 
 - `LocalHead`: the whole head on this device (`StepEngine(weight, config)`).
 - `engine.parallel.sharded_engine.VocabParallelHead`: one rank's vocabulary
@@ -43,6 +45,9 @@ class LMHead(ABC):
     batch_invariant_verified: bool = False
     stats: object | None = None  # the head's own counters, saved and restored with the engine's
     supports_controls = False  # whether `attach_controls` may be called (penalties, logit bias, allowed tokens)
+    # Whether the captured step may flag rows in `out.needs_exact` for the eager
+    # reference path; the local sampler decides every row itself.
+    flags_exact_rows = False
 
     @abstractmethod
     def attach(self, buffers: StepBuffers) -> None:
@@ -90,7 +95,9 @@ def checked_head_weight(weight: object, device: torch.device, name: str) -> torc
     return weight.detach()
 
 
-FULL_CANDIDATES, SMALL_CANDIDATES = "full", "small"
+# The graph sets of plain steps (`EngineConfig.sampler_variants`): every stage, the
+# draw without the filters' passes, the argmax alone.
+FILTERED, PLAIN, GREEDY = "full", "plain", "greedy"
 # The graph set of steps where some request holds a control slot: plain steps never pay for the controls.
 CONTROLLED = "controls"
 # The graph set of steps that restrict a row by the token bitmask; it applies the controls too.
@@ -99,14 +106,13 @@ MASKED = "masked"
 
 class LocalHead(LMHead):
     """The whole LM head on this device: `weight` [V, H] -> fp32 logits in the
-    engine's static `buffers.logits`, sampled there. Graph sets: the
-    sampler with `sampler.candidate_cap` candidates; with
-    `EngineConfig.small_candidate_cap` (unless 0) for steps whose requests
-    are all greedy or top-k within it; with `attach_controls`, a third
-    (`CONTROLLED`, full candidates) for steps where a request uses controls;
-    with `EngineConfig.token_bitmask`, another (`MASKED`, full candidates,
-    the controls too when attached) for steps that restrict a row by the
-    token bitmask."""
+    engine's static `buffers.logits`, sampled there. Graph sets: the whole
+    sampler (`FILTERED`); with `EngineConfig.sampler_variants`, `PLAIN` for
+    steps where no sampled request filters and (raw logprobs only) `GREEDY`
+    for steps where every request is greedy; with `attach_controls`,
+    `CONTROLLED` for steps where a request uses controls; with
+    `EngineConfig.token_bitmask`, `MASKED` (the controls too when attached)
+    for steps that restrict a row by the token bitmask."""
 
     supports_controls = True
 
@@ -123,12 +129,15 @@ class LocalHead(LMHead):
             self.logits_kernel, self.batch_invariant_verified = choose_block_gemm(lm_head_candidates(self.weight, config.block_rows))
             if not self.batch_invariant_verified:
                 warn_not_invariant(f"the LM head {tuple(self.weight.shape)} {self.weight.dtype} on {device}")
-        # One sampler variant per graph set: a captured graph fixes its candidate count.
-        self.samplers: dict[str, SamplerConfig] = {FULL_CANDIDATES: config.sampler}
-        if config.small_candidate_cap:
-            self.samplers[SMALL_CANDIDATES] = dataclasses.replace(config.sampler, candidate_cap=config.small_candidate_cap)
+        # One sampler variant per graph set: a captured graph fixes the stages it runs.
+        full = dataclasses.replace(config.sampler, stages="filters")
+        self.samplers: dict[str, SamplerConfig] = {FILTERED: full}
+        if config.sampler_variants:
+            self.samplers[PLAIN] = dataclasses.replace(full, stages="plain")
+            if full.logprobs_mode == "raw":  # processed logprobs need the kept set of greedy rows too
+                self.samplers[GREEDY] = dataclasses.replace(full, stages="greedy")
         if config.token_bitmask:
-            self.samplers[MASKED] = config.sampler
+            self.samplers[MASKED] = full
             self.masked_graphs = MASKED
         self.graph_sets = tuple(self.samplers)
         self.buffers: StepBuffers | None = None
@@ -139,7 +148,7 @@ class LocalHead(LMHead):
 
     def attach_controls(self, controls: SamplingControls) -> None:
         self.controls = controls
-        self.samplers[CONTROLLED] = self.config.sampler
+        self.samplers[CONTROLLED] = self.samplers[FILTERED]
         self.graph_sets = tuple(self.samplers)
 
     def logits_and_sample(self, bucket: int, graphs: str) -> None:
@@ -164,14 +173,17 @@ class LocalHead(LMHead):
                unprocessed=unprocessed, token_bitmask=token_bitmask)
 
     def graphs_for(self, inputs: SamplerInputs, rows: int, stats: EngineStats) -> str:
-        """The small-candidate graphs when every request is greedy or has 1 <= top_k <= their cap."""
-        if SMALL_CANDIDATES not in self.samplers:
-            return FULL_CANDIDATES
-        cap, top_k = self.config.small_candidate_cap, inputs.top_ks
-        if np.all((inputs.temperatures == 0) | ((top_k >= 1) & (top_k <= cap))):
-            stats.small_candidate_steps += 1
-            return SMALL_CANDIDATES
-        return FULL_CANDIDATES
+        """`GREEDY` when every request is greedy, `PLAIN` when no sampled request
+        filters, else `FILTERED` (the lighter sets only where they exist)."""
+        greedy = inputs.temperatures == 0
+        if GREEDY in self.samplers and greedy.all():
+            stats.greedy_steps += 1
+            return GREEDY
+        filtered = ((inputs.top_ks > 0) & (inputs.top_ks < self.vocab_size)) | (inputs.top_ps < 1) | (inputs.min_ps > 0)
+        if PLAIN in self.samplers and not (filtered & ~greedy).any():
+            stats.plain_steps += 1
+            return PLAIN
+        return FILTERED
 
     def prompt_logprobs(self, hidden_states: torch.Tensor, inputs: SamplerInputs) -> PromptRowResults:
         return compute_prompt_logprobs(

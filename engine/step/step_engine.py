@@ -302,7 +302,8 @@ class StepEngine:
             self.head.before_exact_rows(graphs, part_bucket, len(part.row_to_req))
             results.append(collect(self.buffers, self.config, part_bucket, part, self.stats,
                                    want_top=want_top, want_logprobs=want_logprobs,
-                                   controls=self.controls if controlled else None))
+                                   controls=self.controls if controlled else None,
+                                   exact_rows=self.head.flags_exact_rows))
             if controlled:
                 self.controls.collected(self.buffers.rows_for(part_bucket))
             host_start = time.perf_counter()

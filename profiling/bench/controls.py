@@ -61,7 +61,7 @@ def _staged_engine(batch: int, vocab: int, controls: dict, rng: np.random.Genera
     """An engine whose static buffers hold a decode step of `batch` requests with `controls`,
     each with a prompt and generated tokens counted."""
     engine = StepEngine(torch.zeros(vocab, 8), EngineConfig(max_num_reqs=batch, max_control_slots=batch, device="cpu",
-                                                            use_graphs=False, small_candidate_cap=0))
+                                                            use_graphs=False, sampler_variants=False))
     table = PersistentBatch(engine)
     ids = list(range(batch))
     for i in ids:

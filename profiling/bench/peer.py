@@ -176,12 +176,11 @@ def our_row_params(case: str, batch: int) -> RowParams:
 
 
 def our_sampler_config(case: str) -> SamplerConfig:
-    """The candidate count the engine would use: its small-candidate graphs
-    serve steps where every request is greedy."""
-    engine = EngineConfig()
-    if case == "greedy":
-        return dataclasses.replace(engine.sampler, candidate_cap=engine.small_candidate_cap)
-    return engine.sampler
+    """The sampler variant the engine would use for a step of this case: its
+    greedy graphs serve steps where every request is greedy, its plain ones
+    steps where no request filters."""
+    stages = {"greedy": "greedy", "plain": "plain"}.get(case, "filters")
+    return dataclasses.replace(EngineConfig().sampler, stages=stages)
 
 
 def decode_seqs(case: str, batch: int) -> list[SeqMeta]:
