@@ -110,7 +110,8 @@ def decide_on_candidates(
     neg_inf = torch.full((), -math.inf, dtype=cand_raw.dtype, device=cand_raw.device)
     best = torch.where(valid, cand_raw, neg_inf).amax(-1)  # -inf: no valid candidate
     any_valid = best > -math.inf
-    # A greedy maximum equal to the boundary may be shared by a smaller id outside.
+    # A greedy maximum equal to the boundary may be shared by a smaller id
+    # outside: a topk (a shard's) returns any of the tokens tied at its cut.
     greedy_settled = best > boundary_raw
     settled = (rows.forced >= 0) | torch.where(rows.greedy, greedy_settled, k_settled)
     return CandidateDecision(
