@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 
 from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine, prepare_sampler_inputs
 import engine.parallel.vocab_parallel as vocab_parallel_module
+import engine.sampling.candidates as candidates_module
 from engine.ops import default_block_rows, gather
 from engine.parallel import (
     LedgerBroadcaster,
@@ -33,9 +34,12 @@ from engine.parallel import (
     batch_fingerprint,
     request_key,
 )
-from engine.parallel.vocab_parallel import candidate_ineligibility
+from engine.parallel.vocab_parallel import VocabParallelSampler, candidate_ineligibility
 from engine.sampling.normaliser import BLOCK
-from engine.sampling.sampler import SamplerConfig
+from engine.sampling.rows import expand_rows
+from engine.sampling.sampler import SamplerConfig, sample
+from engine.sampling.thresholds import row_distribution, valid_scores
+from graphs.step_fields import RowParams, SampleOutput
 
 VOCAB, HIDDEN, MAX_REQS, MAX_DRAFTS = 4000, 32, 8, 3  # 4000: an uneven last shard with a partial block
 CONFIG = EngineConfig(
@@ -341,6 +345,55 @@ def test_one_lm_head_block_size_for_sampled_and_prompt_rows(one_rank_group, monk
             got = sharded.step(hidden, seqs)
             assert got.prompt_logprobs[0] and _outputs(got) == _outputs(reference.step(hidden, seqs))
         assert len(blocks) >= 6 and set(blocks) == {expected}  # per step: the sampled rows, a prompt chunk
+
+
+def test_candidates_draw_over_the_full_rows_masses(one_rank_group, monkeypatch) -> None:
+    """The candidate exchange decides a row as the unsharded sampler does:
+    every row it does not flag has the sampler's outputs, and its draw runs
+    over the full row's kept masses in token-id order. Checked on the masses
+    themselves: a wrong mass scale (the candidates' count instead of V) moves
+    a cut by about 2**-40 of the row's mass, which the outputs almost never show."""
+    rows_n, k_cap, stops = 48, 50, 4
+    rng = np.random.default_rng(5)
+    logits = torch.from_numpy(rng.standard_normal((rows_n, VOCAB)).astype(np.float32) * 3)
+    logits[::4] = logits[::4].round()  # ties at the top-k cut: some rows flagged
+    stop_ids = rng.integers(0, VOCAB, (rows_n, stops))
+    stop_ids[:, 0] = logits.argmax(-1).numpy()  # the largest logit suppressed on some rows
+    params = RowParams.from_numpy(
+        temperatures=rng.choice([0.0, 0.3, 1.0, 2.0], rows_n).astype(np.float32),
+        top_ks=rng.choice([1, 5, 20, 50], rows_n).astype(np.int32),
+        top_ps=rng.choice([1.0, 0.9, 0.5], rows_n).astype(np.float32),
+        min_ps=rng.choice([0.0, 0.05], rows_n).astype(np.float32),
+        seeds=rng.integers(0, 2**63, rows_n).astype(np.uint64), sample_positions=rng.integers(0, 99, rows_n),
+        row_to_req=np.arange(rows_n), local_step=np.zeros(rows_n, np.int64), stop_ids=stop_ids,
+        eos_suppression_rows=rng.random(rows_n) < 0.5,
+        # Forced tokens, mostly outside the candidates: their logprobs need the full row.
+        forced_tokens=np.where(np.arange(rows_n) % 6 == 1, rng.integers(0, VOCAB, rows_n), -1))
+    config = SamplerConfig(candidate_cap=256, max_logprobs=5)
+    sampler = VocabParallelSampler(VocabShards.split(VOCAB, 1), 0, max_rows=rows_n, k_cap=k_cap, max_stop_ids=stops,
+                                   sampler=config, full_logits=torch.zeros(rows_n, VOCAB))
+    sampler.local_logits.copy_(logits)
+    drawn_over = []
+    real_inverse_cdf = candidates_module.inverse_cdf
+
+    def recording_inverse_cdf(weights, u):
+        drawn_over.append(weights.clone())
+        return real_inverse_cdf(weights, u)
+
+    monkeypatch.setattr(candidates_module, "inverse_cdf", recording_inverse_cdf)
+    got = SampleOutput.allocate(rows_n, 5)
+    sampler.sample_candidates(rows_n, params, got)
+    want = sample(logits, params, config, SampleOutput.allocate(rows_n, 5))
+    settled = ~got.needs_exact
+    assert 0 < int(settled.sum()) < rows_n
+    for name in ("tokens", "logprob", "rank", "top_ids", "top_logprobs", "error"):
+        assert torch.equal(getattr(got, name)[settled], getattr(want, name)[settled]), name
+    rows = expand_rows(params, VOCAB)
+    full = row_distribution(*valid_scores(logits, rows), rows).kept_mass  # [rows, V] f64, by token id
+    assert len(drawn_over) == 1
+    for r in torch.nonzero(settled & ~rows.greedy).flatten().tolist():
+        over = drawn_over[0][r]
+        assert torch.equal(over[over > 0], full[r][full[r] > 0]), r
 
 
 def test_rollback_restores_the_sharded_heads_counters(one_rank_group) -> None:

@@ -3,19 +3,22 @@
 Each rank holds rows [start, stop) of the LM head. Shard boundaries fall on
 the sampler's normaliser blocks (`engine.sampling.normaliser.BLOCK`): a block never spans
 two ranks, so every rank computes whole blocks exactly as the unsharded
-sampler does, and the gathered block masses are the same f32 numbers. That is
-what makes the sharded results bit-identical, not just close.
+sampler does, and the gathered raw block masses are the same f32 numbers.
+That is what makes the sharded logprobs bit-identical, not just close.
 
 Two ways to sample a step, chosen per step by the engine:
 
 - "gather": all-gather the full logits row ([rows, V] fp32 on every rank) and
   run the ordinary sampler. Always valid; moves rows * V * 4 bytes.
 - "candidates": each rank sends its local top-C raw logits (value bits and
-  global id), every rank merges them into the global top C in the sampler's
-  (raw desc, id asc) order, takes the global shift from them, then each rank
-  sends its block masses of exp((raw - shift) / T) and exp(raw - raw max).
-  The filters and the Gumbel race (noise keyed by token id and position) run
-  on the merged candidates identically on every rank: no token broadcast.
+  global id), every rank merges them into the global top C in (raw desc, id
+  asc) order and decides each row from them with the sampler's definitions
+  (`engine.sampling.candidates`): the kept set over the candidates' exact
+  integer masses, the inverse-CDF draw over them in token-id order with the
+  row's one uniform, the greedy pick. The same numbers on every rank: no
+  token broadcast. A second all-gather sends each rank's block masses of
+  exp(raw - raw max), for the raw logprobs' normaliser and the finiteness
+  check; the draw needs no normaliser, since its masses are per token.
   Valid when every request is greedy or has 0 < top_k <= k_cap, logprobs are
   "raw": the kept set, the greedy token, the rank of the emitted token and
   the top-N then all lie inside the global top C, with
@@ -23,11 +26,12 @@ Two ways to sample a step, chosen per step by the engine:
   ahead of the k-th token, and one candidate past everything kept so a tie
   reaching the boundary is seen and sent to the exact path).
 
-Rows the candidate path cannot decide (ties at the boundary: the sampler's
-`needs_exact` conditions, evaluated at C instead of the sampler's
-candidate_cap, so they fire at least as often) are redone by the caller over
-all-gathered full logits with `sample_exact`, exactly as the unsharded engine
-redoes its flagged rows.
+Rows the candidate path cannot decide (the top-k cut not strictly above the
+boundary, so ties may continue past the candidates; no valid candidate; a
+greedy maximum or a top-N value tied with the boundary; a forced token
+outside the candidates, whose logprob needs its logit) are flagged in
+`needs_exact` and redone by the caller over all-gathered full logits with
+`sample_exact`, which gives what the unsharded sampler gives.
 """
 from __future__ import annotations
 
@@ -41,14 +45,12 @@ import torch.distributed as dist
 from engine.host.ledger import SamplerInputs
 from engine.ops import gather, get_logits
 from engine.sampling.candidates import decide_on_candidates, order_candidates
-from engine.sampling.draw import drawn_token
 from engine.sampling.errors import PLACEHOLDER_TOKEN, RowError, fail_rows
 from engine.sampling.logprobs import candidate_raw_logprobs
-from engine.sampling.normaliser import BLOCK, block_log_normaliser, log_block_total
+from engine.sampling.normaliser import BLOCK, block_sums, log_block_total
 from engine.sampling.rows import expand_rows
 from engine.sampling.sampler import SamplerConfig, sample
-from engine.sampling.suppression import suppression_and_shift, zero_suppressed_
-from engine.sampling.temperature import processed_logits
+from engine.sampling.suppression import suppression_and_shift
 from engine.step.prompt_logprobs import PromptRowResults, prompt_rows_of
 from graphs.step_fields import RowParams, SampleOutput
 
@@ -159,15 +161,15 @@ class VocabParallelSampler:
         # Candidate exchange: [rows, 2, C] int32 = (raw value bits, global id).
         self.local_candidates = torch.zeros(max_rows, 2, c, dtype=torch.int32, device=device)
         self.gathered_candidates = torch.zeros(tp * max_rows, 2, c, dtype=torch.int32, device=device)
-        # Block masses: [rows, 2, blocks_max] fp32 = (processed, raw).
-        self.local_blocks = torch.zeros(max_rows, 2, nb, **f32)
-        self.gathered_blocks = torch.zeros(tp * max_rows, 2, nb, **f32)
-        # Global block b lives at column b - first block of its rank, rank r's
-        # slab [r, :, :blocks(r)]: a fixed index assembles the blocks in order.
+        # Raw block masses: [rows, blocks_max] fp32, sums of exp(raw - raw max).
+        self.local_blocks = torch.zeros(max_rows, nb, **f32)
+        self.gathered_blocks = torch.zeros(tp * max_rows, nb, **f32)
+        # Global block b lives at column b - first block of its rank in rank
+        # r's slab [r, :blocks(r)]: a fixed index assembles the blocks in order.
         self.block_index = torch.as_tensor(
             np.concatenate([r * nb + np.arange(shards.blocks(r)) for r in range(tp)]), dtype=torch.int64, device=device
         )
-        self.block_scratch = torch.zeros(max_rows, self.size, **f32)  # exp of the local row
+        self.block_scratch = torch.zeros(max_rows, self.size, **f32)  # exp(raw - raw max) of the local row
 
     def static_tensors(self) -> dict[str, torch.Tensor]:
         names = (
@@ -210,11 +212,12 @@ class VocabParallelSampler:
 
     def sample_candidates(self, rows_n: int, params: RowParams, out: SampleOutput) -> None:
         """Strategy "candidates": two small all-gathers, then the sampler's
-        filters and race over the merged global top C. Capture-safe.
+        kept set, draw and greedy pick over the merged global top C.
+        Capture-safe.
 
-        The decisions are `engine.sampling.sampler`'s own (`order_candidates`,
-        `suppression_and_shift`, `decide_on_candidates`); only where the
-        numbers come from differs (merged candidates, gathered block masses)."""
+        The decisions are `engine.sampling.candidates.decide_on_candidates`:
+        the sampler's definitions over candidates, which give its bits on
+        every row they settle; the others are flagged in `out.needs_exact`."""
         tp, c, vocab = self.shards.tp, self.num_candidates, self.shards.vocab
         raw_local = self.local_logits[:rows_n, : self.size]  # [rows, V_rank] fp32
         rows = expand_rows(params, vocab)
@@ -232,53 +235,46 @@ class VocabParallelSampler:
         merged = received.view(tp, rows_n, 2, c).permute(1, 2, 0, 3).reshape(rows_n, 2, tp * c)
         merged_raw = merged[:, 0].contiguous().view(torch.float32)  # [rows, tp * C]
         merged_ids = merged[:, 1].to(torch.int64)
-        # The global top C in the sampler's order (raw desc, ties by id asc).
+        # The global top C in (raw desc, id asc) order.
         cand_raw, cand_ids, boundary_raw = order_candidates(merged_raw, merged_ids, c)  # [rows, C]
-        valid, any_valid, shift = suppression_and_shift(cand_raw, cand_ids, boundary_raw, rows)
-        raw_max = cand_raw[:, 0]
+        valid, _, shift = suppression_and_shift(cand_raw, cand_ids, boundary_raw, rows)
+        raw_max = cand_raw[:, 0]  # the row's largest logit, suppressed or not
 
-        # Phase 2: this rank's block masses of both normalisers, then all blocks in order.
+        # Phase 2: this rank's raw block masses, then all blocks in order: the
+        # raw logprobs' normaliser, summed over the unsharded sampler's blocks.
         blocks_send = self.local_blocks[:rows_n]
         blocks_send.zero_()
-        local_blocks = self.shards.blocks(self.rank)
-        scratch = self.block_scratch[:rows_n]
-        zero_suppressed_(processed_logits(raw_local, shift, rows.temperature, out=scratch).exp_(), rows, self.start)
-        blocks_send[:, 0, :local_blocks].copy_(block_log_normaliser(scratch)[0])
-        torch.sub(raw_local, raw_max[:, None], out=scratch).exp_()
-        # A NaN or inf logit in a shard makes that shard's raw block mass NaN,
+        scratch = torch.sub(raw_local, raw_max[:, None], out=self.block_scratch[:rows_n]).exp_()
+        # A NaN or inf logit in a shard makes that shard's block mass NaN,
         # so every rank sees the row fail from the gathered masses.
         scratch.masked_fill_(~torch.isfinite(raw_local), math.nan)
-        blocks_send[:, 1, :local_blocks].copy_(block_log_normaliser(scratch)[0])
+        blocks_send[:, : self.shards.blocks(self.rank)].copy_(block_sums(scratch))
         got = self.gathered_blocks[: tp * rows_n]
         dist.all_gather_single(got, blocks_send, group=self.group)
-        by_rank = got.view(tp, rows_n, 2, -1).permute(1, 2, 0, 3).reshape(rows_n, 2, -1)
-        block_mass = by_rank.index_select(2, self.block_index)  # [rows, 2, blocks]
-        log_z = log_block_total(block_mass[:, 0].contiguous())
-        log_z_raw = log_block_total(block_mass[:, 1].contiguous())
+        block_mass = got.view(tp, rows_n, -1).permute(1, 0, 2).reshape(rows_n, -1).index_select(1, self.block_index)
+        log_z_raw = log_block_total(block_mass)  # [rows] f64
 
-        # From here on: engine.sampling.sampler.sample over the merged candidates. A
-        # row whose kept set could reach past them is flagged for the exact
-        # path; so is every row the global top C cannot settle.
-        d = decide_on_candidates(cand_raw, cand_ids, boundary_raw, valid, shift, log_z, rows, True, vocab)
+        d = decide_on_candidates(cand_raw, cand_ids, boundary_raw, valid, shift, rows, vocab)
         # Plain rows never reach this path (not eligible) except as bucket
-        # padding, whose results are cut off: the race over all candidates
-        # keeps them finite.
-        token = drawn_token(rows, d.greedy_token, d.raced)
+        # padding, whose results are cut off: their draw over the candidates
+        # keeps them in the vocabulary.
         # exp(raw - max) sums to >= 1 for a finite row: a non-finite total
         # means a non-finite logit. No unsuppressed candidate is left to the
         # exact path (C < V: a token outside the candidates may be free).
         finite = torch.isfinite(log_z_raw)
-        token = torch.where(finite, token, PLACEHOLDER_TOKEN)
+        token = torch.where(finite, d.token, PLACEHOLDER_TOKEN)
 
-        # Raw logprobs: every token with a larger logit than the emitted one
-        # is a candidate, so the rank counts over candidates only.
+        # Raw logprobs: every token with a larger logit than a candidate is a
+        # candidate, so the rank counts over candidates only. A token outside
+        # them (a forced one) has no logit here: the exact path reports it.
         lse = raw_max.to(torch.float64) + log_z_raw
         lp, top_tie_in_tail = candidate_raw_logprobs(
             cand_raw, token, cand_raw, cand_ids, lse, out.top_ids.shape[1], True, ids=cand_ids
         )
+        token_outside = ~(cand_ids == token[:, None]).any(-1)
         lp.write(out)
         out.tokens.copy_(token)
-        out.needs_exact.copy_(d.needs_exact(rows, any_valid) | top_tie_in_tail)
+        out.needs_exact.copy_(d.unsettled | token_outside | top_tie_in_tail)
         out.error.zero_()
         fail_rows(out, ~finite, RowError.LOGITS_NOT_FINITE)
 

@@ -1,12 +1,27 @@
-"""The fast path's candidates: the top C raw logits of a row and what they settle.
+"""The vocab-parallel head's candidates: the top C raw logits of a row and what they settle.
 
-The fast path applies the kept-set definition (`engine.sampling.filters`) to
-the top C (`candidate_cap`) raw logits per row with the full row's normaliser,
-so nothing over the whole vocabulary is sorted or hashed. Every token outside
-the candidates has a raw logit <= the C-th one, the boundary. When the kept
-set may reach past the boundary (or a tie there makes the candidate set
-ambiguous), the row's `needs_exact` flag sends it to `sample_exact`, whose
-results equal what an unlimited C would give.
+The candidate strategy (`engine.parallel.vocab_parallel`) decides a row from
+its global top C raw logits, in (raw desc, id asc) order, by the sampler's own
+definitions (`engine.sampling.thresholds`, `engine.sampling.filters`,
+`engine.sampling.draw`): nothing over the whole vocabulary is sorted,
+summed or exchanged for the draw. Every token outside the candidates has a
+raw logit <= the C-th one, the boundary, so a z <= the boundary's z.
+
+- The kept set: top-k keeps z >= the k-th largest z. When that cut is a valid
+  candidate's z strictly above the boundary's, every token top-k keeps is a
+  candidate, and top-p (its level is a fraction of the top-k set's mass) and
+  min-p only remove tokens from that set: the filters over the candidates
+  give the full row's kept set.
+- The masses are the full row's (`token_masses` with the row's V), integers
+  whose sums are exact, so the kept candidates' total and running sums in
+  token-id order are the full row's: the inverse-CDF draw over them picks
+  the token the full-row draw picks (tokens outside carry no kept mass).
+- Greedy: the largest valid raw logit, ties to the smallest id, settled when
+  that maximum lies strictly above the boundary.
+
+A row the candidates cannot settle (the top-k cut not strictly above the
+boundary, no valid candidate, a greedy maximum tied with the boundary) is
+flagged; the caller redoes it over the full row with `sample_exact`.
 """
 from __future__ import annotations
 
@@ -15,10 +30,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling.draw import greedy_token, gumbel_race
 from engine.sampling import filters
+from engine.sampling.draw import drawn_token, greedy_token, inverse_cdf, plain_uniform
 from engine.sampling.rows import SamplingRows
 from engine.sampling.temperature import processed_logits
+from engine.sampling.thresholds import token_masses
 
 
 def order_candidates(values: torch.Tensor, ids: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -38,33 +54,12 @@ def order_candidates(values: torch.Tensor, ids: torch.Tensor, cap: int) -> tuple
     return values, ids, values[:, cap - 1]
 
 
-def top_candidates(raw: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`order_candidates` of the top `cap` of `raw` [rows, V] f32; capture-safe."""
-    return order_candidates(*torch.topk(raw, cap), cap)
-
-
 @dataclass
 class CandidateDecision:
-    """What the filters and draws decided over a row's candidates."""
+    """What a row's candidates decide, and whether it holds."""
 
-    zs: torch.Tensor  # [rows, C] processed logits, (z desc, id asc), suppressed last
-    zs_ids: torch.Tensor  # [rows, C]
-    p: torch.Tensor  # [rows, C] f64 probabilities under the full-row normaliser
-    kept: torch.Tensor  # [rows, C] bool
-    filter_ambiguous: torch.Tensor  # [rows] bool: the top-k mass (top-p's renormaliser) is not known
-    reaches_tail: torch.Tensor  # [rows] bool: the kept set may extend past the candidates
-    raced: torch.Tensor  # [rows] int64: Gumbel race winner over the kept candidates
-    greedy_token: torch.Tensor  # [rows] int64
-    greedy_tie_in_tail: torch.Tensor  # [rows] bool
-
-    def needs_exact(self, rows: SamplingRows, any_valid: torch.Tensor) -> torch.Tensor:
-        """[rows] bool: the candidates cannot settle the row's draw."""
-        filtered = ~rows.greedy & ~rows.plain
-        return (
-            (filtered & (self.reaches_tail | self.filter_ambiguous))
-            | (rows.greedy & self.greedy_tie_in_tail)
-            | ~any_valid
-        )
+    token: torch.Tensor  # [rows] int64: greedy pick, draw over the kept candidates, or forced token
+    unsettled: torch.Tensor  # [rows] bool: the full row may decide otherwise (the exact path decides)
 
 
 def decide_on_candidates(
@@ -73,55 +68,53 @@ def decide_on_candidates(
     boundary_raw: torch.Tensor,
     valid: torch.Tensor,
     shift: torch.Tensor,
-    log_z: torch.Tensor,
     rows: SamplingRows,
-    has_tail: bool,
     vocab: int,
 ) -> CandidateDecision:
-    """Filters, race and greedy pick over ordered candidates.
+    """Kept set, draw and greedy pick over ordered candidates.
 
     Parameters: `cand_raw`, `cand_ids` [rows, C] (f32, int64) in (raw desc, id
-    asc) order; `boundary_raw` [rows] f32; `valid` [rows, C] bool and `shift`
-    [rows] f32 from `suppression_and_shift`; `log_z` [rows] f64, the full
-    row's log normaliser; `has_tail`: C < V, tokens exist past the boundary;
-    `vocab` V. Returns: `CandidateDecision`. Shared by `sample` and the
-    vocab-parallel candidate exchange, which only differ in where these
-    inputs come from. Capture-safe.
+    asc) order, C < V; `boundary_raw` [rows] f32, the C-th candidate's value;
+    `valid` [rows, C] bool and `shift` [rows] f32 (M) from
+    `suppression_and_shift`; `rows` the rows' controls; `vocab` V (it sets
+    the masses' scale, and is the greedy answer of a row without a valid
+    candidate). Returns: `CandidateDecision`. Capture-safe.
 
-    The boundary test runs the thresholds themselves, not "is a kept candidate
-    at the boundary": the candidate that sits there may be a suppressed stop
-    id, never kept, while an unsuppressed token of the same logit outside the
-    candidates is kept.
+    A sampled row without top-k is never settled (its kept set may be the
+    whole row): the candidate strategy only serves greedy rows and rows with
+    0 < top_k <= its k_cap. A forced row is settled whatever its candidates
+    (unless none is valid: the full row fails it for having no token left);
+    its token may lie outside them, which the caller's logprobs must check.
     """
-    cand_z = processed_logits(cand_raw, shift, rows.temperature, valid=valid)
-    zs, zs_ids, p = filters.sorted_distribution(cand_z, cand_ids, log_z)
-    ks = filters.kept_set(zs, p, rows)
-    # The best a token outside the candidates can be.
+    cand_z = processed_logits(cand_raw, shift, rows.temperature, valid=valid)  # [rows, C] f32
+    # (z desc, id asc), invalid (-inf) last: the filters' walk order. Equal raw
+    # logits give equal z, but distinct ones may round to the same z.
+    zs, zs_ids, _ = order_candidates(cand_z, cand_ids, cand_z.shape[1])
+    ws = zs.exp()
+    masses = token_masses(ws, vocab)  # the full row's scale: the sums are the full row's
+    ks = filters.kept_set(zs, ws, masses, rows)
+    # The best z a token outside the candidates can have (z is monotone in raw).
     boundary_z = processed_logits(boundary_raw[:, None], shift, rows.temperature).squeeze(1)
-    boundary_p = torch.exp(boundary_z.to(torch.float64) - log_z)
-    # A -inf boundary (the token bitmask masked every token past the
-    # candidates) leaves nothing outside them to keep: the row is settled.
-    tail_masked = boundary_raw == -math.inf
-    # The top-k cut is known when the k-th token is a candidate above the
-    # boundary; an unknown one leaves top-p's renormaliser unknown.
-    k_known = tail_masked | (
-        (rows.top_k <= zs.shape[1]) & ((ks.kth_z > boundary_z) if has_tail else torch.ones_like(rows.k_on))
-    )
-    boundary_kept = (
-        ~tail_masked
-        & (~rows.k_on | (boundary_z >= ks.kth_z))
-        & (~rows.p_on | (boundary_p >= ks.t_star))
-        & (~rows.m_on | (boundary_p >= ks.min_p_level))
-    )
+    # A k-th z strictly above the boundary's puts every token top-k keeps among
+    # the candidates; at the boundary, equal z may continue past them. A -inf
+    # k-th z (fewer than k valid candidates) is never above it.
+    k_settled = rows.k_on & (ks.kth_z > boundary_z)
+
+    # The draw in token-id order: zero-mass tokens change no running sum, so
+    # the first id whose sum exceeds u * total is the full row's.
+    by_id = torch.argsort(zs_ids, dim=1)
+    kept_mass = torch.where(ks.kept, masses, 0.0).gather(1, by_id)  # [rows, C] f64 integers
+    ids_by_id = zs_ids.gather(1, by_id)
+    drawn = ids_by_id.gather(1, inverse_cdf(kept_mass, plain_uniform(rows))[:, None]).squeeze(1)
+
     neg_inf = torch.full((), -math.inf, dtype=cand_raw.dtype, device=cand_raw.device)
+    best = torch.where(valid, cand_raw, neg_inf).amax(-1)  # -inf: no valid candidate
+    any_valid = best > -math.inf
+    # A greedy maximum equal to the boundary may be shared by a smaller id
+    # outside: a topk (a shard's) returns any of the tokens tied at its cut.
+    greedy_settled = best > boundary_raw
+    settled = (rows.forced >= 0) | torch.where(rows.greedy, greedy_settled, k_settled)
     return CandidateDecision(
-        zs=zs,
-        zs_ids=zs_ids,
-        p=p,
-        kept=ks.kept,
-        filter_ambiguous=rows.k_on & ~k_known & rows.p_on,
-        reaches_tail=boundary_kept if has_tail else torch.zeros_like(rows.greedy),
-        raced=gumbel_race(zs, zs_ids, ks.kept, rows.seed, rows.position, vocab),
-        greedy_token=greedy_token(cand_raw, cand_ids, valid, vocab),
-        greedy_tie_in_tail=has_tail & (torch.where(valid, cand_raw, neg_inf).amax(-1) <= boundary_raw),
+        token=drawn_token(rows, greedy_token(cand_raw, cand_ids, valid, vocab), drawn),
+        unsettled=~any_valid | ~settled,
     )
