@@ -26,7 +26,7 @@ def test_dry_run_passes_and_reports_ops_per_bucket(capsys: pytest.CaptureFixture
     argv = ["--hidden", "64", "--vocab", "2048", "--max-num-reqs", "2", "--drafts", "1", "--tiny-model"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    for graph_set in ("engine", "engine small-candidate", "drafts strict", "drafts rejection",
+    for graph_set in ("engine", "engine plain", "engine greedy", "drafts strict", "drafts rejection",
                       "sharded tp=2 gather", "sharded tp=2 candidates", "model decode (eager)"):
         line = next(line for line in out.splitlines() if line.strip().startswith(graph_set + " "))
         counts = [int(ops) for ops in re.findall(r"\b\d+:(\d+)", line)]
@@ -43,13 +43,15 @@ def test_dry_run_passes_and_reports_ops_per_bucket(capsys: pytest.CaptureFixture
 
 
 def _plant(monkeypatch: pytest.MonkeyPatch, hazard) -> None:
-    """Wrap the sampler's exp stage (inside the captured step) with `hazard`."""
-    original = sampler_module._exp_processed
+    """Wrap the sampler's suppression stage (inside the captured step of every
+    graph set) with `hazard`, given the masked scores and their row maximum."""
+    original = sampler_module.valid_scores
 
-    def planted(raw, shift, rows):
-        return hazard(original(raw, shift, rows), shift)
+    def planted(scores, rows):
+        masked, valid = original(scores, rows)
+        return hazard(masked, masked.amax(-1)), valid
 
-    monkeypatch.setattr(sampler_module, "_exp_processed", planted)
+    monkeypatch.setattr(sampler_module, "valid_scores", planted)
 
 
 def _cpu_constant(e: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
@@ -99,7 +101,7 @@ def test_a_hazard_inside_the_step_fails_the_dry_run(monkeypatch: pytest.MonkeyPa
 def test_cpu_capture_check_cannot_see_the_cpu_constant(monkeypatch: pytest.MonkeyPatch) -> None:
     """Why the dry run exists: on a CPU engine the planted constant is an ordinary operand."""
     _plant(monkeypatch, _cpu_constant)
-    engine = StepEngine(torch.randn(256, 32), EngineConfig(device="cpu", max_num_reqs=2, small_candidate_cap=0))
+    engine = StepEngine(torch.randn(256, 32), EngineConfig(device="cpu", max_num_reqs=2, sampler_variants=False))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         engine.capture()

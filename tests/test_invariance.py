@@ -103,7 +103,7 @@ def test_any_row_count_padded_to_the_engines_block_is_invariant(shape, dtype, bl
     torch.set_num_threads(num_threads)
     try:
         weight = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
-        engine = StepEngine(weight, EngineConfig(max_num_reqs=8, logits_block_rows=block_rows, small_candidate_cap=0))
+        engine = StepEngine(weight, EngineConfig(max_num_reqs=8, logits_block_rows=block_rows, sampler_variants=False))
         assert engine.batch_invariant_verified, engine.stats.logits_kernel
         assert_rows_invariant(weight, engine.logits_kernel, counts, seed)
     finally:
@@ -117,7 +117,7 @@ def test_a_plain_engine_promises_nothing():
 
 
 def test_capture_report_names_the_lm_head_kernel():
-    engine = StepEngine(torch.randn(64, 16), EngineConfig(max_num_reqs=2, buckets=(1, 2), small_candidate_cap=0))
+    engine = StepEngine(torch.randn(64, 16), EngineConfig(max_num_reqs=2, buckets=(1, 2), sampler_variants=False))
     report = engine.capture()
     assert report.logits_kernel == engine.stats.logits_kernel == engine.logits_kernel.name
     assert f"LM head {report.logits_kernel}" in str(report)
@@ -194,7 +194,7 @@ def test_engine_steps_run_on_the_fallback_kernel(planted):
     planted(last_row_off(lambda gemm: gemm.block_rows == 16))
     gen = torch.Generator().manual_seed(4)
     weight, hidden = torch.randn(300, 32, generator=gen), torch.randn(16, 32, generator=gen)
-    engine = StepEngine(weight, EngineConfig(max_num_reqs=16, logits_block_rows=16, small_candidate_cap=0))
+    engine = StepEngine(weight, EngineConfig(max_num_reqs=16, logits_block_rows=16, sampler_variants=False))
     assert engine.logits_kernel.block_rows == 8
     params = SamplingParams(temperature=0.0, logprobs=0)
     seqs = [SeqMeta(i, True, 1, 1, 1, prompt_tokens=[3], params=params) for i in range(16)]
@@ -211,7 +211,7 @@ def test_prompt_logprobs_run_on_the_verified_kernel(planted):
     planted(last_row_off(lambda gemm: gemm.block_rows in (16, 32)))
     gen = torch.Generator().manual_seed(5)
     weight, hidden = torch.randn(300, 32, generator=gen), torch.randn(33, 32, generator=gen)
-    engine = StepEngine(weight, EngineConfig(max_num_reqs=4, small_candidate_cap=0))
+    engine = StepEngine(weight, EngineConfig(max_num_reqs=4, sampler_variants=False))
     assert engine.logits_kernel.block_rows == 8
     tokens = torch.randint(0, 300, (33,), generator=gen).tolist()
     params = SamplingParams(temperature=0.0, prompt_logprobs=True)

@@ -38,7 +38,7 @@ from engine.parallel.vocab_parallel import VocabParallelSampler, candidate_ineli
 from engine.sampling.normaliser import BLOCK
 from engine.sampling.rows import expand_rows
 from engine.sampling.sampler import SamplerConfig, sample
-from engine.sampling.thresholds import row_distribution, valid_scores
+from engine.sampling.thresholds import mass_bits, row_distribution, suppressed_scores
 from graphs.step_fields import RowParams, SampleOutput
 
 VOCAB, HIDDEN, MAX_REQS, MAX_DRAFTS = 4000, 32, 8, 3  # 4000: an uneven last shard with a partial block
@@ -347,12 +347,13 @@ def test_one_lm_head_block_size_for_sampled_and_prompt_rows(one_rank_group, monk
         assert len(blocks) >= 6 and set(blocks) == {expected}  # per step: the sampled rows, a prompt chunk
 
 
-def test_candidates_draw_over_the_full_rows_masses(one_rank_group, monkeypatch) -> None:
+def test_candidates_draw_over_the_full_rows_weights(one_rank_group, monkeypatch) -> None:
     """The candidate exchange decides a row as the unsharded sampler does:
     every row it does not flag has the sampler's outputs, and its draw runs
-    over the full row's kept masses in token-id order. Checked on the masses
-    themselves: a wrong mass scale (the candidates' count instead of V) moves
-    a cut by about 2**-40 of the row's mass, which the outputs almost never show."""
+    over the full row's kept weights, bit for bit, and top-p's walk over the
+    full row's masses (a wrong mass scale, the candidates' count instead of
+    V, moves a cut by a sliver of the row's mass that the outputs almost
+    never show)."""
     rows_n, k_cap, stops = 48, 50, 4
     rng = np.random.default_rng(5)
     logits = torch.from_numpy(rng.standard_normal((rows_n, VOCAB)).astype(np.float32) * 3)
@@ -373,14 +374,19 @@ def test_candidates_draw_over_the_full_rows_masses(one_rank_group, monkeypatch) 
     sampler = VocabParallelSampler(VocabShards.split(VOCAB, 1), 0, max_rows=rows_n, k_cap=k_cap, max_stop_ids=stops,
                                    sampler=config, full_logits=torch.zeros(rows_n, VOCAB))
     sampler.local_logits.copy_(logits)
-    drawn_over = []
-    real_inverse_cdf = candidates_module.inverse_cdf
+    drawn_over, masses = [], []
+    real_draw, real_masses = candidates_module.inverse_cdf_draw, candidates_module.token_masses
 
-    def recording_inverse_cdf(weights, u):
+    def recording_draw(weights, block_mass, u):
         drawn_over.append(weights.clone())
-        return real_inverse_cdf(weights, u)
+        return real_draw(weights, block_mass, u)
 
-    monkeypatch.setattr(candidates_module, "inverse_cdf", recording_inverse_cdf)
+    def recording_masses(weights, vocab=None):
+        masses.append(real_masses(weights, vocab))
+        return masses[-1]
+
+    monkeypatch.setattr(candidates_module, "inverse_cdf_draw", recording_draw)
+    monkeypatch.setattr(candidates_module, "token_masses", recording_masses)
     got = SampleOutput.allocate(rows_n, 5)
     sampler.sample_candidates(rows_n, params, got)
     want = sample(logits, params, config, SampleOutput.allocate(rows_n, 5))
@@ -389,11 +395,13 @@ def test_candidates_draw_over_the_full_rows_masses(one_rank_group, monkeypatch) 
     for name in ("tokens", "logprob", "rank", "top_ids", "top_logprobs", "error"):
         assert torch.equal(getattr(got, name)[settled], getattr(want, name)[settled]), name
     rows = expand_rows(params, VOCAB)
-    full = row_distribution(*valid_scores(logits, rows), rows).kept_mass  # [rows, V] f64, by token id
-    assert len(drawn_over) == 1
+    masked = suppressed_scores(logits, rows)
+    full = row_distribution(masked, masked.amax(-1), rows).weights  # [rows, V] f32, by token id
+    assert len(drawn_over) == len(masses) == 1
+    scale = float(2 ** mass_bits(VOCAB))
     for r in torch.nonzero(settled & ~rows.greedy).flatten().tolist():
-        over = drawn_over[0][r]
-        assert torch.equal(over[over > 0], full[r][full[r] > 0]), r
+        assert torch.equal(drawn_over[0][r], full[r]), r
+        assert float(masses[0][r].max()) == scale, r  # the largest token's exp(0) = 1 weighs 2**S(V)
 
 
 def test_rollback_restores_the_sharded_heads_counters(one_rank_group) -> None:

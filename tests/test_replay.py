@@ -362,7 +362,7 @@ def test_engine_replay_on_garbage_buffers_matches_the_numpy_reference(device: st
     weight = integer_lm_head()
     engine = StepEngine(torch.from_numpy(weight).float().to(device),
                         EngineConfig(max_num_reqs=8, max_draft_tokens=2, device=device, eos_token_id=EOS,
-                                     use_graphs=use_graphs, small_candidate_cap=8,
+                                     use_graphs=use_graphs, sampler_variants=True,
                                      # 16 candidates: rows whose kept set is wider take the exact path.
                                      sampler=SamplerConfig(candidate_cap=16, max_logprobs=4)))
     if use_graphs:

@@ -48,7 +48,7 @@ def _weight() -> torch.Tensor:
 def _config(**kw) -> EngineConfig:
     # candidate_cap 64 < top_k 100 / 250: such rows take the eager exact path.
     base = dict(max_num_reqs=MAX_REQS, max_draft_tokens=MAX_DRAFTS, draft_pool_slots=32, eos_token_id=EOS,
-                device="cpu", sampler=SamplerConfig(candidate_cap=64, max_logprobs=5), small_candidate_cap=8)
+                device="cpu", sampler=SamplerConfig(candidate_cap=64, max_logprobs=5), sampler_variants=True)
     base.update(kw)
     return EngineConfig(**base)
 
@@ -177,7 +177,7 @@ def _tiny_engine(vocab: int, **sampler) -> StepEngine:
     """Stop ids (EOS 0 plus 1..vocab-1) can cover the whole vocabulary."""
     w = torch.randn(vocab, HIDDEN, generator=torch.Generator().manual_seed(1))
     return StepEngine(w, EngineConfig(max_num_reqs=4, eos_token_id=0, max_stop_ids=vocab, device="cpu",
-                                      sampler=SamplerConfig(**sampler), small_candidate_cap=0))
+                                      sampler=SamplerConfig(**sampler), sampler_variants=False))
 
 
 @pytest.mark.parametrize("vocab, sampler", [(8, {"max_logprobs": 2}), (16, {"candidate_cap": 4, "max_logprobs": 2})],

@@ -295,8 +295,8 @@ def test_capture_rejects_a_planted_hazard_inside_the_step(monkeypatch, plant, ma
 
 
 def _few_candidate_batch(n: int, seed: int, weight: torch.Tensor, *, top_k_zero_row: bool = False):
-    """Greedy and 1 <= top_k <= 32 requests (what the small-candidate graphs serve), some of
-    them aimed at a 64-way tie of logits, so the candidate boundary cuts through a tie."""
+    """Greedy and top-k (1..32) requests, some of them aimed at a 64-way tie of
+    logits, so a top-k cut falls inside a tie."""
     rng = np.random.default_rng(seed)
     seqs, rows = [], []
     for i in range(n):
@@ -320,28 +320,43 @@ def _few_candidate_batch(n: int, seed: int, weight: torch.Tensor, *, top_k_zero_
     return seqs, torch.stack(rows)
 
 
-def test_small_candidate_steps_sample_exactly_what_full_candidate_steps_do():
+def _greedy_or_plain_batch(n: int, *, seed: int, weight: torch.Tensor, greedy: bool):
+    """`n` decode requests, all greedy or all sampled without filters, half on tied logits."""
+    seqs, rows = [], []
+    for i in range(n):
+        params = SamplingParams(temperature=0.0 if greedy else 0.9, seed=seed * 31 + i, logprobs=2,
+                                min_tokens=3 if i % 3 == 0 else 0)
+        seqs.append(SeqMeta(f"r{i}", False, 1, 7, 5, prompt_tokens=np.arange(5), num_generated=2, params=params))
+        tie = i % 2 == 0
+        rows.append(weight[100] * 4 if tie else torch.randn(HIDDEN, generator=torch.Generator().manual_seed(seed * 97 + i)))
+    return seqs, torch.stack(rows)
+
+
+def test_greedy_and_plain_graph_sets_sample_exactly_what_the_full_set_does():
+    """The lighter graph sets run fewer stages, never other definitions: every
+    step equals the same step on an engine with one graph set for all."""
     weight = _weight("cpu")
-    weight[100:164] = weight[100]  # 64 tokens share one logit: ties wider than 32 candidates
-    small = StepEngine(weight, EngineConfig(max_num_reqs=MAX_REQS, device="cpu", eos_token_id=7))
-    full = StepEngine(weight, EngineConfig(max_num_reqs=MAX_REQS, device="cpu", eos_token_id=7, small_candidate_cap=0))
-    assert "3 graphs each" in str(small.capture())  # full, small candidates, token bitmask
+    weight[100:164] = weight[100]  # 64 tokens share one logit: greedy ties, EOS suppression among them
+    light = StepEngine(weight, EngineConfig(max_num_reqs=MAX_REQS, device="cpu", eos_token_id=100))
+    full = StepEngine(weight, EngineConfig(max_num_reqs=MAX_REQS, device="cpu", eos_token_id=100, sampler_variants=False))
+    assert "9 graphs each" in str(light.capture())  # 6 filter sets, plain, greedy, token bitmask
     full.capture()
-    sizes = [1, 4, 9, 16] * 5
+    sizes = [1, 4, 9, 16] * 3
     for seed, n in enumerate(sizes):
-        seqs, hidden = _few_candidate_batch(n, seed=seed, weight=weight)
-        _same(small.step(hidden, seqs), full.step(hidden, seqs))
-    assert small.stats.small_candidate_steps == len(sizes) and full.stats.small_candidate_steps == 0
-    assert small.stats.exact_rows > full.stats.exact_rows  # the ties really crossed the small boundary
-    seqs, hidden = _few_candidate_batch(5, seed=50, weight=weight, top_k_zero_row=True)
-    _same(small.step(hidden, seqs), full.step(hidden, seqs))
-    assert small.stats.small_candidate_steps == len(sizes)  # a plain sampled row keeps the full candidate count
+        for greedy in (True, False):
+            seqs, hidden = _greedy_or_plain_batch(n, seed=seed, weight=weight, greedy=greedy)
+            _same(light.step(hidden, seqs), full.step(hidden, seqs))
+    assert light.stats.greedy_steps == light.stats.plain_steps == len(sizes)
+    assert full.stats.greedy_steps == full.stats.plain_steps == 0
+    seqs, hidden = _few_candidate_batch(5, seed=50, weight=weight)  # filtered requests: the full set
+    _same(light.step(hidden, seqs), full.step(hidden, seqs))
+    assert light.stats.greedy_steps == light.stats.plain_steps == len(sizes)
 
 
-@pytest.mark.parametrize("cap", [-1, 5, 1024, True])
-def test_small_candidate_cap_must_lie_between_max_logprobs_and_candidate_cap(cap):
-    with pytest.raises(ValueError, match="small_candidate_cap"):
-        EngineConfig(small_candidate_cap=cap)
+@pytest.mark.parametrize("value", [0, 1, "yes", None])
+def test_sampler_variants_must_be_a_bool(value):
+    with pytest.raises(ValueError, match="sampler_variants"):
+        EngineConfig(sampler_variants=value)
 
 
 def test_bucket_parts_slice_a_step_above_the_largest_bucket():

@@ -13,9 +13,11 @@ raw logit <= the C-th one, the boundary, so a z <= the boundary's z.
   min-p only remove tokens from that set: the filters over the candidates
   give the full row's kept set.
 - The masses are the full row's (`token_masses` with the row's V), integers
-  whose sums are exact, so the kept candidates' total and running sums in
-  token-id order are the full row's: the inverse-CDF draw over them picks
-  the token the full-row draw picks (tokens outside carry no kept mass).
+  whose sums are exact, so top-p's walk over the candidates crosses its
+  level where the full row's does.
+- The draw: the kept candidates' weights exp(z) are laid out by token id in
+  a zero row of V tokens, which is bit for bit the full row's kept weights,
+  and drawn from by the same inverse CDF over the same fixed blocks.
 - Greedy: the largest valid raw logit, ties to the smallest id, settled when
   that maximum lies strictly above the boundary.
 
@@ -31,7 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling import filters
-from engine.sampling.draw import drawn_token, greedy_token, inverse_cdf, plain_uniform
+from engine.sampling.draw import drawn_token, greedy_token, inverse_cdf_draw, plain_uniform
+from engine.sampling.normaliser import block_sums
 from engine.sampling.rows import SamplingRows
 from engine.sampling.temperature import processed_logits
 from engine.sampling.thresholds import token_masses
@@ -100,12 +103,11 @@ def decide_on_candidates(
     # k-th z (fewer than k valid candidates) is never above it.
     k_settled = rows.k_on & (ks.kth_z > boundary_z)
 
-    # The draw in token-id order: zero-mass tokens change no running sum, so
-    # the first id whose sum exceeds u * total is the full row's.
-    by_id = torch.argsort(zs_ids, dim=1)
-    kept_mass = torch.where(ks.kept, masses, 0.0).gather(1, by_id)  # [rows, C] f64 integers
-    ids_by_id = zs_ids.gather(1, by_id)
-    drawn = ids_by_id.gather(1, inverse_cdf(kept_mass, plain_uniform(rows))[:, None]).squeeze(1)
+    # The draw: the full row's kept weights are these, by token id, and zeros.
+    # Padding candidates (id V, never kept) land in a spare last column.
+    spare = torch.zeros(cand_raw.shape[0], vocab + 1, dtype=ws.dtype, device=ws.device)
+    weights = spare.scatter_(1, zs_ids.clamp(max=vocab), torch.where(ks.kept, ws, 0.0))[:, :vocab].contiguous()
+    drawn = inverse_cdf_draw(weights, block_sums(weights), plain_uniform(rows))
 
     neg_inf = torch.full((), -math.inf, dtype=cand_raw.dtype, device=cand_raw.device)
     best = torch.where(valid, cand_raw, neg_inf).amax(-1)  # -inf: no valid candidate

@@ -15,11 +15,11 @@ import math
 
 import torch
 
-from engine.sampling import filters
+from engine.sampling import filters as filters_module
 from engine.sampling.normaliser import block_sums
 from engine.sampling.rows import SamplingRows, expand_rows
 from engine.sampling.sampler import SamplerConfig, sample
-from engine.sampling.thresholds import RowDistribution, token_masses, valid_scores
+from engine.sampling.thresholds import RowDistribution, suppressed_scores, token_masses
 from graphs.step_fields import RowParams, SampleOutput
 
 # Rows sorted at once: a large batch goes in slices (rows are independent,
@@ -27,28 +27,21 @@ from graphs.step_fields import RowParams, SampleOutput
 EXACT_CHUNK_ROWS = 64
 
 
-def sorted_row_distribution(masked: torch.Tensor, valid: torch.Tensor, rows: SamplingRows, *,
-                            filters_on: bool = True) -> RowDistribution:
+def sorted_row_distribution(masked: torch.Tensor, best: torch.Tensor, rows: SamplingRows, **_variant: object
+                            ) -> RowDistribution:
     """`thresholds.row_distribution`, with the kept set from a full-row sort
-    and walk. Same parameters (`filters_on` is ignored: the walk always runs,
-    and keeps every valid token for a row without filters). Capture-safe
-    (one sort per row)."""
-    best = masked.amax(-1)
+    and walk. Same parameters; the variant's keywords are ignored: the walk
+    always runs every filter (a row without one keeps every valid token)
+    and takes any k. Capture-safe (one sort per row)."""
     shift = torch.where(best > -math.inf, best, torch.zeros_like(best))
     z = torch.sub(masked, shift[:, None]).div_(rows.temperature[:, None])
     # Sorted outputs keep the input's layout: work on row-major values.
     zs, zs_ids = torch.sort(z.contiguous(), dim=1, descending=True, stable=True)
     ws = zs.exp()
-    ks = filters.kept_set(zs, ws, token_masses(ws), rows)
-    kept = torch.zeros_like(valid).scatter_(1, zs_ids, ks.kept) & valid
-    weights = z.exp()
-    kept_mass = torch.where(kept, token_masses(weights), 0.0)
-    block_mass = block_sums(kept_mass)
-    return RowDistribution(valid, shift, z, weights, kept, kept_mass, block_mass, block_mass.sum(-1))
-
-
-def _reference_distribution(masked, valid, rows, *, filters=True):  # the sampler's `distribution` hook
-    return sorted_row_distribution(masked, valid, rows, filters_on=filters)
+    ks = filters_module.kept_set(zs, ws, token_masses(ws), rows)
+    kept = torch.zeros_like(masked, dtype=torch.bool).scatter_(1, zs_ids, ks.kept) & (masked > -math.inf)
+    weights = z.exp() * kept.to(z.dtype)
+    return RowDistribution(shift, z, kept, weights, block_sums(weights))
 
 
 def sample_exact(
@@ -72,14 +65,14 @@ def sample_exact(
     """
     rows = rows.to(logits.device)
     index = torch.nonzero(rows).flatten() if rows.dtype == torch.bool else rows.flatten().to(torch.int64)
-    full = dataclasses.replace(cfg, stages="filters")  # the reference serves any row
+    full = dataclasses.replace(cfg, stages="filters", top_k="radix", top_p=True)  # the reference serves any row
     for start in range(0, len(index), EXACT_CHUNK_ROWS):
         part = index[start : start + EXACT_CHUNK_ROWS]
         sub = SampleOutput.allocate(len(part), out.top_ids.shape[1], logits.device)
         sample(logits[part], params.rows(part), full, sub, compute_logprobs=compute_logprobs,
                unprocessed=None if unprocessed is None else unprocessed[part],
                token_bitmask=None if token_bitmask is None else token_bitmask[part],
-               distribution=_reference_distribution)
+               distribution=sorted_row_distribution)
         names = ("tokens", "error", "needs_exact") + (("logprob", "rank", "top_ids", "top_logprobs") if compute_logprobs else ())
         for name in names:
             getattr(out, name)[part] = getattr(sub, name)
@@ -108,5 +101,6 @@ def kept_sets(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
     for start in range(0, raw.shape[0], EXACT_CHUNK_ROWS):
         part = torch.arange(start, min(start + EXACT_CHUNK_ROWS, raw.shape[0]), device=raw.device)
         rows = expand_rows(params.rows(part), raw.shape[1])
-        mask[part] = sorted_row_distribution(*valid_scores(raw[part], rows), rows).kept
+        masked = suppressed_scores(raw[part], rows)
+        mask[part] = sorted_row_distribution(masked, masked.amax(-1), rows).kept
     return mask

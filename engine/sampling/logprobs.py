@@ -111,22 +111,22 @@ def raw_logprobs(plain: torch.Tensor, tokens: torch.Tensor, num_top: int) -> Row
 
 
 def processed_row_logprobs(d: "RowDistribution", tokens: torch.Tensor, num_top: int) -> RowLogprobs:
-    """Logprobs of the distribution each row drew from: its kept tokens'
-    masses over their total (`engine.sampling.thresholds.RowDistribution`,
-    by token id). A token outside the kept set (or of mass 0) has logprob
+    """Logprobs of the distribution each row drew from: each kept token's
+    weight exp(z) over the kept total (`engine.sampling.thresholds.RowDistribution`,
+    by token id, with its kept set). A token outside the kept set has logprob
     -inf; the rank counts the kept tokens of strictly larger z, and a token
     not kept ranks after all of them. `tokens` [rows] int64; `num_top` <= V.
     Capture-safe."""
-    log_q = torch.log(d.kept_mass) - torch.log(d.total)[:, None]  # [rows, V] f64
+    log_total = torch.log(d.total)[:, None]  # [rows, 1] f64
     at = tokens[:, None]
-    token_z = torch.where(d.kept.gather(1, at), d.z.gather(1, at), -math.inf)  # [rows, 1]
     kept_z = torch.where(d.kept, d.z, -math.inf)
+    token_z = kept_z.gather(1, at)  # [rows, 1]: -inf when not kept
     top_ids = top_n_ids(kept_z, num_top)
     return RowLogprobs(
-        logprob=log_q.gather(1, at).squeeze(1),
+        logprob=(torch.log(d.weights.gather(1, at).to(torch.float64)) - log_total).squeeze(1),
         rank=(kept_z > token_z).sum(-1) + 1,
         top_ids=torch.where(d.kept.gather(1, top_ids), top_ids, -1),
-        top_logprobs=log_q.gather(1, top_ids),
+        top_logprobs=torch.log(d.weights.gather(1, top_ids).to(torch.float64)) - log_total,
     )
 
 

@@ -33,23 +33,29 @@ from engine.sampling.draw import drawn_token, inverse_cdf_draw, plain_uniform
 from engine.sampling.errors import PLACEHOLDER_TOKEN, RowError, row_errors, write_placeholders
 from engine.sampling.logprobs import processed_row_logprobs, raw_logprobs
 from engine.sampling.rows import expand_rows
-from engine.sampling.thresholds import RowDistribution, row_distribution, valid_scores
+from engine.sampling.thresholds import RowDistribution, row_distribution, suppressed_scores
 from engine.sampling.token_bitmask import apply_token_bitmask
 from graphs.step_fields import RowParams, SampleOutput
 
 LOGPROBS_MODES = ("raw", "processed")
 # What a sampler variant (one graph set) computes: "greedy" only the argmax (every
 # row greedy), "plain" the draw without filters (no row has top-k, top-p or
-# min-p), "filters" everything.
+# min-p), "filters" the filters too. Rows a variant cannot serve must not reach it.
 STAGES = ("greedy", "plain", "filters")
+# How the "filters" stage finds the top-k cut: "none" (no row has top-k), "topk" (a
+# topk of candidate_cap scores: every top-k <= candidate_cap), "radix" (a counting
+# radix select: any k).
+TOP_K_MODES = ("none", "topk", "radix")
 
 
 @dataclass(frozen=True)
 class SamplerConfig:
-    candidate_cap: int = 1024  # C: the largest top-k of top-k-space verification and of the vocab-parallel candidate exchange
+    candidate_cap: int = 1024  # C: the largest top-k of the "filters" stages and of top-k-space verification
     max_logprobs: int = 20  # largest top-N the engine allocates for
     logprobs_mode: str = "raw"  # "raw": log-softmax of unprocessed logits; "processed": of the sampled distribution
-    stages: str = "filters"  # STAGES: what this variant computes; rows it cannot serve must not reach it
+    stages: str = "filters"  # STAGES: what this variant computes
+    top_k: str = "radix"  # TOP_K_MODES: how "filters" finds the top-k cut
+    top_p: bool = True  # whether "filters" runs top-p (False: no row has it)
 
     def __post_init__(self) -> None:
         for name in ("candidate_cap", "max_logprobs"):
@@ -62,6 +68,10 @@ class SamplerConfig:
             raise ValueError(f"max_logprobs={self.max_logprobs!r}: must lie in [0, candidate_cap={self.candidate_cap}]")
         if self.stages not in STAGES:
             raise ValueError(f"stages={self.stages!r}: must be one of {STAGES}")
+        if self.top_k not in TOP_K_MODES:
+            raise ValueError(f"top_k={self.top_k!r}: must be one of {TOP_K_MODES}")
+        if not isinstance(self.top_p, bool):
+            raise ValueError(f"top_p={self.top_p!r}: must be a bool")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode={self.logprobs_mode!r}: must be one of {LOGPROBS_MODES}")
 
@@ -126,17 +136,21 @@ def sample(
     rows = expand_rows(params, vocab)  # the forced token is among them; it overrides the draw below
     # Everything below draws from the controlled scores; the finite check and raw logprobs read `plain`.
     scores, nothing_allowed = controlled_scores(raw, token_bitmask)  # [rows, V] f32
-    masked, valid = valid_scores(scores, rows)  # suppressed stop ids -inf
-    greedy = masked.argmax(-1)  # the first of the largest: ties go to the smallest id
+    masked = suppressed_scores(scores, rows)  # suppressed stop ids -inf
+    best, greedy = masked.max(-1)  # the first of the largest: ties go to the smallest id
     processed = compute_logprobs and cfg.logprobs_mode == "processed"
     d = None
     if cfg.stages != "greedy" or processed:
-        d = (distribution or row_distribution)(masked, valid, rows, filters=cfg.stages == "filters" or processed)
+        # Processed logprobs report the kept set of greedy rows too: every filter runs.
+        full = cfg.stages != "filters" and processed
+        d = (distribution or row_distribution)(
+            masked, best, rows, filters=cfg.stages == "filters" or processed,
+            top_k="radix" if full else cfg.top_k, top_k_width=cfg.candidate_cap, top_p=cfg.top_p or full)
     token = greedy if cfg.stages == "greedy" else drawn_token(
-        rows, greedy, inverse_cdf_draw(d.kept_mass, d.block_mass, plain_uniform(rows)))
-    # No valid token: the argmax of an all -inf row reads -inf. A NaN row's
-    # picks may be anything in the vocabulary: the placeholder replaces them.
-    nothing_left = masked.gather(1, greedy[:, None]).squeeze(1) == -math.inf
+        rows, greedy, inverse_cdf_draw(d.weights, d.block_mass, plain_uniform(rows)))
+    # No valid token: an all -inf row's maximum is -inf. A NaN row's picks
+    # may be anything in the vocabulary: the placeholder replaces them.
+    nothing_left = best == -math.inf
     error = row_errors(plain, nothing_left, nothing_allowed)
     failed = error != RowError.OK
     token = torch.where(failed, PLACEHOLDER_TOKEN, token)

@@ -13,6 +13,8 @@ order keys instead of sorting it:
   is the same on every path, device and batch layout.
 - min-p: exp(z) >= min_p, elementwise (the largest token has exp(0) = 1).
 
+The draw then weighs each kept token by exp(z) (`engine.sampling.draw`).
+
 `radix_threshold` settles a cut in `len(DIGITS)` passes over the row (a
 histogram of one digit of the keys that share the digits settled so far),
 whatever the row's values: a flat row keeping 100,000 tokens costs what a
@@ -26,11 +28,13 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.sampling.filters import kth_largest
 from engine.sampling.normaliser import block_sums
 from engine.sampling.rows import SamplingRows
-from engine.sampling.suppression import suppressed_mask
+from engine.sampling.suppression import suppressed_at
 
 KEY_BITS = 31  # order keys are nonnegative int32 values: the sign bit of -z is never set for z <= 0
+KEY_MAX = (1 << KEY_BITS) - 1  # above every key: "keep every token"
 DIGITS = (11, 10, 10)  # bits per radix pass, most significant first; they add up to KEY_BITS
 
 
@@ -42,99 +46,122 @@ def mass_bits(vocab: int) -> int:
 
 def token_masses(weights: torch.Tensor, vocab: int | None = None) -> torch.Tensor:
     """floor(exp(z) * 2**S) per token, float64 integers: `weights` [rows, M] f32
-    exp(z) in [0, 1] (0 for invalid tokens) of a whole row (M = V) or of some
-    of its tokens (then `vocab` gives V, which sets S). A token with exp(z) <
-    2**-S has mass 0 and is never drawn. Capture-safe."""
+    exp(z) in [0, 1] (0 for tokens outside the set being weighed) of a whole
+    row (M = V) or of some of its tokens (then `vocab` gives V, which sets
+    S). Capture-safe."""
     scale = float(2 ** mass_bits(weights.shape[1] if vocab is None else vocab))
     # Scaling by a power of two and flooring are exact in float32, and so is the cast.
     return torch.mul(weights, scale).floor_().to(torch.float64)
 
 
 def order_keys(z: torch.Tensor) -> torch.Tensor:
-    """[rows, V] int64 keys from processed logits z [rows, V] f32 (<= 0 or -inf):
-    the int32 bits of 0 - z (+0 for both zeros), so smaller key = larger z.
-    A NaN key may be negative; `radix_threshold` masks every digit into range."""
-    return torch.sub(0.0, z).contiguous().view(torch.int32).to(torch.int64)
+    """[rows, V] int32 keys from processed logits z [rows, V] f32 (<= 0 or -inf):
+    the bits of 0 - z (+0 for both zeros), so smaller key = larger z; -inf
+    gets the key of +inf, above every finite z's. A NaN (a failed row) is
+    clamped into range."""
+    return torch.sub(0.0, z).contiguous().view(torch.int32).clamp_(min=0)
 
 
-def radix_threshold(keys: torch.Tensor, weights: torch.Tensor, level: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-    """Per row, the smallest key t with sum(weights[live & keys <= t]) >= level.
+def radix_threshold(keys: torch.Tensor, weights: torch.Tensor | None, level: torch.Tensor) -> torch.Tensor:
+    """Per row, the smallest key t with sum(weights[keys <= t]) >= level.
 
-    Parameters: `keys` [rows, V] int64 from `order_keys`; `weights` [rows, V]
-    f64 nonnegative integers (masses, or ones for counts; broadcastable);
-    `level` [rows] f64; `live` [rows, V] bool, the tokens that count.
-    Returns: [rows] int64. A row whose live weight never reaches `level`
-    gets 2**31 - 1 (every key). Fixed work: one scatter-add histogram per
-    digit of DIGITS. Capture-safe.
+    Parameters: `keys` [rows, V] int32 from `order_keys`; `weights` [rows, V]
+    f64 nonnegative integers (masses), or None to count tokens; `level` [rows]
+    f64. Returns: [rows] int32; `KEY_MAX` for a row whose weight never
+    reaches `level`. Fixed work: one histogram of one digit per pass of
+    DIGITS. Each pass clamps the keys into the window its predecessors
+    settled, so lower keys fall into the first bin and higher ones into the
+    last: the running sum over the bins is then the weight at or below each
+    bin's top key, with no mask. Exact: counts and masses are integers that
+    float32 / float64 hold exactly in any order of addition. Capture-safe.
     """
-    rows = keys.shape[0]
-    weights = weights.expand_as(keys)
-    prefix = torch.zeros(rows, dtype=torch.int64, device=keys.device)  # the digits settled so far
-    below = torch.zeros(rows, dtype=torch.float64, device=keys.device)  # live weight at keys under the prefix
+    rows, vocab = keys.shape
+    device = keys.device
+    dtype = torch.float32 if weights is None else torch.float64  # counts stay below 2**24
+    source = torch.ones((), dtype=dtype, device=device).expand(rows * vocab) if weights is None else weights.reshape(-1)
+    lo = torch.zeros(rows, 1, dtype=torch.int32, device=device)  # the smallest key of the settled window
     shift = KEY_BITS
     for bits in DIGITS:
         shift -= bits
         bins = 1 << bits
-        digit = (keys >> shift) & (bins - 1)
-        match = live if shift + bits == KEY_BITS else live & (((keys >> (shift + bits)) & ((1 << (KEY_BITS - shift - bits)) - 1)) == prefix[:, None])
-        # Tokens outside the prefix land in an extra bin that is never read.
-        index = torch.where(match, digit, bins)
-        hist = torch.zeros(rows, bins + 1, dtype=torch.float64, device=keys.device).scatter_add_(1, index, weights)[:, :bins]
-        cum = hist.cumsum(-1) + below[:, None]  # integers: exact
-        d = (cum < level[:, None]).sum(-1).clamp_(max=bins - 1)  # the first digit whose prefix mass reaches level
-        below = (cum.gather(1, d[:, None]) - hist.gather(1, d[:, None])).squeeze(1)
-        prefix = (prefix << bits) | d
-    return prefix
+        top = shift + bits == KEY_BITS
+        window = keys if top else torch.clamp(keys, lo, lo + ((1 << (shift + bits)) - 1))
+        digit = (window >> shift) if top else ((window - lo) >> shift)  # [rows, V] in [0, bins)
+        flat = digit.add_(torch.arange(0, rows * bins, bins, dtype=torch.int32, device=device)[:, None])
+        hist = torch.zeros(rows * bins, dtype=dtype, device=device).index_add_(0, flat.view(-1), source)
+        below = hist.view(rows, bins).cumsum(-1)  # weight at or below the top key of each bin
+        d = (below < level[:, None]).sum(-1, keepdim=True).clamp_(max=bins - 1)  # the first bin that reaches level
+        lo = lo + (d.to(torch.int32) << shift)
+    return lo.squeeze(1)
 
 
 @dataclass
 class RowDistribution:
     """A row's processed distribution over the whole vocabulary, by token id."""
 
-    valid: torch.Tensor  # [rows, V] bool: not a suppressed stop id, not -inf (masked)
     shift: torch.Tensor  # [rows] f32: M, the largest valid score (0 when there is none)
     z: torch.Tensor  # [rows, V] f32 processed logits, -inf where not valid
-    weights: torch.Tensor  # [rows, V] f32 exp(z)
-    kept: torch.Tensor  # [rows, V] bool
-    kept_mass: torch.Tensor  # [rows, V] f64: token_masses where kept, else 0
-    block_mass: torch.Tensor  # [rows, blocks] f64: kept_mass summed over the normaliser's blocks
-    total: torch.Tensor  # [rows] f64: the kept set's mass (> 0 whenever a token is valid)
+    kept: torch.Tensor | None  # [rows, V] bool; None: every valid token (no filters computed)
+    weights: torch.Tensor  # [rows, V] f32: exp(z) of the kept tokens, 0 elsewhere (what the draw weighs)
+    block_mass: torch.Tensor  # [rows, blocks] f32: weights summed over the normaliser's blocks
+
+    @property
+    def total(self) -> torch.Tensor:
+        """[rows] f64: the kept set's weight, the block masses added in float64."""
+        return self.block_mass.to(torch.float64).sum(-1)
 
 
-def valid_scores(scores: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, torch.Tensor]:
-    """`scores` [rows, V] f32 with suppressed stop ids at -inf (a new tensor),
-    and [rows, V] bool: the valid tokens (not suppressed, not -inf). Capture-safe."""
-    suppressed = suppressed_mask(rows, scores.shape[1])
-    masked = scores.masked_fill(suppressed, -math.inf)
-    return masked, masked > -math.inf
+def suppressed_scores(scores: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """`scores` [rows, V] f32 with suppressed stop ids at -inf: a new tensor
+    (a copy and a scatter of the few stop-id slots). Capture-safe."""
+    vocab = scores.shape[1]
+    slots = rows.stop_ids.clamp(max=vocab - 1)  # [rows, S]
+    # Every slot naming the same token writes the same value (see suppression.py).
+    value = torch.where(suppressed_at(slots, rows), -math.inf, scores.gather(1, slots))
+    return scores.clone().scatter_(1, slots, value)
 
 
-def row_distribution(masked: torch.Tensor, valid: torch.Tensor, rows: SamplingRows, *, filters: bool = True) -> RowDistribution:
-    """Temperature, filters and masses over whole rows.
+def top_k_keys(masked: torch.Tensor, shift: torch.Tensor, rows: SamplingRows, width: int) -> torch.Tensor:
+    """The order key of each row's k-th largest z, from a topk of `width`
+    scores (every row's k must be <= width, or top-k off). Parameters:
+    `masked` [rows, V] f32 scores (invalid -inf), `shift` [rows] f32.
+    Returns: [rows] int32. Capture-safe."""
+    kth = kth_largest(torch.topk(masked, min(width, masked.shape[1]), dim=1).values, rows.top_k)
+    # z is a monotone function of the score: the k-th largest z is the k-th score's z.
+    return order_keys(torch.sub(kth, shift).div_(rows.temperature)[:, None]).squeeze(1)
 
-    Parameters: `masked` [rows, V] f32 scores with invalid tokens at -inf and
-    `valid` [rows, V] bool (`valid_scores`); `rows` their controls; `filters`
-    False when no row has top-k, top-p or min-p (the kept set is then the
-    valid tokens, and the passes are skipped). Returns: `RowDistribution`.
-    Fixed work whatever the values. Capture-safe.
+
+def row_distribution(masked: torch.Tensor, best: torch.Tensor, rows: SamplingRows, *, filters: bool = True,
+                     top_k: str = "radix", top_k_width: int = 0, top_p: bool = True) -> RowDistribution:
+    """Temperature, filters and the draw's weights over whole rows.
+
+    Parameters: `masked` [rows, V] f32 scores with invalid tokens at -inf
+    (`suppressed_scores`), `best` [rows] f32 their row maximum; `rows` their
+    controls; `filters` False when no row has top-k, top-p or min-p (the kept
+    set is then every valid token, and the passes are skipped); `top_k`:
+    "radix" finds any row's top-k cut by a counting radix select, "topk" by
+    a topk of `top_k_width` scores (every k must be at most that), "none"
+    skips top-k (no row has it); `top_p` False skips top-p (no row has it).
+    Returns: `RowDistribution`. Fixed work whatever the values. Capture-safe.
     """
-    best = masked.amax(-1)
     shift = torch.where(best > -math.inf, best, torch.zeros_like(best))  # a row with no valid token fails
     z = torch.sub(masked, shift[:, None]).div_(rows.temperature[:, None])
     weights = z.exp()
-    mass = token_masses(weights)
-    kept = valid
+    kept = None
     if filters:
         keys = order_keys(z)
-        # top-k: the k-th largest z (every valid token when k is off or >= the valid count).
-        t_k = radix_threshold(keys, torch.ones((), dtype=torch.float64, device=z.device), rows.top_k.to(torch.float64), valid)
-        in_k = valid & (~rows.k_on[:, None] | (keys <= t_k[:, None]))
-        k_mass = torch.where(in_k, mass, 0.0).sum(-1)  # integers: exact
-        t_p = radix_threshold(keys, mass, rows.top_p * k_mass, in_k)
-        keep_p = ~rows.p_on[:, None] | (keys <= t_p[:, None])
-        # min_p came in as a float32: the float32 comparison is the float64 one.
-        keep_m = ~rows.m_on[:, None] | (weights >= rows.min_p.to(torch.float32)[:, None])
-        kept = in_k & keep_p & keep_m
-    kept_mass = torch.where(kept, mass, 0.0)
-    block_mass = block_sums(kept_mass)
-    return RowDistribution(valid, shift, z, weights, kept, kept_mass, block_mass, block_mass.sum(-1))
+        kept = masked > -math.inf
+        if top_k != "none":
+            if top_k == "radix":
+                t_k = radix_threshold(keys, None, rows.top_k.to(torch.float64))
+            else:
+                t_k = top_k_keys(masked, shift, rows, top_k_width)
+            kept &= keys <= torch.where(rows.k_on, t_k, KEY_MAX)[:, None]
+        if top_p:
+            mass = token_masses(weights * kept.to(weights.dtype))  # the top-k set's masses, 0 elsewhere
+            t_p = radix_threshold(keys, mass, rows.top_p * mass.sum(-1))
+            kept &= keys <= torch.where(rows.p_on, t_p, KEY_MAX)[:, None]
+        # min_p came in as a float32: the float32 comparison is the float64 one. Off: -1 keeps all.
+        kept &= weights >= torch.where(rows.m_on, rows.min_p, -1.0).to(torch.float32)[:, None]
+        weights = weights * kept.to(weights.dtype)
+    return RowDistribution(shift, z, kept, weights, block_sums(weights))

@@ -48,7 +48,7 @@ from engine.sampling.filters import top_k_mask
 from engine.sampling.rng import ACCEPT, RESIDUAL, uniform
 from engine.sampling.rows import expand_rows
 from engine.sampling.sampler import controlled_scores
-from engine.sampling.thresholds import row_distribution, valid_scores
+from engine.sampling.thresholds import row_distribution, suppressed_scores
 from graphs.step_fields import RowParams
 
 _NONE = torch.iinfo(torch.int64).max  # scatter-min identity: "no rejection seen"
@@ -104,9 +104,9 @@ def target_probs(logits: torch.Tensor, params: RowParams, token_bitmask: torch.T
 
     Parameters: `logits` [rows, V] (read as f32), their `params` and
     `token_bitmask` ([rows, ceil(V / 32)] int32 or None), as `sample` takes them.
-    Returns: [rows, V] f64 by token id: the kept masses of
+    Returns: [rows, V] f64 by token id: the kept weights of
     `engine.sampling.thresholds.row_distribution` (the sampler's own
-    suppression, temperature and filters) over their total, the very
+    suppression, temperature and filters) over their total, the
     distribution the sampler's inverse CDF draws from; greedy rows one-hot
     at the greedy token (largest valid score, smallest id), forced rows
     one-hot at the forced token. Capture-safe.
@@ -118,12 +118,13 @@ def target_probs(logits: torch.Tensor, params: RowParams, token_bitmask: torch.T
     scores, _ = controlled_scores(logits.to(torch.float32), token_bitmask)  # [rows, V]
     vocab = scores.shape[1]
     rows = expand_rows(params, vocab)
-    masked, valid = valid_scores(scores, rows)
-    d = row_distribution(masked, valid, rows)
+    masked = suppressed_scores(scores, rows)
+    best, greedy = masked.max(-1)  # ties to the smallest id
+    d = row_distribution(masked, best, rows)
     total = d.total[:, None]  # > 0 unless no token is valid
-    probs = d.kept_mass / torch.where(total > 0, total, torch.ones_like(total))
+    probs = d.weights.to(torch.float64) / torch.where(total > 0, total, torch.ones_like(total))
     ids = torch.arange(vocab, device=scores.device)
-    one_hot_token = torch.where(rows.forced >= 0, rows.forced, masked.argmax(-1))  # ties to the smallest id
+    one_hot_token = torch.where(rows.forced >= 0, rows.forced, greedy)
     one_hot = (ids == one_hot_token[:, None]).to(torch.float64)
     return torch.where((rows.greedy | (rows.forced >= 0))[:, None], one_hot, probs)
 

@@ -22,7 +22,7 @@ import torch
 
 from engine.host.ledger import SamplerInputs
 from engine.ops import BlockGemm, get_logits
-from engine.sampling.sampler import SamplerConfig, sample
+from engine.sampling.sampler import TOP_K_MODES, SamplerConfig, sample
 from engine.step.config import EngineConfig, EngineStats
 from engine.step.controls import SamplingControls
 from engine.step.invariance import choose_block_gemm, lm_head_candidates, warn_not_invariant
@@ -95,9 +95,15 @@ def checked_head_weight(weight: object, device: torch.device, name: str) -> torc
     return weight.detach()
 
 
-# The graph sets of plain steps (`EngineConfig.sampler_variants`): every stage, the
-# draw without the filters' passes, the argmax alone.
-FILTERED, PLAIN, GREEDY = "full", "plain", "greedy"
+def filter_graphs(top_k: str, top_p: bool) -> str:
+    """The name of the graph set whose sampler finds the top-k cut by `top_k`
+    (`TOP_K_MODES`) and runs top-p when `top_p`."""
+    return f"filters(top-k {top_k}, top-p {'on' if top_p else 'off'})"
+
+
+# The graph sets of plain steps (`EngineConfig.sampler_variants`): every stage (any
+# top-k), the draw without the filters' passes, the argmax alone.
+FILTERED, PLAIN, GREEDY = filter_graphs("radix", True), "plain", "greedy"
 # The graph set of steps where some request holds a control slot: plain steps never pay for the controls.
 CONTROLLED = "controls"
 # The graph set of steps that restrict a row by the token bitmask; it applies the controls too.
@@ -107,9 +113,11 @@ MASKED = "masked"
 class LocalHead(LMHead):
     """The whole LM head on this device: `weight` [V, H] -> fp32 logits in the
     engine's static `buffers.logits`, sampled there. Graph sets: the whole
-    sampler (`FILTERED`); with `EngineConfig.sampler_variants`, `PLAIN` for
-    steps where no sampled request filters and (raw logprobs only) `GREEDY`
-    for steps where every request is greedy; with `attach_controls`,
+    sampler (`FILTERED`); with `EngineConfig.sampler_variants`, one per
+    way of filtering (`filter_graphs`: no top-k, or every top-k within
+    `sampler.candidate_cap`; top-p or not), `PLAIN` for steps where no
+    sampled request filters and (raw logprobs only) `GREEDY` for steps where
+    every request is greedy; with `attach_controls`,
     `CONTROLLED` for steps where a request uses controls; with
     `EngineConfig.token_bitmask`, `MASKED` (the controls too when attached)
     for steps that restrict a row by the token bitmask."""
@@ -130,9 +138,12 @@ class LocalHead(LMHead):
             if not self.batch_invariant_verified:
                 warn_not_invariant(f"the LM head {tuple(self.weight.shape)} {self.weight.dtype} on {device}")
         # One sampler variant per graph set: a captured graph fixes the stages it runs.
-        full = dataclasses.replace(config.sampler, stages="filters")
+        full = dataclasses.replace(config.sampler, stages="filters", top_k="radix", top_p=True)
         self.samplers: dict[str, SamplerConfig] = {FILTERED: full}
         if config.sampler_variants:
+            for top_k in TOP_K_MODES:
+                for top_p in (True, False):
+                    self.samplers[filter_graphs(top_k, top_p)] = dataclasses.replace(full, top_k=top_k, top_p=top_p)
             self.samplers[PLAIN] = dataclasses.replace(full, stages="plain")
             if full.logprobs_mode == "raw":  # processed logprobs need the kept set of greedy rows too
                 self.samplers[GREEDY] = dataclasses.replace(full, stages="greedy")
@@ -174,16 +185,23 @@ class LocalHead(LMHead):
 
     def graphs_for(self, inputs: SamplerInputs, rows: int, stats: EngineStats) -> str:
         """`GREEDY` when every request is greedy, `PLAIN` when no sampled request
-        filters, else `FILTERED` (the lighter sets only where they exist)."""
+        filters, else the filter set that does what the step's requests ask
+        (the lighter sets only where they exist, else `FILTERED`)."""
         greedy = inputs.temperatures == 0
         if GREEDY in self.samplers and greedy.all():
             stats.greedy_steps += 1
             return GREEDY
-        filtered = ((inputs.top_ks > 0) & (inputs.top_ks < self.vocab_size)) | (inputs.top_ps < 1) | (inputs.min_ps > 0)
-        if PLAIN in self.samplers and not (filtered & ~greedy).any():
+        if PLAIN not in self.samplers:
+            return FILTERED
+        # Raw logprobs ignore a greedy request's filters; processed ones report its kept set.
+        counts = ~greedy if self.samplers[FILTERED].logprobs_mode == "raw" else np.ones_like(greedy)
+        k_on = counts & (inputs.top_ks > 0) & (inputs.top_ks < self.vocab_size)
+        p_on = counts & (inputs.top_ps < 1)
+        if not (k_on | p_on | (counts & (inputs.min_ps > 0))).any():
             stats.plain_steps += 1
             return PLAIN
-        return FILTERED
+        top_k = "none" if not k_on.any() else "topk" if inputs.top_ks[k_on].max() <= self.config.sampler.candidate_cap else "radix"
+        return filter_graphs(top_k, bool(p_on.any()))
 
     def prompt_logprobs(self, hidden_states: torch.Tensor, inputs: SamplerInputs) -> PromptRowResults:
         return compute_prompt_logprobs(
