@@ -58,13 +58,17 @@ class BlockGemm:
 
     `kernel` names an entry of `BLOCK_KERNELS`; `packed` is its prepared form of `weight`
     (oneDNN's blocked layout for `onednn`, MKL's packed layout for `mkl_packed`, None for
-    `mm`). Lives on the weight's device.
+    `mm`). Lives on the weight's device. `short_tail`: a last block of fewer rows may run
+    unpadded, as a call of just those rows, because the probe found such calls give every
+    row the bits of the full block (oneDNN's prepacked kernels do on AVX-512 CPUs): a
+    one-row step then costs a one-row GEMM, not a `block_rows`-row one.
     """
 
     kernel: str
     weight: torch.Tensor  # [N, K]
     block_rows: int
     packed: torch.Tensor | None = None
+    short_tail: bool = False
 
     @property
     def name(self) -> str:
@@ -190,6 +194,9 @@ def get_logits(
     block = torch.zeros((block_rows, weight.shape[1]), dtype=weight.dtype, device=weight.device)  # [block, H]
     for start in range(0, rows, block_rows):
         n = min(block_rows, rows - start)
+        if n < block_rows and gemm.short_tail:  # verified: the short call gives the block's bits
+            out[start:].copy_(gemm(hidden[start:].to(weight.dtype)))
+            break
         block[:n].copy_(hidden[start : start + n])
         block[n:].zero_()  # the last block's padding: zeros, not the previous block's rows
         out[start : start + n].copy_(gemm(block)[:n])  # [block, V] in the weight's dtype

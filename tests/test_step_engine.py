@@ -3,6 +3,8 @@ really reads the static buffers, bad input is rejected before any buffer is
 touched (docs/contract.md §4, §6; issue 4 item 7)."""
 from __future__ import annotations
 
+import dataclasses
+
 import warnings
 
 import numpy as np
@@ -324,7 +326,7 @@ def _greedy_or_plain_batch(n: int, *, seed: int, weight: torch.Tensor, greedy: b
     """`n` decode requests, all greedy or all sampled without filters, half on tied logits."""
     seqs, rows = [], []
     for i in range(n):
-        params = SamplingParams(temperature=0.0 if greedy else 0.9, seed=seed * 31 + i, logprobs=2,
+        params = SamplingParams(temperature=0.0 if greedy else 0.9, seed=seed * 31 + i,
                                 min_tokens=3 if i % 3 == 0 else 0)
         seqs.append(SeqMeta(f"r{i}", False, 1, 7, 5, prompt_tokens=np.arange(5), num_generated=2, params=params))
         tie = i % 2 == 0
@@ -348,9 +350,14 @@ def test_greedy_and_plain_graph_sets_sample_exactly_what_the_full_set_does():
             _same(light.step(hidden, seqs), full.step(hidden, seqs))
     assert light.stats.greedy_steps == light.stats.plain_steps == len(sizes)
     assert full.stats.greedy_steps == full.stats.plain_steps == 0
-    seqs, hidden = _few_candidate_batch(5, seed=50, weight=weight)  # filtered requests: the full set
+    seqs, hidden = _few_candidate_batch(5, seed=50, weight=weight)  # filtered requests, some wanting logprobs
+    assert any(s.params.logprobs is not None for s in seqs)
     _same(light.step(hidden, seqs), full.step(hidden, seqs))
     assert light.stats.greedy_steps == light.stats.plain_steps == len(sizes)
+    seqs, hidden = _greedy_or_plain_batch(4, seed=60, weight=weight, greedy=True)
+    seqs[0] = dataclasses.replace(seqs[0], params=dataclasses.replace(seqs[0].params, logprobs=3))  # the full set
+    _same(light.step(hidden, seqs), full.step(hidden, seqs))
+    assert light.stats.greedy_steps == len(sizes)
 
 
 @pytest.mark.parametrize("value", [0, 1, "yes", None])

@@ -56,6 +56,7 @@ class SamplerConfig:
     stages: str = "filters"  # STAGES: what this variant computes
     top_k: str = "radix"  # TOP_K_MODES: how "filters" finds the top-k cut
     top_p: bool = True  # whether "filters" runs top-p (False: no row has it)
+    logprobs: bool = True  # False: this variant never computes logprobs (no request wants them)
 
     def __post_init__(self) -> None:
         for name in ("candidate_cap", "max_logprobs"):
@@ -70,8 +71,9 @@ class SamplerConfig:
             raise ValueError(f"stages={self.stages!r}: must be one of {STAGES}")
         if self.top_k not in TOP_K_MODES:
             raise ValueError(f"top_k={self.top_k!r}: must be one of {TOP_K_MODES}")
-        if not isinstance(self.top_p, bool):
-            raise ValueError(f"top_p={self.top_p!r}: must be a bool")
+        for name in ("top_p", "logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode={self.logprobs_mode!r}: must be one of {LOGPROBS_MODES}")
 
@@ -138,6 +140,7 @@ def sample(
     scores, nothing_allowed = controlled_scores(raw, token_bitmask)  # [rows, V] f32
     masked = suppressed_scores(scores, rows)  # suppressed stop ids -inf
     best, greedy = masked.max(-1)  # the first of the largest: ties go to the smallest id
+    compute_logprobs = compute_logprobs and cfg.logprobs
     processed = compute_logprobs and cfg.logprobs_mode == "processed"
     d = None
     if cfg.stages != "greedy" or processed:
@@ -146,8 +149,8 @@ def sample(
         d = (distribution or row_distribution)(
             masked, best, rows, filters=cfg.stages == "filters" or processed,
             top_k="radix" if full else cfg.top_k, top_k_width=cfg.candidate_cap, top_p=cfg.top_p or full)
-    token = greedy if cfg.stages == "greedy" else drawn_token(
-        rows, greedy, inverse_cdf_draw(d.weights, d.block_mass, plain_uniform(rows)))
+    drawn = greedy if cfg.stages == "greedy" else inverse_cdf_draw(d.weights, d.block_mass, plain_uniform(rows))
+    token = drawn_token(rows, greedy, drawn)  # the forced token overrides both
     # No valid token: an all -inf row's maximum is -inf. A NaN row's picks
     # may be anything in the vocabulary: the placeholder replaces them.
     nothing_left = best == -math.inf

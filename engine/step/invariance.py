@@ -26,6 +26,7 @@ construction, so build them at the thread count they will run at.
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 
@@ -132,10 +133,30 @@ def _alone(block: torch.Tensor, position: int) -> torch.Tensor:
     return alone
 
 
+def short_blocks_invariant(gemm: BlockGemm) -> bool:
+    """Whether calls of 1 .. block_rows - 1 rows give each row the bits a full block call
+    gives it (probed once per kernel, shape, dtype, device and thread count): then a
+    last, partial block may run unpadded (`BlockGemm.short_tail`)."""
+    if _values_unavailable():
+        return False
+    weight, rows = gemm.weight, gemm.block_rows
+    key = ("short", gemm.kernel, rows, tuple(weight.shape), *_context(weight.dtype, weight.device))
+    if key not in _verdicts:
+        gen = torch.Generator().manual_seed(2)
+        probe = torch.randn(rows, weight.shape[1], generator=gen).to(device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            reference = gemm(probe)
+            _verdicts[key] = all(
+                _same_bits(gemm(probe[start : start + n]), reference[start : start + n])
+                for n in range(1, rows) for start in dict.fromkeys((0, rows - n)))
+    return _verdicts[key]
+
+
 def choose_block_gemm(candidates: Iterable[BlockGemm | None]) -> tuple[BlockGemm, bool]:
     """The first candidate (None entries skipped) whose block calls are batch-invariant
     here, with True; when none is, the first candidate with False. Candidates are taken
-    lazily, so those after the first that passes are never prepared."""
+    lazily, so those after the first that passes are never prepared. A verified one has
+    `short_tail` set when `short_blocks_invariant` holds for it."""
     first = None
     for gemm in candidates:
         if gemm is None:
@@ -144,7 +165,7 @@ def choose_block_gemm(candidates: Iterable[BlockGemm | None]) -> tuple[BlockGemm
         if _values_unavailable():
             break
         if gemm_invariant(gemm):
-            return gemm, True
+            return dataclasses.replace(gemm, short_tail=short_blocks_invariant(gemm)), True
     if first is None:
         raise ValueError("choose_block_gemm: no candidate applies")
     return first, False

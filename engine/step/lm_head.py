@@ -113,10 +113,11 @@ MASKED = "masked"
 class LocalHead(LMHead):
     """The whole LM head on this device: `weight` [V, H] -> fp32 logits in the
     engine's static `buffers.logits`, sampled there. Graph sets: the whole
-    sampler (`FILTERED`); with `EngineConfig.sampler_variants`, one per
-    way of filtering (`filter_graphs`: no top-k, or every top-k within
-    `sampler.candidate_cap`; top-p or not), `PLAIN` for steps where no
-    sampled request filters and (raw logprobs only) `GREEDY` for steps where
+    sampler (`FILTERED`, for any step, and the one for steps where a request
+    wants logprobs); with `EngineConfig.sampler_variants`, lighter sets
+    without logprobs: one per way of filtering (`filter_graphs`: no top-k,
+    or every top-k within `sampler.candidate_cap`; top-p or not), `PLAIN`
+    for steps where no sampled request filters, `GREEDY` for steps where
     every request is greedy; with `attach_controls`,
     `CONTROLLED` for steps where a request uses controls; with
     `EngineConfig.token_bitmask`, `MASKED` (the controls too when attached)
@@ -141,12 +142,14 @@ class LocalHead(LMHead):
         full = dataclasses.replace(config.sampler, stages="filters", top_k="radix", top_p=True)
         self.samplers: dict[str, SamplerConfig] = {FILTERED: full}
         if config.sampler_variants:
+            # The lighter sets serve steps where no request wants logprobs: they compute none.
+            light = dataclasses.replace(full, logprobs=False)
             for top_k in TOP_K_MODES:
                 for top_p in (True, False):
-                    self.samplers[filter_graphs(top_k, top_p)] = dataclasses.replace(full, top_k=top_k, top_p=top_p)
-            self.samplers[PLAIN] = dataclasses.replace(full, stages="plain")
-            if full.logprobs_mode == "raw":  # processed logprobs need the kept set of greedy rows too
-                self.samplers[GREEDY] = dataclasses.replace(full, stages="greedy")
+                    if (top_k, top_p) != ("radix", True):
+                        self.samplers[filter_graphs(top_k, top_p)] = dataclasses.replace(light, top_k=top_k, top_p=top_p)
+            self.samplers[PLAIN] = dataclasses.replace(light, stages="plain")
+            self.samplers[GREEDY] = dataclasses.replace(light, stages="greedy")
         if config.token_bitmask:
             self.samplers[MASKED] = full
             self.masked_graphs = MASKED
@@ -184,24 +187,23 @@ class LocalHead(LMHead):
                unprocessed=unprocessed, token_bitmask=token_bitmask)
 
     def graphs_for(self, inputs: SamplerInputs, rows: int, stats: EngineStats) -> str:
-        """`GREEDY` when every request is greedy, `PLAIN` when no sampled request
-        filters, else the filter set that does what the step's requests ask
-        (the lighter sets only where they exist, else `FILTERED`)."""
+        """`FILTERED` when a request wants logprobs (or there are no lighter
+        sets); else `GREEDY` when every request is greedy, `PLAIN` when no
+        sampled request filters, else the filter set that does just what the
+        step's requests ask."""
+        if PLAIN not in self.samplers or (inputs.num_logprobs >= 0).any():
+            return FILTERED
         greedy = inputs.temperatures == 0
-        if GREEDY in self.samplers and greedy.all():
+        if greedy.all():
             stats.greedy_steps += 1
             return GREEDY
-        if PLAIN not in self.samplers:
-            return FILTERED
-        # Raw logprobs ignore a greedy request's filters; processed ones report its kept set.
-        counts = ~greedy if self.samplers[FILTERED].logprobs_mode == "raw" else np.ones_like(greedy)
-        k_on = counts & (inputs.top_ks > 0) & (inputs.top_ks < self.vocab_size)
-        p_on = counts & (inputs.top_ps < 1)
-        if not (k_on | p_on | (counts & (inputs.min_ps > 0))).any():
+        k_on = ~greedy & (inputs.top_ks > 0) & (inputs.top_ks < self.vocab_size)
+        p_on = ~greedy & (inputs.top_ps < 1)
+        if not (k_on | p_on | (~greedy & (inputs.min_ps > 0))).any():
             stats.plain_steps += 1
             return PLAIN
         top_k = "none" if not k_on.any() else "topk" if inputs.top_ks[k_on].max() <= self.config.sampler.candidate_cap else "radix"
-        return filter_graphs(top_k, bool(p_on.any()))
+        return FILTERED if (top_k, bool(p_on.any())) == ("radix", True) else filter_graphs(top_k, bool(p_on.any()))
 
     def prompt_logprobs(self, hidden_states: torch.Tensor, inputs: SamplerInputs) -> PromptRowResults:
         return compute_prompt_logprobs(
