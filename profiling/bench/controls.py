@@ -3,10 +3,10 @@
 `python -m profiling.bench [--threads N] controls [--quick] [--batch 64]
 [--vocab 128256] [--repeats N] [--json]`. B decode requests over fp32 logits
 shaped like a language model's (`sample.lm_like_logits`), temperature 0.8,
-top-p 0.9. "plain": the engine's sampler with the controls off (`sample`,
-then `sample_exact` for flagged rows); each other column: the controls graph's
-work on the same rows, i.e. the copy of the unprocessed logits, the stage(s)
-(`SamplingControls.apply`) and the same sampler, exact rows included. Cases:
+top-p 0.9. "plain": the engine's sampler with the controls off (`sample`);
+each other column: the controls graph's work on the same rows, i.e. the copy
+of the unprocessed logits, the stage(s) (`SamplingControls.apply`) and the
+same sampler. Cases:
 penalties (repetition 1.2, frequency 0.5, presence 0.5 over a 512-token prompt
 and 256 generated tokens), a 256-entry logit bias, 1024 allowed tokens, all
 three together ("all"), a per-row token bitmask allowing half the vocabulary
@@ -27,7 +27,6 @@ import torch
 
 from engine import EngineConfig, SamplingParams, StepEngine
 from engine.host.persistent_batch import PersistentBatch
-from engine.sampling.exact import sample_exact
 from engine.sampling.sampler import sample
 from profiling.bench._timing import print_table, ratio
 from profiling.bench.sample import lm_like_logits
@@ -81,7 +80,7 @@ def _staged_engine(batch: int, vocab: int, controls: dict, rng: np.random.Genera
 def _sampler(engine: StepEngine, batch: int, saved: torch.Tensor, controlled: bool,
              token_bitmask: torch.Tensor | None = None):
     """One timed call: restore the logits, (apply the controls,) sample (through the
-    bitmask when given), redo flagged rows exactly."""
+    bitmask when given)."""
     b, cfg = engine.buffers, engine.config.sampler
     params, out = b.params(batch), b.outputs(batch)
     logits = b.logits[:batch]
@@ -92,9 +91,6 @@ def _sampler(engine: StepEngine, batch: int, saved: torch.Tensor, controlled: bo
         if controlled:
             engine.controls.apply(b, batch)
         sample(logits, params, cfg, out, unprocessed=unprocessed, token_bitmask=token_bitmask)
-        if bool(out.needs_exact.any()):
-            sample_exact(logits, params, cfg, out.needs_exact.clone(), out, unprocessed=unprocessed,
-                         token_bitmask=token_bitmask)
 
     return run
 

@@ -1,9 +1,9 @@
 """Side by side with vLLM's CPU sampler, in one process, on the same inputs.
 
 Two parts, each case with per-request seeds:
-- sampler: ours (`engine.sampling.sampler.sample`, plus `sample_exact` for the rows it
-  flags) against vLLM's V1 `Sampler` on the same LM-like logits (a Zipf-like
-  profile with a per-row sharpness, see `profiling.bench.sample`);
+- sampler: ours (`engine.sampling.sampler.sample`, the variant the engine's graph set
+  for the case runs, no logprobs) against vLLM's V1 `Sampler` on the same LM-like
+  logits (a Zipf-like profile with a per-row sharpness, see `profiling.bench.sample`);
 - tail: our `StepEngine.step` (public API, default config: batch-invariant LM
   head, captured graphs, one bucket of exactly B) against `hidden @ W.T` and
   vLLM's `Sampler`. The hidden rows are scaled so that the logits' spread per
@@ -45,7 +45,6 @@ import numpy as np
 import torch
 
 from engine.host.params import SamplingParams, SeqMeta
-from engine.sampling.exact import sample_exact
 from engine.sampling.sampler import SamplerConfig, sample
 from graphs.step_fields import RowParams, SampleOutput
 from engine.step.config import EngineConfig
@@ -176,11 +175,13 @@ def our_row_params(case: str, batch: int) -> RowParams:
 
 
 def our_sampler_config(case: str) -> SamplerConfig:
-    """The sampler variant the engine would use for a step of this case: its
-    greedy graphs serve steps where every request is greedy, its plain ones
-    steps where no request filters."""
+    """The sampler variant the engine's graph set for a step of this case runs
+    (`LocalHead.graphs_for`: no request wants logprobs)."""
+    p = case_params(case)
     stages = {"greedy": "greedy", "plain": "plain"}.get(case, "filters")
-    return dataclasses.replace(EngineConfig().sampler, stages=stages)
+    top_k = "none" if not p["top_k"] else "topk"
+    return dataclasses.replace(EngineConfig().sampler, stages=stages, top_k=top_k, top_p=p["top_p"] < 1.0,
+                               logprobs=False)
 
 
 def decode_seqs(case: str, batch: int) -> list[SeqMeta]:
@@ -247,7 +248,7 @@ class Result:
     case: str
     ours_us: float
     vllm_us: float
-    exact_rows: int  # rows our sampler redid over the full vocabulary (one call)
+    exact_rows: int  # rows left to the eager reference path (one call): 0 now, kept as the check
 
     @property
     def ratio(self) -> float:
@@ -267,9 +268,6 @@ def bench_sampler(v: SimpleNamespace, vocab: int, batch: int, cases: Sequence[st
         def ours() -> float:
             start = time.perf_counter()
             sample(logits, params, cfg, out, compute_logprobs=False)
-            flagged = out.needs_exact
-            if bool(flagged.any()):
-                sample_exact(logits, params, cfg, flagged.clone(), out, compute_logprobs=False)
             return time.perf_counter() - start
 
         def theirs() -> float:

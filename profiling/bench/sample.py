@@ -1,11 +1,11 @@
-"""Fused candidate sampler vs the sort-based reference and a warper chain + multinomial.
+"""The sampler (radix-select cuts, fixed work) vs the sort-based reference and a warper chain + multinomial.
 
 Logits are shaped like a language model's: a Zipf-like profile over a random
 permutation of the vocabulary, with a per-row head sharpness so that top-p 0.9
 keeps anywhere from one token to thousands. Cases: top-k 50 + top-p 0.9,
-top-p 0.9, plain temperature. "ours" includes `sample_exact` for rows the fast
-path flags (their count is printed). Logprobs are off in every column (neither
-reference computes them); "ours+lp" adds ours with raw logprobs, top-20.
+top-p 0.9, plain temperature. "ours" is `sample` alone: it decides every row
+itself. Logprobs are off in every column (neither reference computes them);
+"ours+lp" adds ours with raw logprobs, top-20.
 Medians in microseconds; ratio = reference / ours (higher is better for us).
 Kept sets of ours and of the sort-based reference are compared per case.
 """
@@ -16,7 +16,7 @@ import argparse
 import numpy as np
 import torch
 
-from engine.sampling.exact import kept_sets, sample_exact
+from engine.sampling.exact import kept_sets
 from engine.sampling.sampler import SamplerConfig, sample
 from graphs.step_fields import RowParams, SampleOutput
 from profiling.bench._timing import median_us, print_table, ratio
@@ -102,9 +102,6 @@ def warper_multinomial(logits: torch.Tensor, temperature: float, top_k: int, top
 
 def _ours(logits: torch.Tensor, params: RowParams, cfg: SamplerConfig, out: SampleOutput, logprobs: bool) -> torch.Tensor:
     sample(logits, params, cfg, out, compute_logprobs=logprobs)
-    flagged = out.needs_exact
-    if bool(flagged.any()):
-        sample_exact(logits, params, cfg, flagged.clone(), out, compute_logprobs=logprobs)
     return out.tokens
 
 
@@ -114,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes, a few seconds")
     parser.add_argument("--batch", type=int, nargs="*", help="batch sizes (default 1 16 64 256)")
     parser.add_argument("--vocab", type=int, nargs="*", help="vocab sizes (default 32768 131072)")
-    parser.add_argument("--cap", type=int, default=1024, help="candidate_cap C")
+    parser.add_argument("--cap", type=int, default=1024, help="candidate_cap C: the widest top-k found by a topk")
     parser.add_argument("--repeats", type=int, default=None)
     args = parser.parse_args(argv)
     batches = args.batch or ([1, 8] if args.quick else [1, 16, 64, 256])
@@ -132,7 +129,6 @@ def main(argv: list[str] | None = None) -> int:
                 params = _params(batch, **kw)
                 out = SampleOutput.allocate(batch, cfg.max_logprobs)
                 t_ours = median_us(lambda: _ours(logits, params, cfg, out, False), repeats=repeats, warmup=1)
-                flagged = int(sample(logits, params, cfg, out, compute_logprobs=False).needs_exact.sum())
                 t_lp = median_us(lambda: _ours(logits, params, cfg, out, True), repeats=repeats, warmup=1)
                 t_sort = median_us(lambda: sort_based_sample(logits, gen=gen, **kw), repeats=repeats, warmup=1)
                 t_warp = median_us(lambda: warper_multinomial(logits, gen=gen, **kw), repeats=repeats, warmup=1)
@@ -146,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                     counts = ours_kept.sum(-1)
                     sizes = f"{int(counts.min())}..{int(counts.max())}"
                 table.append([case, batch, vocab, t_ours, t_lp, t_sort, t_warp, ratio(t_sort, t_ours), ratio(t_warp, t_ours),
-                              flagged, sizes, same])
+                              sizes, same])
     print_table(["case", "B", "V", "ours us", "ours+lp us", "sort us", "warp+mult us", "x sort", "x warp",
-                 "exact rows", "kept sizes", "same kept"], table)
+                 "kept sizes", "same kept"], table)
     return 0
