@@ -112,8 +112,16 @@ class RowParams:
     def rows(self, index: Sequence[int] | torch.Tensor) -> RowParams:
         """The same requests with only the given rows (used by the exact path)."""
         index = torch.as_tensor(index, dtype=torch.int64, device=self.row_to_req.device)
-        per_row = {"row_to_req", "local_step", "eos_suppression_rows", "forced_tokens"}
-        return RowParams(**{f.name: getattr(self, f.name)[index] if f.name in per_row else getattr(self, f.name) for f in fields(self)})
+        return RowParams(**{f.name: getattr(self, f.name)[index] if f.name in _PER_ROW else getattr(self, f.name) for f in fields(self)})
+
+    def row_slice(self, start: int, stop: int) -> RowParams:
+        """The same requests with rows [start, stop) only: views, capture-safe."""
+        return RowParams(**{f.name: getattr(self, f.name)[start:stop] if f.name in _PER_ROW else getattr(self, f.name)
+                            for f in fields(self)})
+
+
+# The RowParams fields with one entry per sample row (the rest: one per request).
+_PER_ROW = frozenset({"row_to_req", "local_step", "eos_suppression_rows", "forced_tokens"})
 
 
 @dataclass
@@ -139,6 +147,10 @@ class SampleOutput:
             needs_exact=torch.zeros(rows, dtype=torch.bool, device=device),
             error=torch.zeros(rows, dtype=torch.int64, device=device),
         )
+
+    def row_slice(self, start: int, stop: int) -> SampleOutput:
+        """Rows [start, stop) as views: writing them writes these outputs."""
+        return SampleOutput(**{f.name: getattr(self, f.name)[start:stop] for f in fields(self)})
 
 
 class FieldSpec(Protocol):

@@ -24,6 +24,7 @@ pass, whatever the row's values.
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -39,8 +40,9 @@ from graphs.step_fields import RowParams, SampleOutput
 
 LOGPROBS_MODES = ("raw", "processed")
 # What a sampler variant (one graph set) computes: "greedy" only the argmax (every
-# row greedy), "plain" the draw without filters (no row has top-k, top-p or
-# min-p), "filters" the filters too. Rows a variant cannot serve must not reach it.
+# row greedy and none with its EOS suppression on), "plain" the draw without
+# filters (no sampled row has top-k, top-p or min-p), "filters" the filters too.
+# Rows a variant cannot serve must not reach it.
 STAGES = ("greedy", "plain", "filters")
 # How the "filters" stage finds the top-k cut: "none" (no row has top-k), "topk" (a
 # topk of candidate_cap scores: every top-k <= candidate_cap), "radix" (a counting
@@ -57,14 +59,17 @@ class SamplerConfig:
     top_k: str = "radix"  # TOP_K_MODES: how "filters" finds the top-k cut
     top_p: bool = True  # whether "filters" runs top-p (False: no row has it)
     logprobs: bool = True  # False: this variant never computes logprobs (no request wants them)
+    chunk_rows: int = 0  # > 0: sample at most this many rows at a time (on CPU, big temporaries cost page faults)
 
     def __post_init__(self) -> None:
-        for name in ("candidate_cap", "max_logprobs"):
+        for name in ("candidate_cap", "max_logprobs", "chunk_rows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name}={value!r}: must be an int")
         if self.candidate_cap < 1:
             raise ValueError(f"candidate_cap={self.candidate_cap!r}: must be >= 1")
+        if self.chunk_rows < 0:
+            raise ValueError(f"chunk_rows={self.chunk_rows!r}: must be >= 0 (0: no chunks)")
         if not 0 <= self.max_logprobs <= self.candidate_cap:
             raise ValueError(f"max_logprobs={self.max_logprobs!r}: must lie in [0, candidate_cap={self.candidate_cap}]")
         if self.stages not in STAGES:
@@ -91,6 +96,23 @@ def controlled_scores(raw: torch.Tensor, token_bitmask: torch.Tensor | None) -> 
     if token_bitmask is None:
         return raw, None
     return apply_token_bitmask(raw, token_bitmask)
+
+
+def _greedy(raw: torch.Tensor, params: RowParams, out: SampleOutput) -> SampleOutput:
+    """The "greedy" stage: every row greedy, none suppressed, no controls: the
+    argmax (ties to the smallest id), the forced token, the finite check, and
+    nothing else. `raw` [rows, V] f32. Capture-safe."""
+    best, token = raw.max(-1)  # the first of the largest; NaN and +inf show in `best`
+    finite = torch.isfinite(best) & torch.isfinite(raw.amin(-1))
+    error = torch.where(finite, int(RowError.OK), int(RowError.LOGITS_NOT_FINITE))
+    failed = ~finite
+    forced = params.forced_tokens
+    token = torch.where(failed, PLACEHOLDER_TOKEN, torch.where(forced >= 0, forced, token))
+    out.tokens.copy_(token)
+    out.needs_exact.fill_(False)
+    out.error.copy_(error)
+    write_placeholders(out, failed)
+    return out
 
 
 def sample(
@@ -132,6 +154,17 @@ def sample(
     num_top = out.top_ids.shape[1]
     if num_top > vocab:
         raise ValueError(f"top-N={num_top}: exceeds the vocabulary V={vocab}")
+    if cfg.chunk_rows and rows_n > cfg.chunk_rows:  # rows are independent: the same bits in slices
+        whole = dataclasses.replace(cfg, chunk_rows=0)
+        for start in range(0, rows_n, cfg.chunk_rows):
+            stop = min(start + cfg.chunk_rows, rows_n)
+            sample(logits[start:stop], params.row_slice(start, stop), whole, out.row_slice(start, stop),
+                   compute_logprobs=compute_logprobs, distribution=distribution,
+                   unprocessed=None if unprocessed is None else unprocessed[start:stop],
+                   token_bitmask=None if token_bitmask is None else token_bitmask[start:stop])
+        return out
+    if cfg.stages == "greedy" and unprocessed is None and token_bitmask is None:
+        return _greedy(logits.to(torch.float32), params, out)
     raw = logits.to(torch.float32)  # [rows, V]
     # The controls' -inf (tokens not allowed) is no fault of the row: only the model's logits must be finite.
     plain = raw if unprocessed is None else unprocessed.to(torch.float32)  # [rows, V]

@@ -149,7 +149,7 @@ def row_distribution(masked: torch.Tensor, best: torch.Tensor, rows: SamplingRow
     weights = z.exp()
     kept = None
     if filters:
-        keys = order_keys(z)
+        keys = order_keys(z) if top_k != "none" or top_p else None
         kept = masked > -math.inf
         if top_k != "none":
             if top_k == "radix":

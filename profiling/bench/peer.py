@@ -48,6 +48,7 @@ from engine.host.params import SamplingParams, SeqMeta
 from engine.sampling.sampler import SamplerConfig, sample
 from graphs.step_fields import RowParams, SampleOutput
 from engine.step.config import EngineConfig
+from engine.step.lm_head import CPU_CHUNK_ROWS
 from engine.step.step_engine import StepEngine
 from profiling.bench._timing import print_table
 from profiling.bench.sample import lm_like_logits
@@ -181,7 +182,7 @@ def our_sampler_config(case: str) -> SamplerConfig:
     stages = {"greedy": "greedy", "plain": "plain"}.get(case, "filters")
     top_k = "none" if not p["top_k"] else "topk"
     return dataclasses.replace(EngineConfig().sampler, stages=stages, top_k=top_k, top_p=p["top_p"] < 1.0,
-                               logprobs=False)
+                               logprobs=False, chunk_rows=CPU_CHUNK_ROWS)
 
 
 def decode_seqs(case: str, batch: int) -> list[SeqMeta]:
