@@ -15,7 +15,7 @@ order keys instead of sorting it:
 
 The draw then weighs each kept token by exp(z) (`engine.sampling.draw`).
 
-`radix_threshold` settles a cut in `len(DIGITS)` passes over the row (a
+`radix_threshold` settles a cut in `len(radix_digits(V))` passes over the row (a
 histogram of one digit of the keys that share the digits settled so far),
 whatever the row's values: a flat row keeping 100,000 tokens costs what a
 peaked one does. The sort-based definition in `engine.sampling.filters` gives
@@ -35,7 +35,17 @@ from engine.sampling.suppression import suppressed_at
 
 KEY_BITS = 31  # order keys are nonnegative int32 values: the sign bit of -z is never set for z <= 0
 KEY_MAX = (1 << KEY_BITS) - 1  # above every key: "keep every token"
-DIGITS = (11, 10, 10)  # bits per radix pass, most significant first; they add up to KEY_BITS
+MAX_DIGIT_BITS = 11  # a pass's histogram: at most 2048 bins per row (16 KiB of float64, in L1)
+
+
+def radix_digits(vocab: int) -> tuple[int, ...]:
+    """Bits per radix pass, most significant first, adding up to KEY_BITS: as
+    few passes as bins of about V per row allow (V = 49152: 11, 10, 10; V =
+    64: six passes of 5-6 bits), so a histogram is never much larger than
+    the row it counts."""
+    width = max(4, min(MAX_DIGIT_BITS, (vocab - 1).bit_length()))
+    passes = -(-KEY_BITS // width)
+    return tuple(KEY_BITS // passes + (1 if i < KEY_BITS % passes else 0) for i in range(passes))
 
 
 def mass_bits(vocab: int) -> int:
@@ -69,7 +79,7 @@ def radix_threshold(keys: torch.Tensor, weights: torch.Tensor | None, level: tor
     f64 nonnegative integers (masses), or None to count tokens; `level` [rows]
     f64. Returns: [rows] int32; `KEY_MAX` for a row whose weight never
     reaches `level`. Fixed work: one histogram of one digit per pass of
-    DIGITS. Each pass clamps the keys into the window its predecessors
+    `radix_digits(V)`. Each pass clamps the keys into the window its predecessors
     settled, so lower keys fall into the first bin and higher ones into the
     last: the running sum over the bins is then the weight at or below each
     bin's top key, with no mask. Exact: counts and masses are integers that
@@ -81,7 +91,7 @@ def radix_threshold(keys: torch.Tensor, weights: torch.Tensor | None, level: tor
     source = torch.ones((), dtype=dtype, device=device).expand(rows * vocab) if weights is None else weights.reshape(-1)
     lo = torch.zeros(rows, 1, dtype=torch.int32, device=device)  # the smallest key of the settled window
     shift = KEY_BITS
-    for bits in DIGITS:
+    for bits in radix_digits(vocab):
         shift -= bits
         bins = 1 << bits
         top = shift + bits == KEY_BITS
