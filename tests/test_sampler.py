@@ -583,3 +583,31 @@ def test_exact_path_slices_give_the_bits_of_each_row_alone():
         alone = sample_reference(logits[i : i + 1], params.rows([i]), cfg)
         for name in FIELDS:
             assert torch.equal(getattr(whole, name)[i], getattr(alone, name)[0]), (i, name)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_batches())
+def test_every_variant_that_can_serve_a_batch_gives_the_full_samplers_bits(batch):
+    """The lighter variants (graph sets) skip passes, never change a definition:
+    top-k by a topk of candidate_cap scores instead of the counting radix,
+    top-p or the filters skipped where no row has them, the greedy fast path."""
+    logits, rp, cap, mode, num_top, stop = batch
+    params = _params(len(rp), temperature=[r[0] for r in rp], top_k=[r[1] for r in rp], top_p=[r[2] for r in rp],
+                     min_p=[r[3] for r in rp], seed=[r[4] for r in rp], position=[r[5] for r in rp])
+    rows = expand_rows(params, logits.shape[1])
+    full = SamplerConfig(max_logprobs=0)
+    want = sample(logits, params, full, compute_logprobs=False).tokens
+    sampled = ~rows.greedy
+    k_on, p_on = bool((rows.k_on & sampled).any()), bool((rows.p_on & sampled).any())
+    variants = [dataclasses.replace(full, top_k="topk", candidate_cap=max(1, int(rows.top_k.max())))]
+    if not k_on:
+        variants.append(dataclasses.replace(full, top_k="none", top_p=p_on))
+    if not (k_on or p_on or bool((rows.m_on & sampled).any())):
+        variants.append(dataclasses.replace(full, stages="plain"))
+    if not bool(sampled.any()):
+        variants.append(dataclasses.replace(full, stages="greedy"))
+    for cfg in variants:
+        got = sample(logits, params, cfg, compute_logprobs=False).tokens
+        assert torch.equal(got, want), cfg
+    chunked = sample(logits, params, dataclasses.replace(full, chunk_rows=2), compute_logprobs=False).tokens
+    assert torch.equal(chunked, want)
