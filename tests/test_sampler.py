@@ -611,3 +611,13 @@ def test_every_variant_that_can_serve_a_batch_gives_the_full_samplers_bits(batch
         assert torch.equal(got, want), cfg
     chunked = sample(logits, params, dataclasses.replace(full, chunk_rows=2), compute_logprobs=False).tokens
     assert torch.equal(chunked, want)
+    # The kept sets themselves, every row (greedy ones too): a cut one token off shows here.
+    masked = thresholds.suppressed_scores(logits, rows)
+    best = masked.amax(-1)
+    kept = thresholds.row_distribution(masked, best, rows).kept
+    width = max(1, int(rows.top_k.max()))
+    assert torch.equal(thresholds.row_distribution(masked, best, rows, top_k="topk", top_k_width=width).kept, kept)
+    if not bool(rows.k_on.any()):
+        assert torch.equal(thresholds.row_distribution(masked, best, rows, top_k="none").kept, kept)
+    if not bool(rows.p_on.any()):
+        assert torch.equal(thresholds.row_distribution(masked, best, rows, top_p=False).kept, kept)
