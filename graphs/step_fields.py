@@ -110,7 +110,7 @@ class RowParams:
         )
 
     def rows(self, index: Sequence[int] | torch.Tensor) -> RowParams:
-        """The same requests with only the given rows (used by the exact path)."""
+        """The same requests with only the given rows (used by the reference path)."""
         index = torch.as_tensor(index, dtype=torch.int64, device=self.row_to_req.device)
         return RowParams(**{f.name: getattr(self, f.name)[index] if f.name in _PER_ROW else getattr(self, f.name) for f in fields(self)})
 
@@ -133,7 +133,7 @@ class SampleOutput:
     rank: torch.Tensor  # [rows] int64: 1 + tokens with a strictly larger logit
     top_ids: torch.Tensor  # [rows, N] int64 (-1 where the processed distribution has fewer tokens)
     top_logprobs: torch.Tensor  # [rows, N] f32
-    needs_exact: torch.Tensor  # [rows] bool: rerun the row with `sample_exact`
+    needs_exact: torch.Tensor  # [rows] bool: rerun the row with `sample_exact` (only the vocab-parallel candidate exchange sets it)
     error: torch.Tensor  # [rows] int64 `RowError`: nonzero rows hold the placeholder, emit nothing
 
     @classmethod

@@ -18,7 +18,6 @@ from engine.sampling.exact import EXACT_CHUNK_ROWS, kept_sets, sample_exact, sam
 from engine.sampling.logprobs import token_logprobs
 from engine.sampling.rows import expand_rows
 from engine.sampling.sampler import SamplerConfig, sample
-from engine.sampling.suppression import suppressed_mask, zero_suppressed_
 from engine.sampling.verify import target_probs
 from graphs.step_fields import RowParams, SampleOutput
 from graphs.capture_safety import capture_safety_check
@@ -532,11 +531,10 @@ def test_token_logprobs_is_the_samplers_raw_logprob():
                                rtol=0, atol=1e-6)
 
 
-def test_suppression_gives_one_verdict_per_token_in_every_layout():
-    """`suppressed_mask` and `zero_suppressed_` over a whole row and over
-    vocab-parallel shards of it: duplicate slots, a padding slot landing on
-    suppressed id 0 after it, and a suppressed id whose weight overflowed to
-    inf (a stop id far above the rest at a low temperature) all give weight 0."""
+def test_suppression_gives_one_verdict_per_token():
+    """`suppressed_scores`: duplicate slots, a padding slot landing on
+    suppressed id 0 after it, and a suppressed id holding +inf all read -inf,
+    and every other score is untouched."""
     vocab = 40
     stop_ids = np.array([[0, 12, -1], [5, 5, -1], [39, 7, 16], [3, -1, -1]])
     suppress = np.array([True, True, True, False])
@@ -544,14 +542,10 @@ def test_suppression_gives_one_verdict_per_token_in_every_layout():
     expected = torch.zeros(4, vocab, dtype=torch.bool)
     for r in range(4):
         expected[r, [t for t in stop_ids[r] if t >= 0 and suppress[r]]] = True
-    assert torch.equal(suppressed_mask(rows, vocab), expected)
-    weights = torch.rand(4, vocab, generator=torch.Generator().manual_seed(0))
-    weights[expected] = math.inf
-    full = zero_suppressed_(weights.clone(), rows)
-    assert torch.equal(full, torch.where(expected, 0.0, weights))
-    for first, width in ((0, 16), (16, 16), (32, 8)):
-        shard = zero_suppressed_(weights[:, first : first + width].clone(), rows, first)
-        assert torch.equal(shard, full[:, first : first + width]), (first, width)
+    scores = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0))
+    scores[expected] = math.inf
+    masked = thresholds.suppressed_scores(scores, rows)
+    assert torch.equal(masked, torch.where(expected, -math.inf, scores))
 
 
 def test_results_do_not_depend_on_the_logits_memory_layout():

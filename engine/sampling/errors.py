@@ -5,7 +5,7 @@ token a suppressed stop id), gets an error code in `SampleOutput.error`,
 decided inside the captured step from the row itself. Its outputs are the
 placeholder: token `PLACEHOLDER_TOKEN` (in the vocabulary, so nothing
 downstream indexes out of range), logprob 0, rank 0, top ids -1, top
-logprobs 0, never flagged for the exact path. The caller must not emit it.
+logprobs 0, never flagged for the reference path. The caller must not emit it.
 Every sampling computation is per row, so a failed row changes no other
 row's bits.
 """

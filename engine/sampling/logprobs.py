@@ -2,7 +2,7 @@
 
 "raw" mode: log-softmax of the unprocessed logits, with the fixed-block
 normaliser (`raw_log_normaliser`), so a logprob does not depend on which path
-reported it: the fast path, the exact path, the step engine's rescoring of a
+reported it: the sampler, the reference path, the step engine's rescoring of a
 residual draw, or prompt logprobs. The rank is 1 + the number of tokens with
 a strictly larger logit (ties share a rank); top-N lists the N largest
 logits, best first, ties to the smaller id.
@@ -92,7 +92,7 @@ def candidate_raw_logprobs(
     order, C >= `num_top`; `has_tail`: tokens exist past the C-th candidate.
     Returns: the logprobs, and [rows] bool: rows whose N-th value ties all the
     way to the C-th candidate, where smaller ids outside the candidates may
-    belong in the top-N (the exact path decides them). Capture-safe.
+    belong in the top-N (the reference path decides them). Capture-safe.
     """
     logprob, rank = token_logprobs(logits, tokens, log_normaliser=log_normaliser, ids=ids)
     top = RowLogprobs(logprob, rank, cand_ids[:, :num_top], cand_raw[:, :num_top].to(torch.float64) - log_normaliser[:, None])

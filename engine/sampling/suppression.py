@@ -2,15 +2,15 @@
 
 While a request has generated fewer than `min_tokens` tokens, its rows flagged
 in `eos_suppression_rows` give the EOS / stop ids z = -inf. One definition,
-`suppressed_at`, decides whether a (row, token id) pair is suppressed; every
-other function here applies it to a layout: candidates, a full row's mask,
-or a row of weights (possibly one vocab-parallel shard of it).
+`suppressed_at`, decides whether a (row, token id) pair is suppressed; the
+sampler applies it to whole rows (`thresholds.suppressed_scores`), the
+vocab-parallel candidate exchange to its candidates (`suppression_and_shift`).
 
 Duplicate slots. A row's stop-id slots may name the same id twice, and a
 padding slot (-1, clamped to 0) lands on token 0 even when 0 is a real,
 suppressed stop id. Scatter order is unspecified on CUDA, so every scatter
-here writes a value that depends only on the target token, never on which
-slot wrote it: duplicates always agree.
+of a verdict writes a value that depends only on the target token, never on
+which slot wrote it: duplicates always agree.
 """
 from __future__ import annotations
 
@@ -31,39 +31,12 @@ def suppressed_at(ids: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     return ((ids[:, :, None] == rows.stop_ids[:, None, :]) & rows.stop_active[:, None, :]).any(-1)
 
 
-def suppressed_mask(rows: SamplingRows, vocab: int) -> torch.Tensor:
-    """[rows, V] bool: the suppressed tokens of each row over the whole vocabulary.
-
-    Parameters: `rows` the rows' controls; `vocab` V. Capture-safe.
-    """
-    slots = rows.stop_ids.clamp(max=vocab - 1)  # [rows, S]
-    mask = torch.zeros(slots.shape[0], vocab, dtype=torch.bool, device=slots.device)
-    return mask.scatter_(1, slots, suppressed_at(slots, rows))
-
-
-def zero_suppressed_(weights: torch.Tensor, rows: SamplingRows, first_id: int = 0) -> torch.Tensor:
-    """Give suppressed tokens weight 0, in place.
-
-    Parameters: `weights` [rows, W] f32, the weights of tokens first_id ..
-    first_id + W - 1 (the whole row, or one vocab-parallel shard of it);
-    `rows` the rows' controls; `first_id` the token id of column 0.
-    Returns: `weights`. Capture-safe.
-
-    A slot whose id lies outside the columns lands on the nearest column and
-    writes that column's own verdict, like every other slot there.
-    """
-    slots = (rows.stop_ids - first_id).clamp_(0, weights.shape[1] - 1)  # [rows, S] target columns
-    zero = torch.zeros((), dtype=weights.dtype, device=weights.device)
-    value = torch.where(suppressed_at(slots + first_id, rows), zero, weights.gather(1, slots))
-    return weights.scatter_(1, slots, value)
-
-
 def unsuppressed_shift(raw: torch.Tensor, valid: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
     """M, the largest raw logit of a valid (unsuppressed) token.
 
     Parameters: `raw` [rows, M] f32 logits; `valid` [rows, M] bool; `fallback`
     [rows] f32, used where no valid token has a finite logit, so the row's
-    numbers stay finite (such a row fails or goes to the exact path).
+    numbers stay finite (such a row fails, or the candidate exchange flags it).
     Returns: [rows] f32. Capture-safe.
     """
     neg_inf = torch.full((), -math.inf, dtype=raw.dtype, device=raw.device)
@@ -82,7 +55,7 @@ def suppression_and_shift(
     candidate is not a suppressed stop id, nor -inf: masked by the token
     bitmask), `any_valid` [rows] bool, and `shift` [rows] f32, M. M is a
     candidate unless every candidate is a suppressed stop id (C <= the number
-    of stop ids); such a row goes to the exact path and the boundary value
+    of stop ids); the candidate exchange flags such a row and the boundary value
     keeps its numbers finite. Capture-safe.
     """
     valid = ~suppressed_at(cand_ids, rows) & (cand_raw > -math.inf)

@@ -48,10 +48,10 @@ def collect(buffers: StepBuffers, config: EngineConfig, bucket: int, arrays: Ste
                          token_bitmask=None if token_bitmask is None else token_bitmask[:capacity])
             stats.exact_rows += len(index)
             if config.max_draft_tokens:
-                # The drafts were checked against the fast path's draws.
+                # The drafts were checked against the candidate exchange's draws.
                 verify_drafts(b, config, bucket, token_bitmask)
             if controls is not None:
-                controls.recount(b, config, bucket)  # the graph counted the fast path's draws
+                controls.recount(b, config, bucket)  # the graph counted the flagged rows' first draws
     with stage("output copy"):
         result = _host_results(b.outputs(rows), want_top=want_top)
         k = config.max_draft_tokens

@@ -28,8 +28,7 @@ MAX_DRAFTS = 3
 
 
 def _decode_batch(num_reqs: int, drafts: int, vocab: int, rng: np.random.Generator) -> tuple[list[SeqMeta], list[list[int]] | None]:
-    """Decode requests, half plain sampling, half top-k 50 (kept sets stay in
-    the sampler's candidates, so no row takes the host-side exact path)."""
+    """Decode requests, half plain sampling, half top-k 50."""
     seqs = []
     for i in range(num_reqs):
         params = SamplingParams(temperature=1.0, top_k=50 if i % 2 else 0, seed=i)
