@@ -1,13 +1,14 @@
-"""The draw (docs/contract.md §2): greedy, inverse CDF over the kept masses.
+"""The draw (docs/contract.md §2): greedy, inverse CDF over the kept weights.
 
 - Greedy (T = 0): the largest raw logit among valid tokens, ties to the
   smallest id. Filters do not change it (the maximum is always kept).
 - Every other row draws by inverse CDF with one uniform per row (stream
-  TARGET, counter `INVERSE_CDF_COUNTER`) over its kept tokens' masses
-  (`engine.sampling.thresholds.token_masses`, float64 integers) in token-id
-  order: the first token whose cumulative mass exceeds u * (the kept mass).
-  The sums are exact, so the draw is the same whether it walks fixed blocks
-  of the whole row or a few candidates sorted by id.
+  TARGET, counter `INVERSE_CDF_COUNTER`) over its kept tokens' weights
+  exp(z) in token-id order (`engine.sampling.thresholds.RowDistribution`,
+  0 outside the kept set): the block whose float64 running sum of float32
+  block sums (fixed blocks of `BLOCK` tokens) first exceeds u * total, then
+  the token inside it. Any path that lays the same weights out over the
+  whole row (the vocab-parallel candidates do) gets the same bits.
 - A forced token, when set, replaces whatever the row drew.
 Verification draws from explicit float64 distributions with `inverse_cdf`;
 its top-k-space bonus token races Gumbel noise keyed by token id (`gumbel_race`).
@@ -85,10 +86,10 @@ def plain_uniform(rows: SamplingRows) -> torch.Tensor:
 def inverse_cdf_draw(weights: torch.Tensor, block_mass: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One token per row by inverse CDF over fixed blocks.
 
-    Parameters: `weights` [rows, V] nonnegative (the kept masses, f64
-    integers), 0 for tokens never drawn; `block_mass` [rows, blocks] their
-    sums over the normaliser's blocks (`block_sums`); `u` [rows] f64 in
-    (0, 1). Returns: [rows] int64 token ids. Capture-safe.
+    Parameters: `weights` [rows, V] f32 nonnegative (the kept weights), 0
+    for tokens never drawn; `block_mass` [rows, blocks] their sums over the
+    normaliser's blocks (`block_sums`); `u` [rows] f64 in (0, 1). Returns:
+    [rows] int64 token ids. Capture-safe.
     """
     rows, vocab = weights.shape
     block_cum = block_mass.to(torch.float64).cumsum(-1)  # [rows, blocks]

@@ -13,7 +13,7 @@ its definitions:
 - `thresholds`: temperature, the kept set (top-k, top-p, min-p) by radix
   select and the tokens' masses, with a fixed amount of work per row;
 - `filters`: the same kept set by sorting (the reference path);
-- `draw`: greedy, inverse CDF over the kept masses, the forced token;
+- `draw`: greedy, inverse CDF over the kept weights, the forced token;
 - `logprobs`: raw or processed logprobs, rank, top-N;
 - `errors`: failed rows and their placeholder;
 - `exact`: the same stages over the sorted row (`sample_exact`), a reference.
@@ -23,8 +23,8 @@ pass, whatever the row's values.
 """
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Callable
 

@@ -101,12 +101,12 @@ def filter_graphs(top_k: str, top_p: bool) -> str:
     return f"filters(top-k {top_k}, top-p {'on' if top_p else 'off'})"
 
 
-# The graph sets of plain steps (`EngineConfig.sampler_variants`): every stage (any
-# top-k), the draw without the filters' passes, the argmax alone.
 # Rows the CPU sampler takes at a time: [64, V] temporaries stay in the allocator's
 # reuse range, while [256, 128256] ones cost fresh pages every step (measured on 2
 # AVX-512 cores, B = 256, V = 128256: top-p 1363 -> 864 ms, plain 234 -> 104 ms).
 CPU_CHUNK_ROWS = 64
+# The graph sets of plain steps (`EngineConfig.sampler_variants`): every stage (any
+# top-k), the draw without the filters' passes, the argmax alone.
 FILTERED, PLAIN, GREEDY = filter_graphs("radix", True), "plain", "greedy"
 # The graph set of steps where some request holds a control slot: plain steps never pay for the controls.
 CONTROLLED = "controls"
