@@ -341,7 +341,7 @@ def test_greedy_and_plain_graph_sets_sample_exactly_what_the_full_set_does():
     weight[100:164] = weight[100]  # 64 tokens share one logit: greedy ties, EOS suppression among them
     light = StepEngine(weight, EngineConfig(max_num_reqs=MAX_REQS, device="cpu", eos_token_id=100))
     full = StepEngine(weight, EngineConfig(max_num_reqs=MAX_REQS, device="cpu", eos_token_id=100, sampler_variants=False))
-    assert "9 graphs each" in str(light.capture())  # 6 filter sets, plain, greedy, token bitmask
+    assert "11 graphs each" in str(light.capture())  # 6 filter sets, 2 with logprobs, plain, greedy, token bitmask
     full.capture()
     sizes = [1, 4, 9, 16] * 3
     for seed, n in enumerate(sizes):

@@ -95,10 +95,10 @@ def checked_head_weight(weight: object, device: torch.device, name: str) -> torc
     return weight.detach()
 
 
-def filter_graphs(top_k: str, top_p: bool) -> str:
+def filter_graphs(top_k: str, top_p: bool, logprobs: bool = False) -> str:
     """The name of the graph set whose sampler finds the top-k cut by `top_k`
-    (`TOP_K_MODES`) and runs top-p when `top_p`."""
-    return f"filters(top-k {top_k}, top-p {'on' if top_p else 'off'})"
+    (`TOP_K_MODES`), runs top-p when `top_p` and computes logprobs when `logprobs`."""
+    return f"filters(top-k {top_k}, top-p {'on' if top_p else 'off'}{', logprobs' if logprobs else ''})"
 
 
 # Rows the CPU sampler takes at a time: [64, V] temporaries stay in the allocator's
@@ -156,6 +156,9 @@ class LocalHead(LMHead):
                         self.samplers[filter_graphs(top_k, top_p)] = dataclasses.replace(light, top_k=top_k, top_p=top_p)
             self.samplers[PLAIN] = dataclasses.replace(light, stages="plain")
             self.samplers[GREEDY] = dataclasses.replace(light, stages="greedy")
+            # Steps where a request wants logprobs: the counting radix only where a top-k needs it.
+            for top_k in ("topk", "none"):
+                self.samplers[filter_graphs(top_k, True, logprobs=True)] = dataclasses.replace(full, top_k=top_k)
         if config.token_bitmask:
             self.samplers[MASKED] = full
             self.masked_graphs = MASKED
@@ -193,13 +196,22 @@ class LocalHead(LMHead):
                unprocessed=unprocessed, token_bitmask=token_bitmask)
 
     def graphs_for(self, inputs: SamplerInputs, rows: int, stats: EngineStats) -> str:
-        """`FILTERED` when a request wants logprobs (or there are no lighter
-        sets); else `GREEDY` when every request is greedy (none suppressing EOS), `PLAIN` when no
-        sampled request filters, else the filter set that does just what the
-        step's requests ask."""
-        if PLAIN not in self.samplers or (inputs.num_logprobs >= 0).any():
+        """Without lighter sets, `FILTERED`. A step where a request wants
+        logprobs: a set with logprobs and top-p, whose top-k cut is a topk
+        where every top-k fits `candidate_cap` (`FILTERED`, the counting radix,
+        where one does not). Else `GREEDY` when every request is greedy (none
+        suppressing EOS), `PLAIN` when no sampled request filters, else the
+        filter set that does just what the step's requests ask."""
+        if PLAIN not in self.samplers:
             return FILTERED
         greedy = inputs.temperatures == 0
+        if (inputs.num_logprobs >= 0).any():
+            # Raw logprobs ignore a greedy request's filters; processed ones report its kept set.
+            counts = ~greedy if self.samplers[FILTERED].logprobs_mode == "raw" else np.ones_like(greedy)
+            k_on = counts & (inputs.top_ks > 0) & (inputs.top_ks < self.vocab_size)
+            if k_on.any() and inputs.top_ks[k_on].max() > self.config.sampler.candidate_cap:
+                return FILTERED
+            return filter_graphs("topk" if k_on.any() else "none", True, logprobs=True)
         if greedy.all() and not len(inputs.eos_suppression_rows):  # the greedy set suppresses nothing
             stats.greedy_steps += 1
             return GREEDY
