@@ -19,7 +19,7 @@ from engine.sampling import filters as filters_module
 from engine.sampling.normaliser import block_sums
 from engine.sampling.rows import SamplingRows, expand_rows
 from engine.sampling.sampler import SamplerConfig, sample
-from engine.sampling.thresholds import RowDistribution, suppressed_scores, token_masses
+from engine.sampling.thresholds import RowDistribution, processed_scores, suppressed_scores, token_masses
 from graphs.step_fields import RowParams, SampleOutput
 
 # Rows sorted at once: a large batch goes in slices (rows are independent,
@@ -33,8 +33,7 @@ def sorted_row_distribution(masked: torch.Tensor, best: torch.Tensor, rows: Samp
     and walk. Same parameters; the variant's keywords are ignored: the walk
     always runs every filter (a row without one keeps every valid token)
     and takes any k. Capture-safe (one sort per row)."""
-    shift = torch.where(best > -math.inf, best, torch.zeros_like(best))
-    z = torch.sub(masked, shift[:, None]).div_(rows.temperature[:, None])
+    shift, z = processed_scores(masked, best, rows)
     # Sorted outputs keep the input's layout: work on row-major values.
     zs, zs_ids = torch.sort(z.contiguous(), dim=1, descending=True, stable=True)
     ws = zs.exp()

@@ -141,6 +141,14 @@ def top_k_keys(masked: torch.Tensor, shift: torch.Tensor, rows: SamplingRows, wi
     return order_keys(torch.sub(kth, shift).div_(rows.temperature)[:, None]).squeeze(1)
 
 
+def processed_scores(masked: torch.Tensor, best: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shift M [rows] f32 (the largest valid score, 0 for a row with none:
+    it fails) and z = (masked - M) / T [rows, V] f32 (docs/contract.md §2,
+    temperature), from `masked` scores and their row maximum `best`. Capture-safe."""
+    shift = torch.where(best > -math.inf, best, torch.zeros_like(best))
+    return shift, torch.sub(masked, shift[:, None]).div_(rows.temperature[:, None])
+
+
 def row_distribution(masked: torch.Tensor, best: torch.Tensor, rows: SamplingRows, *, filters: bool = True,
                      top_k: str = "radix", top_k_width: int = 0, top_p: bool = True) -> RowDistribution:
     """Temperature, filters and the draw's weights over whole rows.
@@ -154,8 +162,7 @@ def row_distribution(masked: torch.Tensor, best: torch.Tensor, rows: SamplingRow
     skips top-k (no row has it); `top_p` False skips top-p (no row has it).
     Returns: `RowDistribution`. Fixed work whatever the values. Capture-safe.
     """
-    shift = torch.where(best > -math.inf, best, torch.zeros_like(best))  # a row with no valid token fails
-    z = torch.sub(masked, shift[:, None]).div_(rows.temperature[:, None])
+    shift, z = processed_scores(masked, best, rows)
     weights = z.exp()
     kept = None
     if filters:

@@ -205,22 +205,20 @@ class LocalHead(LMHead):
         if PLAIN not in self.samplers:
             return FILTERED
         greedy = inputs.temperatures == 0
-        if (inputs.num_logprobs >= 0).any():
-            # Raw logprobs ignore a greedy request's filters; processed ones report its kept set.
-            counts = ~greedy if self.samplers[FILTERED].logprobs_mode == "raw" else np.ones_like(greedy)
-            k_on = counts & (inputs.top_ks > 0) & (inputs.top_ks < self.vocab_size)
-            if k_on.any() and inputs.top_ks[k_on].max() > self.config.sampler.candidate_cap:
-                return FILTERED
-            return filter_graphs("topk" if k_on.any() else "none", True, logprobs=True)
+        logprobs = bool((inputs.num_logprobs >= 0).any())
+        # Raw logprobs ignore a greedy request's filters; processed ones report its kept set.
+        counts = np.ones_like(greedy) if logprobs and self.samplers[FILTERED].logprobs_mode == "processed" else ~greedy
+        k_on = counts & (inputs.top_ks > 0) & (inputs.top_ks < self.vocab_size)
+        top_k = "none" if not k_on.any() else "topk" if inputs.top_ks[k_on].max() <= self.config.sampler.candidate_cap else "radix"
+        if logprobs:
+            return FILTERED if top_k == "radix" else filter_graphs(top_k, True, logprobs=True)
         if greedy.all() and not len(inputs.eos_suppression_rows):  # the greedy set suppresses nothing
             stats.greedy_steps += 1
             return GREEDY
-        k_on = ~greedy & (inputs.top_ks > 0) & (inputs.top_ks < self.vocab_size)
         p_on = ~greedy & (inputs.top_ps < 1)
         if not (k_on | p_on | (~greedy & (inputs.min_ps > 0))).any():
             stats.plain_steps += 1
             return PLAIN
-        top_k = "none" if not k_on.any() else "topk" if inputs.top_ks[k_on].max() <= self.config.sampler.candidate_cap else "radix"
         return FILTERED if (top_k, bool(p_on.any())) == ("radix", True) else filter_graphs(top_k, bool(p_on.any()))
 
     def prompt_logprobs(self, hidden_states: torch.Tensor, inputs: SamplerInputs) -> PromptRowResults:
