@@ -15,6 +15,7 @@ from engine.sampling import filters, rng, thresholds
 from engine.sampling import sampler as sampler_module
 from engine.sampling import verify as verify_module
 from engine.sampling.exact import EXACT_CHUNK_ROWS, kept_sets, sample_exact, sample_reference
+from engine.sampling.errors import PLACEHOLDER_TOKEN
 from engine.sampling.logprobs import token_logprobs
 from engine.sampling.rows import expand_rows
 from engine.sampling.sampler import SamplerConfig, sample
@@ -615,3 +616,17 @@ def test_every_variant_that_can_serve_a_batch_gives_the_full_samplers_bits(batch
         assert torch.equal(thresholds.row_distribution(masked, best, rows, top_k="none").kept, kept)
     if not bool(rows.p_on.any()):
         assert torch.equal(thresholds.row_distribution(masked, best, rows, top_p=False).kept, kept)
+
+
+def test_greedy_stage_fails_non_finite_rows_like_the_full_sampler():
+    """The greedy fast path's finite check: NaN, +inf and -inf rows fail with
+    LOGITS_NOT_FINITE and the placeholder; bystanders get the full sampler's
+    tokens, forced tokens included."""
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(3))
+    logits[1, 7], logits[3, 0], logits[4, 49] = math.nan, math.inf, -math.inf
+    params = _params(6, temperature=0.0, forced_tokens=np.array([-1, -1, 9, -1, -1, -1]))
+    greedy = sample(logits, params, SamplerConfig(max_logprobs=0, stages="greedy"), compute_logprobs=False)
+    full = sample(logits, params, SamplerConfig(max_logprobs=0), compute_logprobs=False)
+    assert greedy.error.tolist() == full.error.tolist() == [0, 1, 0, 1, 1, 0]
+    assert torch.equal(greedy.tokens, full.tokens) and int(greedy.tokens[2]) == 9
+    assert greedy.tokens[[1, 3, 4]].tolist() == [PLACEHOLDER_TOKEN] * 3

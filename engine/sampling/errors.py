@@ -31,16 +31,20 @@ class RowError(IntEnum):
 PLACEHOLDER_TOKEN = 0  # the token of a failed row: in the vocabulary, never emitted
 
 
-def row_errors(raw: torch.Tensor, nothing_left: torch.Tensor, nothing_allowed: torch.Tensor | None = None) -> torch.Tensor:
+def row_errors(raw: torch.Tensor, nothing_left: torch.Tensor, nothing_allowed: torch.Tensor | None = None,
+               row_max: torch.Tensor | None = None) -> torch.Tensor:
     """Each row's `RowError`: not finite first, then nothing allowed by the
     token bitmask, then nothing left.
 
     Parameters: `raw` [rows, V] f32 logits; `nothing_left` [rows] bool, rows
     whose controls leave no token; `nothing_allowed` [rows] bool or None, rows
-    whose token bitmask allows none. Returns: [rows] int64 codes. Capture-safe.
+    whose token bitmask allows none; `row_max` [rows] f32, `raw`'s row
+    maximum (NaN where a NaN is in the row) when the caller has it. Returns:
+    [rows] int64 codes. Capture-safe.
     """
     # amax and amin propagate NaN, and an infinity is an extreme: two fast reductions.
-    finite = torch.isfinite(raw.amax(-1)) & torch.isfinite(raw.amin(-1))
+    row_max = raw.amax(-1) if row_max is None else row_max
+    finite = torch.isfinite(row_max) & torch.isfinite(raw.amin(-1))
     ok = torch.full_like(nothing_left, int(RowError.OK), dtype=torch.int64)
     left = torch.where(nothing_left, int(RowError.NOTHING_LEFT), ok)
     if nothing_allowed is not None:

@@ -103,9 +103,9 @@ def _greedy(raw: torch.Tensor, params: RowParams, out: SampleOutput) -> SampleOu
     argmax (ties to the smallest id), the forced token, the finite check, and
     nothing else. `raw` [rows, V] f32. Capture-safe."""
     best, token = raw.max(-1)  # the first of the largest; NaN and +inf show in `best`
-    finite = torch.isfinite(best) & torch.isfinite(raw.amin(-1))
-    error = torch.where(finite, int(RowError.OK), int(RowError.LOGITS_NOT_FINITE))
-    failed = ~finite
+    # Without suppression or controls a row always has a token: only the finite check can fail it.
+    error = row_errors(raw, torch.zeros_like(best, dtype=torch.bool), row_max=best)
+    failed = error != RowError.OK
     forced = params.forced_tokens
     token = torch.where(failed, PLACEHOLDER_TOKEN, torch.where(forced >= 0, forced, token))
     out.tokens.copy_(token)

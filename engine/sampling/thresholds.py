@@ -32,6 +32,7 @@ from engine.sampling.filters import kth_largest
 from engine.sampling.normaliser import block_sums
 from engine.sampling.rows import SamplingRows
 from engine.sampling.suppression import suppressed_at
+from engine.sampling.temperature import processed_logits
 
 KEY_BITS = 31  # order keys are nonnegative int32 values: the sign bit of -z is never set for z <= 0
 KEY_MAX = (1 << KEY_BITS) - 1  # above every key: "keep every token"
@@ -138,7 +139,7 @@ def top_k_keys(masked: torch.Tensor, shift: torch.Tensor, rows: SamplingRows, wi
     Returns: [rows] int32. Capture-safe."""
     kth = kth_largest(torch.topk(masked, min(width, masked.shape[1]), dim=1).values, rows.top_k)
     # z is a monotone function of the score: the k-th largest z is the k-th score's z.
-    return order_keys(torch.sub(kth, shift).div_(rows.temperature)[:, None]).squeeze(1)
+    return order_keys(processed_logits(kth[:, None], shift, rows.temperature)).squeeze(1)
 
 
 def processed_scores(masked: torch.Tensor, best: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,7 +147,7 @@ def processed_scores(masked: torch.Tensor, best: torch.Tensor, rows: SamplingRow
     it fails) and z = (masked - M) / T [rows, V] f32 (docs/contract.md §2,
     temperature), from `masked` scores and their row maximum `best`. Capture-safe."""
     shift = torch.where(best > -math.inf, best, torch.zeros_like(best))
-    return shift, torch.sub(masked, shift[:, None]).div_(rows.temperature[:, None])
+    return shift, processed_logits(masked, shift, rows.temperature)
 
 
 def row_distribution(masked: torch.Tensor, best: torch.Tensor, rows: SamplingRows, *, filters: bool = True,
