@@ -14,11 +14,12 @@ Two ways to sample a step, chosen per step by the engine:
   global id), every rank merges them into the global top C in (raw desc, id
   asc) order and decides each row from them with the sampler's definitions
   (`engine.sampling.candidates`): the kept set over the candidates' exact
-  integer masses, the inverse-CDF draw over them in token-id order with the
-  row's one uniform, the greedy pick. The same numbers on every rank: no
-  token broadcast. A second all-gather sends each rank's block masses of
+  integer masses, the inverse-CDF draw over the kept candidates' weights
+  laid out by token id over the whole row (every other weight is 0, so no
+  rank needs another's), the greedy pick. The same numbers on every rank:
+  no token broadcast. A second all-gather sends each rank's block masses of
   exp(raw - raw max), for the raw logprobs' normaliser and the finiteness
-  check; the draw needs no normaliser, since its masses are per token.
+  check.
   Valid when every request is greedy or has 0 < top_k <= k_cap, logprobs are
   "raw": the kept set, the greedy token, the rank of the emitted token and
   the top-N then all lie inside the global top C, with
