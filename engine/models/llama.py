@@ -4,7 +4,8 @@ Two execution modes share every weight and the cache:
 
 - fast (default): one GEMM per projection over all scheduled tokens;
   `scaled_dot_product_attention` once for all single-token (decode) requests,
-  over a view of their cache slots, and per request for prefill chunks.
+  over their cache slots alone (a view when they sit in slots 0..n-1 in batch order, else
+  a copy of just those slots), and per request for prefill chunks.
 - batch-invariant (`batch_invariant=True`): a token's hidden state is bit-identical
   whatever else shares the step and however its prompt was chunked. GEMM
   kernels pick their blocking (and so their summation order) from the matrix
@@ -195,17 +196,26 @@ class _DecodePlan:
 
     members: np.ndarray  # [num_reqs] bool: the batch's requests in the group
     token_rows: torch.Tensor | None  # the group's token rows in the batch; None: every row
-    # Fast mode, per group token: its slot (its row of the queries). None when the group's
-    # slots are 0..span-1 in batch order: the queries are q itself. Unused in invariant mode.
-    tile_rows: torch.Tensor | None
-    # Per group token: its row in the [span * rows] queries and attention output (slot * rows
-    # + its index among its request's new tokens). None where tile_rows is None.
+    # The group's cache slots in batch order, gathered from the cache for the call; None when
+    # they are slots 0..span-1 in batch order, so the keys are a view of the cache.
+    gather: torch.Tensor | None
+    # Invariant mode, per group token: its row in the [span * rows] queries and attention
+    # output (member index * rows + its index among its request's new tokens). None in fast
+    # mode, where a member has one query row, the member's own.
     out_rows: torch.Tensor | None
-    span: int  # attention covers cache slots [0, span)
+    span: int  # the group's requests (attention's batch)
     rows: int  # most new tokens of a group request
-    keys: int  # key positions read per slot (fast: the longest context; invariant: whole key tiles)
+    keys: int  # key positions read per request (fast: the longest context; invariant: whole key tiles)
     visible: torch.Tensor  # mask broadcast against the scores (fast: additive; invariant: boolean)
-    query_tiles: int = 1  # invariant mode: query tiles per (slot, kv head), for group heads x rows
+    query_tiles: int = 1  # invariant mode: query tiles per (request, kv head), for group heads x rows
+
+    def group_cache(self, cache: torch.Tensor) -> torch.Tensor:
+        """The group's `[span, keys, kv_heads, d]` cache entries in batch order: a view where
+        the group sits in slots 0..span-1 in batch order, else a gathered copy of its slots
+        only (a slot outside the group is never read, however high the group's slot numbers)."""
+        if self.gather is None:
+            return cache[: self.span, : self.keys]
+        return cache[:, : self.keys].index_select(0, self.gather)
 
 
 def _ceil_to(n: int, multiple: int) -> int:
@@ -492,9 +502,9 @@ class LlamaModel:
         return host.pin_memory().to(self.device, non_blocking=True)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if not self.batch_invariant:  # one call; in fp32 the bits of Hugging Face's formula
+            return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
         variance = x.pow(2).mean(dim=-1, keepdim=True)
-        if not self.batch_invariant:  # Hugging Face's formula (torch's rms_norm is no faster on CPU)
-            return weight * (x * torch.rsqrt(variance + self.config.rms_norm_eps))
         return x / torch.sqrt(variance + self.config.rms_norm_eps) * weight
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -546,16 +556,16 @@ class LlamaModel:
 
     def _decode_plan(self, batch: ForwardBatch, members: np.ndarray) -> _DecodePlan:
         """Masks and indices for one-call attention of the requests in `members` (each with at
-        most `rows` new tokens) over cache slots `[0, span)`, shared by every layer.
+        most `rows` new tokens), shared by every layer.
 
-        Request i's queries sit at its slot's index; slots in the span outside the group see
-        one key and their rows are dropped. Keys are a view of the cache (no copy).
+        Attention's batch is the group in batch order: member i's keys are its own slot's
+        (`_DecodePlan.group_cache`), so the call reads the group's slots and nothing else.
         """
         slots, seqlens_q, seqlens_k = batch.slots[members], batch.seqlens_q[members], batch.seqlens_k[members]
-        span, rows = int(slots.max()) + 1, int(seqlens_q.max())
-        lengths, new = np.ones(span, dtype=np.int64), np.ones(span, dtype=np.int64)
-        lengths[slots], new[slots] = seqlens_k, seqlens_q
+        span, rows = len(slots), int(seqlens_q.max())
+        lengths, new = seqlens_k, seqlens_q
         longest = int(lengths.max())
+        gather = None if np.array_equal(slots, np.arange(span)) else self._to_device(slots)
         # The group's tokens in batch order: their row in the batch and their query index j.
         offsets = batch.token_offsets[:-1][members]
         j = np.arange(int(seqlens_q.sum()), dtype=np.int64) - np.repeat(np.cumsum(seqlens_q) - seqlens_q, seqlens_q)
@@ -568,12 +578,9 @@ class LlamaModel:
             # heads): what SDPA would turn a boolean mask into, in every layer.
             visible = torch.zeros(span, 1, 1, longest, device=self.device, dtype=self.dtype).masked_fill_(
                 ~visible[:, None, None, :], float("-inf"))
-            in_order = np.array_equal(slots, np.arange(span))
-            tile_rows = None if in_order else self._to_device(slots)
-            out_rows = None if in_order else self._to_device(np.repeat(slots * rows, seqlens_q) + j)
-            return _DecodePlan(members, token_rows, tile_rows, out_rows, span, rows, keys, visible)
+            return _DecodePlan(members, token_rows, gather, None, span, rows, keys, visible)
         # `_tiled_attention`'s masks: query j sits at position length - new + j; padding rows
-        # borrow the last real position. A (slot, kv head)'s query tiles hold its group heads x
+        # borrow the last real position. A (request, kv head)'s query tiles hold its group heads x
         # rows pairs, pair p = g * rows + j in row p % row_block of tile p // row_block; rows
         # past the last pair take pair p's query position for j = p % rows (and are dropped).
         qb, kb = self.row_block, self.key_block
@@ -583,8 +590,8 @@ class LlamaModel:
         pair_pos = query_pos[:, np.arange(query_tiles * qb) % rows]  # [span, qt * qb]
         key_pos = torch.arange(keys, device=self.device).view(1, 1, 1, keys // kb, 1, kb)
         visible = key_pos <= self._to_device(pair_pos).view(span, 1, query_tiles, 1, qb, 1)  # [span, 1, qt, kt, qb, kb]
-        out_rows = self._to_device(np.repeat(slots * rows, seqlens_q) + j)
-        return _DecodePlan(members, token_rows, None, out_rows, span, rows, keys, visible, query_tiles)
+        out_rows = self._to_device(np.repeat(np.arange(span) * rows, seqlens_q) + j)
+        return _DecodePlan(members, token_rows, gather, out_rows, span, rows, keys, visible, query_tiles)
 
     def _decode_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _DecodePlan
@@ -594,15 +601,11 @@ class LlamaModel:
         n, heads, d = q.shape
         kv_heads = k_cache.shape[2]
         group = heads // kv_heads
-        keys = k_cache[: plan.span, : plan.keys].transpose(1, 2)  # [span, kv_heads, longest, d], a view
-        values = v_cache[: plan.span, : plan.keys].transpose(1, 2)
-        if plan.tile_rows is None:  # request i in slot i
-            queries = q.reshape(n, kv_heads, group, d)  # query heads sharing a KV head, stacked
-        else:
-            queries = q.new_zeros(plan.span, kv_heads, group, d)
-            queries[plan.tile_rows] = q.view(n, kv_heads, group, d)
-        o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.visible)  # [span, kv_heads, group, d]
-        return (o if plan.out_rows is None else o[plan.out_rows]).reshape(n, heads * d)
+        keys = plan.group_cache(k_cache).transpose(1, 2)  # [n, kv_heads, longest, d]
+        values = plan.group_cache(v_cache).transpose(1, 2)
+        queries = q.reshape(n, kv_heads, group, d)  # query heads sharing a KV head, stacked
+        o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.visible)  # [n, kv_heads, group, d]
+        return o.reshape(n, heads * d)
 
     def _tiled_decode_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _DecodePlan
@@ -632,8 +635,8 @@ class LlamaModel:
         if qt * qb > group * r:
             pairs = F.pad(pairs, (0, 0, 0, qt * qb - group * r))
         q5 = pairs.view(span, kv_heads, qt, 1, qb, d)
-        keys = k_cache[:span, : plan.keys].view(span, kt, kb, kv_heads, d).permute(0, 3, 1, 4, 2)  # [s, kv, kt, d, kb]
-        values = v_cache[:span, : plan.keys].view(span, kt, kb, kv_heads, d).permute(0, 3, 1, 2, 4)  # [s, kv, kt, kb, d]
+        keys = plan.group_cache(k_cache).view(span, kt, kb, kv_heads, d).permute(0, 3, 1, 4, 2)  # [s, kv, kt, d, kb]
+        values = plan.group_cache(v_cache).view(span, kt, kb, kv_heads, d).permute(0, 3, 1, 2, 4)  # [s, kv, kt, kb, d]
         tiles = (span, kv_heads, qt, kt)
         q_pairs = q5.expand(*tiles, qb, d).reshape(-1, qb, d)
         k_pairs = keys[:, :, None].expand(*tiles, d, kb).reshape(-1, d, kb)
