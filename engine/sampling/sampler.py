@@ -33,6 +33,7 @@ import torch
 from engine.sampling.draw import drawn_token, inverse_cdf_draw, plain_uniform
 from engine.sampling.errors import PLACEHOLDER_TOKEN, RowError, row_errors, write_placeholders
 from engine.sampling.logprobs import processed_row_logprobs, raw_logprobs
+from engine.sampling.row_max import first_max
 from engine.sampling.rows import expand_rows
 from engine.sampling.thresholds import RowDistribution, row_distribution, suppressed_scores
 from engine.sampling.token_bitmask import apply_token_bitmask
@@ -102,7 +103,7 @@ def _greedy(raw: torch.Tensor, params: RowParams, out: SampleOutput) -> SampleOu
     """The "greedy" stage: every row greedy, none suppressed, no controls: the
     argmax (ties to the smallest id), the forced token, the finite check, and
     nothing else. `raw` [rows, V] f32. Capture-safe."""
-    best, token = raw.max(-1)  # the first of the largest; NaN and +inf show in `best`
+    best, token = first_max(raw)  # the first of the largest; NaN and +inf show in `best`
     # Without suppression or controls a row always has a token: only the finite check can fail it.
     error = row_errors(raw, torch.zeros_like(best, dtype=torch.bool), row_max=best)
     failed = error != RowError.OK
@@ -172,7 +173,7 @@ def sample(
     # Everything below draws from the controlled scores; the finite check and raw logprobs read `plain`.
     scores, nothing_allowed = controlled_scores(raw, token_bitmask)  # [rows, V] f32
     masked = suppressed_scores(scores, rows)  # suppressed stop ids -inf
-    best, greedy = masked.max(-1)  # the first of the largest: ties go to the smallest id
+    best, greedy = first_max(masked)  # the first of the largest: ties go to the smallest id
     compute_logprobs = compute_logprobs and cfg.logprobs
     processed = compute_logprobs and cfg.logprobs_mode == "processed"
     d = None

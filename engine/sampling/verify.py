@@ -46,6 +46,7 @@ import torch
 from engine.sampling.draw import gumbel_race, inverse_cdf
 from engine.sampling.filters import top_k_mask
 from engine.sampling.rng import ACCEPT, RESIDUAL, uniform
+from engine.sampling.row_max import first_max
 from engine.sampling.rows import expand_rows
 from engine.sampling.sampler import controlled_scores
 from engine.sampling.thresholds import row_distribution, suppressed_scores
@@ -119,7 +120,7 @@ def target_probs(logits: torch.Tensor, params: RowParams, token_bitmask: torch.T
     vocab = scores.shape[1]
     rows = expand_rows(params, vocab)
     masked = suppressed_scores(scores, rows)
-    best, greedy = masked.max(-1)  # ties to the smallest id
+    best, greedy = first_max(masked)  # ties to the smallest id
     d = row_distribution(masked, best, rows)
     total = d.total[:, None]  # > 0 unless no token is valid
     probs = d.weights.to(torch.float64) / torch.where(total > 0, total, torch.ones_like(total))
