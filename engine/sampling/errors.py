@@ -15,6 +15,7 @@ from enum import IntEnum
 
 import torch
 
+from engine.sampling.row_max import finite_rows
 from graphs.step_fields import SampleOutput
 
 
@@ -42,9 +43,7 @@ def row_errors(raw: torch.Tensor, nothing_left: torch.Tensor, nothing_allowed: t
     maximum (NaN where a NaN is in the row) when the caller has it. Returns:
     [rows] int64 codes. Capture-safe.
     """
-    # amax and amin propagate NaN, and an infinity is an extreme: two fast reductions.
-    row_max = raw.amax(-1) if row_max is None else row_max
-    finite = torch.isfinite(row_max) & torch.isfinite(raw.amin(-1))
+    finite = finite_rows(raw, row_max)
     ok = torch.full_like(nothing_left, int(RowError.OK), dtype=torch.int64)
     left = torch.where(nothing_left, int(RowError.NOTHING_LEFT), ok)
     if nothing_allowed is not None:

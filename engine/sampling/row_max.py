@@ -1,4 +1,5 @@
-"""Each row's largest value and the first index that holds it, in two short passes.
+"""Each row's largest value and the first index that holds it, in two short passes;
+whether a row is finite.
 
 `torch.max(dim)` tracks an index beside every compared value, which on CPU runs
 4 to 30 times slower than `amax` over the same row (2 AVX-512 cores, V = 49152
@@ -38,3 +39,11 @@ def first_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     values, block = blocks.amax(-1).max(-1)  # the first block that holds the row's maximum
     inside = blocks.gather(1, block.view(rows, 1, 1).expand(rows, 1, width)).view(rows, width).max(-1).indices
     return values, block * width + inside
+
+
+def finite_rows(x: torch.Tensor, row_max: torch.Tensor | None = None) -> torch.Tensor:
+    """[rows] bool: the rows of `x` [rows, V] float with no NaN and no infinity. `row_max`:
+    the rows' maxima (NaN where a NaN is in the row) when the caller has them. amax and
+    amin propagate NaN and an infinity is an extreme, so two reductions decide it."""
+    row_max = x.amax(-1) if row_max is None else row_max
+    return torch.isfinite(row_max) & torch.isfinite(x.amin(-1))

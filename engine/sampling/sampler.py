@@ -33,7 +33,7 @@ import torch
 from engine.sampling.draw import drawn_token, inverse_cdf_draw, plain_uniform
 from engine.sampling.errors import PLACEHOLDER_TOKEN, RowError, row_errors, write_placeholders
 from engine.sampling.logprobs import processed_row_logprobs, raw_logprobs
-from engine.sampling.row_max import first_max
+from engine.sampling.row_max import finite_rows, first_max
 from engine.sampling.rows import expand_rows
 from engine.sampling.thresholds import RowDistribution, row_distribution, suppressed_scores
 from engine.sampling.token_bitmask import apply_token_bitmask
@@ -100,19 +100,16 @@ def controlled_scores(raw: torch.Tensor, token_bitmask: torch.Tensor | None) -> 
 
 
 def _greedy(raw: torch.Tensor, params: RowParams, out: SampleOutput) -> SampleOutput:
-    """The "greedy" stage: every row greedy, none suppressed, no controls: the
-    argmax (ties to the smallest id), the forced token, the finite check, and
-    nothing else. `raw` [rows, V] f32. Capture-safe."""
+    """The "greedy" stage: every row greedy, none suppressed, no controls, no logprobs:
+    the argmax (ties to the smallest id), the forced token, the finite check, and
+    nothing else (the logprob fields stay untouched). `raw` [rows, V] f32. Capture-safe."""
     best, token = first_max(raw)  # the first of the largest; NaN and +inf show in `best`
     # Without suppression or controls a row always has a token: only the finite check can fail it.
-    error = row_errors(raw, torch.zeros_like(best, dtype=torch.bool), row_max=best)
-    failed = error != RowError.OK
+    finite = finite_rows(raw, row_max=best)
     forced = params.forced_tokens
-    token = torch.where(failed, PLACEHOLDER_TOKEN, torch.where(forced >= 0, forced, token))
-    out.tokens.copy_(token)
+    out.tokens.copy_(torch.where(finite, torch.where(forced >= 0, forced, token), PLACEHOLDER_TOKEN))
+    out.error.copy_(torch.where(finite, int(RowError.OK), int(RowError.LOGITS_NOT_FINITE)))
     out.needs_exact.fill_(False)
-    out.error.copy_(error)
-    write_placeholders(out, failed)
     return out
 
 
@@ -155,6 +152,8 @@ def sample(
     num_top = out.top_ids.shape[1]
     if num_top > vocab:
         raise ValueError(f"top-N={num_top}: exceeds the vocabulary V={vocab}")
+    if cfg.stages == "greedy" and unprocessed is None and token_bitmask is None and not (compute_logprobs and cfg.logprobs):
+        return _greedy(logits.to(torch.float32), params, out)  # no [rows, V] temporaries: no slices
     if cfg.chunk_rows and rows_n > cfg.chunk_rows:  # rows are independent: the same bits in slices
         whole = dataclasses.replace(cfg, chunk_rows=0)
         for start in range(0, rows_n, cfg.chunk_rows):
@@ -164,8 +163,6 @@ def sample(
                    unprocessed=None if unprocessed is None else unprocessed[start:stop],
                    token_bitmask=None if token_bitmask is None else token_bitmask[start:stop])
         return out
-    if cfg.stages == "greedy" and unprocessed is None and token_bitmask is None:
-        return _greedy(logits.to(torch.float32), params, out)
     raw = logits.to(torch.float32)  # [rows, V]
     # The controls' -inf (tokens not allowed) is no fault of the row: only the model's logits must be finite.
     plain = raw if unprocessed is None else unprocessed.to(torch.float32)  # [rows, V]
