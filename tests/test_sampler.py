@@ -618,15 +618,27 @@ def test_every_variant_that_can_serve_a_batch_gives_the_full_samplers_bits(batch
         assert torch.equal(thresholds.row_distribution(masked, best, rows, top_p=False).kept, kept)
 
 
-def test_greedy_stage_fails_non_finite_rows_like_the_full_sampler():
+@pytest.mark.parametrize("vocab", [50, 1024])  # 50: one torch.max pass; 1024: the blocked search
+def test_greedy_stage_fails_non_finite_rows_like_the_full_sampler(vocab):
     """The greedy fast path's finite check: NaN, +inf and -inf rows fail with
     LOGITS_NOT_FINITE and the placeholder; bystanders get the full sampler's
     tokens, forced tokens included."""
-    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(3))
-    logits[1, 7], logits[3, 0], logits[4, 49] = math.nan, math.inf, -math.inf
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(3))
+    logits[1, 7], logits[3, 0], logits[4, vocab - 1] = math.nan, math.inf, -math.inf
     params = _params(6, temperature=0.0, forced_tokens=np.array([-1, -1, 9, -1, -1, -1]))
     greedy = sample(logits, params, SamplerConfig(max_logprobs=0, stages="greedy"), compute_logprobs=False)
     full = sample(logits, params, SamplerConfig(max_logprobs=0), compute_logprobs=False)
     assert greedy.error.tolist() == full.error.tolist() == [0, 1, 0, 1, 1, 0]
     assert torch.equal(greedy.tokens, full.tokens) and int(greedy.tokens[2]) == 9
     assert greedy.tokens[[1, 3, 4]].tolist() == [PLACEHOLDER_TOKEN] * 3
+
+
+def test_a_greedy_variant_asked_for_logprobs_computes_them():
+    """The greedy fast path computes no logprobs: a call that wants them takes the
+    general path, whose tokens and logprobs are the full sampler's."""
+    logits = torch.randn(4, 1024, generator=torch.Generator().manual_seed(4))
+    params = _params(4, temperature=0.0)
+    greedy = sample(logits, params, SamplerConfig(max_logprobs=3, stages="greedy"))
+    full = sample(logits, params, SamplerConfig(max_logprobs=3))
+    for name in ("tokens", "logprob", "rank", "top_ids", "top_logprobs", "error"):
+        assert torch.equal(getattr(greedy, name), getattr(full, name)), name
