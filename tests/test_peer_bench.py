@@ -99,6 +99,7 @@ def test_report_prints_every_case_and_a_ratio_matrix_per_part(capsys):
     assert matrix == [[b, *(f"{200.0 / (100.0 + n):.2f}" for n in range(len(peer.CASES)))] for b in (1, 16)]
     assert "floor 11.32 ms" in out  # 49152 * 576 * 4 bytes at 10 GB/s
     assert floor["ours_us"] == 100.0 and floor["vllm_us"] == 200.0
+    assert floor["read_us"] > 0 and "a pure read of the weight (amax over it) took" in out
 
 
 def test_json_holds_every_result_with_its_ratio():

@@ -15,7 +15,9 @@ T=1 except greedy). B = 1, 16, 64, 256; V = 49152 (H = 576) and V = 128256
 printed with ratio = vLLM time / our time (higher is better for us). Also
 printed: the B=1 greedy tail's weight-read floor, the LM head's bytes over the
 copy bandwidth measured in the same run (read + write bytes of a large copy
-over its time).
+over its time), and beside it the time of one pure read of a weight of that
+size (`amax` over it): on a 2-core AMD EPYC VM that read alone took about
+1.5x the floor.
 
 vLLM comes from the peer venv (`make peer-venv`, never a project dependency).
 When vLLM is not importable in the running interpreter the bench runs itself
@@ -237,6 +239,14 @@ def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     return 2 * nbytes / seconds
 
 
+def read_seconds(rows: int, cols: int, repeats: int = 5) -> float:
+    """Seconds for one pure read of an fp32 [rows, cols] weight (`amax` over it), median:
+    the fastest any kernel here can stream the LM head, for comparison with the floor."""
+    weight = torch.ones(rows, cols)
+    weight.amax()
+    return statistics.median(timed(weight.amax)() for _ in range(repeats))
+
+
 # -- the benchmark ------------------------------------------------------------------
 
 
@@ -324,7 +334,9 @@ def report(results: Sequence[Result], floor: dict[str, float] | None, meta: dict
         print(f"\nB=1 greedy tail, V={floor['vocab']} H={floor['hidden']}: LM head {floor['weight_bytes'] / 1e6:.1f} MB "
               f"at a measured copy bandwidth of {floor['bandwidth'] / 1e9:.1f} GB/s -> floor {floor['floor_us'] / 1e3:.2f} ms; "
               f"ours {floor['ours_us'] / 1e3:.2f} ms ({floor['ours_us'] / floor['floor_us']:.2f}x the floor), "
-              f"vLLM {floor['vllm_us'] / 1e3:.2f} ms ({floor['vllm_us'] / floor['floor_us']:.2f}x)")
+              f"vLLM {floor['vllm_us'] / 1e3:.2f} ms ({floor['vllm_us'] / floor['floor_us']:.2f}x); "
+              f"a pure read of the weight (amax over it) took {floor['read_us'] / 1e3:.2f} ms "
+              f"({floor['read_us'] / floor['floor_us']:.2f}x the floor)")
 
 
 def to_json(results: Sequence[Result], floor: dict[str, float] | None, meta: dict[str, object]) -> str:
@@ -340,7 +352,8 @@ def weight_floor(results: Sequence[Result], bandwidth: float) -> dict[str, float
     r = min(found, key=lambda r: r.vocab)
     weight_bytes = r.vocab * r.hidden * 4
     return dict(vocab=r.vocab, hidden=r.hidden, weight_bytes=weight_bytes, bandwidth=bandwidth,
-                floor_us=weight_bytes / bandwidth * 1e6, ours_us=r.ours_us, vllm_us=r.vllm_us)
+                floor_us=weight_bytes / bandwidth * 1e6, ours_us=r.ours_us, vllm_us=r.vllm_us,
+                read_us=read_seconds(r.vocab, r.hidden) * 1e6)
 
 
 def main(argv: list[str] | None = None) -> int:
