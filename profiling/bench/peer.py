@@ -16,8 +16,8 @@ printed with ratio = vLLM time / our time (higher is better for us). Also
 printed: the B=1 greedy tail's weight-read floor, the LM head's bytes over the
 copy bandwidth measured in the same run (read + write bytes of a large copy
 over its time), and beside it the time of one pure read of a weight of that
-size (`amax` over it): on a 2-core AMD EPYC VM that read alone took about
-1.5x the floor.
+size (`amax` over it), which shows how close a kernel can come to the floor
+on this machine.
 
 vLLM comes from the peer venv (`make peer-venv`, never a project dependency).
 When vLLM is not importable in the running interpreter the bench runs itself
