@@ -240,8 +240,8 @@ def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
 
 
 def read_seconds(rows: int, cols: int, repeats: int = 5) -> float:
-    """Seconds for one pure read of an fp32 [rows, cols] weight (`amax` over it), median:
-    the fastest any kernel here can stream the LM head, for comparison with the floor."""
+    """Seconds for one pure read of an fp32 [rows, cols] weight (`amax` over it), median: how
+    fast a plain streaming read of the LM head's bytes runs here, beside the floor."""
     weight = torch.ones(rows, cols)
     weight.amax()
     return statistics.median(timed(weight.amax)() for _ in range(repeats))
