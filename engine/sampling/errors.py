@@ -15,7 +15,6 @@ from enum import IntEnum
 
 import torch
 
-from engine.sampling.row_max import finite_rows
 from graphs.step_fields import SampleOutput
 
 
@@ -32,20 +31,21 @@ class RowError(IntEnum):
 PLACEHOLDER_TOKEN = 0  # the token of a failed row: in the vocabulary, never emitted
 
 
-def row_errors(raw: torch.Tensor, nothing_left: torch.Tensor, nothing_allowed: torch.Tensor | None = None,
+def row_errors(raw: torch.Tensor, nothing_left: torch.Tensor | None, nothing_allowed: torch.Tensor | None = None,
                row_max: torch.Tensor | None = None) -> torch.Tensor:
     """Each row's `RowError`: not finite first, then nothing allowed by the
     token bitmask, then nothing left.
 
     Parameters: `raw` [rows, V] f32 logits; `nothing_left` [rows] bool, rows
-    whose controls leave no token; `nothing_allowed` [rows] bool or None, rows
-    whose token bitmask allows none; `row_max` [rows] f32, `raw`'s row
-    maximum (NaN where a NaN is in the row) when the caller has it. Returns:
-    [rows] int64 codes. Capture-safe.
+    whose controls leave no token, or None where no row can run out;
+    `nothing_allowed` [rows] bool or None, rows whose token bitmask allows
+    none; `row_max` [rows] f32, `raw`'s row maximum (NaN where a NaN is in
+    the row) when the caller has it. Returns: [rows] int64 codes. Capture-safe.
     """
-    finite = finite_rows(raw, row_max)
-    ok = torch.full_like(nothing_left, int(RowError.OK), dtype=torch.int64)
-    left = torch.where(nothing_left, int(RowError.NOTHING_LEFT), ok)
+    # amax and amin propagate NaN, and an infinity is an extreme: two fast reductions.
+    row_max = raw.amax(-1) if row_max is None else row_max
+    finite = torch.isfinite(row_max) & torch.isfinite(raw.amin(-1))
+    left = int(RowError.OK) if nothing_left is None else torch.where(nothing_left, int(RowError.NOTHING_LEFT), int(RowError.OK))
     if nothing_allowed is not None:
         left = torch.where(nothing_allowed, int(RowError.NO_TOKEN_ALLOWED), left)
     return torch.where(finite, left, int(RowError.LOGITS_NOT_FINITE))

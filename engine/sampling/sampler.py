@@ -33,7 +33,7 @@ import torch
 from engine.sampling.draw import drawn_token, inverse_cdf_draw, plain_uniform
 from engine.sampling.errors import PLACEHOLDER_TOKEN, RowError, row_errors, write_placeholders
 from engine.sampling.logprobs import processed_row_logprobs, raw_logprobs
-from engine.sampling.row_max import finite_rows, first_max
+from engine.sampling.row_max import first_max
 from engine.sampling.rows import expand_rows
 from engine.sampling.thresholds import RowDistribution, row_distribution, suppressed_scores
 from engine.sampling.token_bitmask import apply_token_bitmask
@@ -105,10 +105,10 @@ def _greedy(raw: torch.Tensor, params: RowParams, out: SampleOutput) -> SampleOu
     nothing else (the logprob fields stay untouched). `raw` [rows, V] f32. Capture-safe."""
     best, token = first_max(raw)  # the first of the largest; NaN and +inf show in `best`
     # Without suppression or controls a row always has a token: only the finite check can fail it.
-    finite = finite_rows(raw, row_max=best)
+    error = row_errors(raw, None, row_max=best)
     forced = params.forced_tokens
-    out.tokens.copy_(torch.where(finite, torch.where(forced >= 0, forced, token), PLACEHOLDER_TOKEN))
-    out.error.copy_(torch.where(finite, int(RowError.OK), int(RowError.LOGITS_NOT_FINITE)))
+    out.tokens.copy_(torch.where(error == RowError.OK, torch.where(forced >= 0, forced, token), PLACEHOLDER_TOKEN))
+    out.error.copy_(error)
     out.needs_exact.fill_(False)
     return out
 
