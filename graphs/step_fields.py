@@ -111,12 +111,14 @@ class RowParams:
 
     def rows(self, index: Sequence[int] | torch.Tensor) -> RowParams:
         """The same requests with only the given rows (used by the reference path)."""
-        index = torch.as_tensor(index, dtype=torch.int64, device=self.row_to_req.device)
-        return RowParams(**{f.name: getattr(self, f.name)[index] if f.name in _PER_ROW else getattr(self, f.name) for f in fields(self)})
+        return self._with_rows(torch.as_tensor(index, dtype=torch.int64, device=self.row_to_req.device))
 
     def row_slice(self, start: int, stop: int) -> RowParams:
         """The same requests with rows [start, stop) only: views, capture-safe."""
-        return RowParams(**{f.name: getattr(self, f.name)[start:stop] if f.name in _PER_ROW else getattr(self, f.name)
+        return self._with_rows(slice(start, stop))
+
+    def _with_rows(self, pick: torch.Tensor | slice) -> RowParams:
+        return RowParams(**{f.name: getattr(self, f.name)[pick] if f.name in _PER_ROW else getattr(self, f.name)
                             for f in fields(self)})
 
 
