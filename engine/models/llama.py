@@ -563,8 +563,7 @@ class LlamaModel:
         """
         slots, seqlens_q, seqlens_k = batch.slots[members], batch.seqlens_q[members], batch.seqlens_k[members]
         span, rows = len(slots), int(seqlens_q.max())
-        lengths, new = seqlens_k, seqlens_q
-        longest = int(lengths.max())
+        longest = int(seqlens_k.max())
         gather = None if np.array_equal(slots, np.arange(span)) else self._to_device(slots)
         # The group's tokens in batch order: their row in the batch and their query index j.
         offsets = batch.token_offsets[:-1][members]
@@ -572,21 +571,21 @@ class LlamaModel:
         token_rows = None if members.all() else self._to_device(np.repeat(offsets, seqlens_q) + j)
         if not self.batch_invariant:  # rows == 1
             keys = longest
-            lengths_t = self._to_device(lengths)
-            visible = torch.arange(longest, device=self.device)[None, :] < lengths_t[:, None]  # [span, longest]
+            lengths = self._to_device(seqlens_k)
+            visible = torch.arange(longest, device=self.device)[None, :] < lengths[:, None]  # [span, longest]
             # As an additive mask (0 or -inf, [span, 1, 1, longest]: over kv heads and stacked query
             # heads): what SDPA would turn a boolean mask into, in every layer.
             visible = torch.zeros(span, 1, 1, longest, device=self.device, dtype=self.dtype).masked_fill_(
                 ~visible[:, None, None, :], float("-inf"))
             return _DecodePlan(members, token_rows, gather, None, span, rows, keys, visible)
-        # `_tiled_attention`'s masks: query j sits at position length - new + j; padding rows
+        # `_tiled_attention`'s masks: query j sits at position seqlen_k - seqlen_q + j; padding rows
         # borrow the last real position. A (request, kv head)'s query tiles hold its group heads x
         # rows pairs, pair p = g * rows + j in row p % row_block of tile p // row_block; rows
         # past the last pair take pair p's query position for j = p % rows (and are dropped).
         qb, kb = self.row_block, self.key_block
         keys, group = _ceil_to(longest, kb), self.config.num_heads // self.config.num_kv_heads
         query_tiles = -(-group * rows // qb)
-        query_pos = np.minimum(lengths[:, None] - new[:, None] + np.arange(rows), lengths[:, None] - 1)  # [span, rows]
+        query_pos = np.minimum(seqlens_k[:, None] - seqlens_q[:, None] + np.arange(rows), seqlens_k[:, None] - 1)  # [span, rows]
         pair_pos = query_pos[:, np.arange(query_tiles * qb) % rows]  # [span, qt * qb]
         key_pos = torch.arange(keys, device=self.device).view(1, 1, 1, keys // kb, 1, kb)
         visible = key_pos <= self._to_device(pair_pos).view(span, 1, query_tiles, 1, qb, 1)  # [span, 1, qt, kt, qb, kb]
