@@ -255,12 +255,12 @@ def test_uninitialised_cache_memory_never_reaches_a_result(wide_weights: LlamaWe
 @pytest.mark.parametrize("batch_invariant", [False, True])
 def test_packed_gemms_agree_with_plain_ones(wide_weights: LlamaWeights, batch_invariant: bool) -> None:
     """oneDNN's and MKL's packed kernels may sum in another order than F.linear's: close,
-    not equal. Batch invariance holds either way (fixed block shape). Chunks of 40, 5, 12
-    and 2 rows: the fast mode runs the first three in one call on oneDNN's packed weight,
-    the last through F.linear."""
+    not equal. Batch invariance holds either way (fixed block shape). Chunks of 40, 5, 12,
+    2 and 1 rows: the fast mode runs the first four in one call on oneDNN's packed weight,
+    the last through `one_row_linear`."""
     packed, plain = make_model(wide_weights, batch_invariant), make_model(wide_weights, batch_invariant, packed_weights=False)
-    tokens = prompt_tokens(59, seed=9)
-    chunks = ((0, 40), (40, 45), (45, 57), (57, 59))
+    tokens = prompt_tokens(60, seed=9)
+    chunks = ((0, 40), (40, 45), (45, 57), (57, 59), (59, 60))
     results = []
     for model in (packed, plain):
         slot = model.allocate_slot()

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.step.invariance import choose_block_gemm, lm_head_candidates
-from engine.ops import block_gemm, gather, get_logits, onednn_linear
+from engine.ops import block_gemm, gather, get_logits, one_row_linear, onednn_linear
 from graphs.capture_safety import capture_safety_check
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.int8, torch.uint8, torch.bool]
@@ -126,6 +126,34 @@ def test_get_logits_plain_matches_float64_reference(dtype):
         assert got.dtype == torch.float32 and got.shape == (9, 50)
         tol = 1e-4 if dtype == torch.float32 else 0.1  # bf16 rounds the GEMM output to 8 bits
         assert torch.allclose(got.double(), want, atol=tol, rtol=tol)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 70), k=st.integers(1, 40), residual=st.booleans(), strided=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_one_row_linear_matches_a_float64_loop(n, k, residual, strided, dtype, seed):
+    """Every output is row . weight[j] (+ residual[j]), whatever slice count divides N (8, 4,
+    2 or none: F.linear), for a strided row and for a dtype the slices do not serve."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=gen).to(dtype)
+    x = torch.randn(1, 2 * k, generator=gen).to(dtype)[:, ::2] if strided else torch.randn(1, k, generator=gen).to(dtype)
+    res = torch.randn(1, n, generator=gen).to(dtype) if residual else None
+    got = one_row_linear(x, weight, res)
+    want = [sum(float(x[0, i]) * float(weight[j, i]) for i in range(k)) + (float(res[0, j]) if residual else 0.0)
+            for j in range(n)]
+    assert got.shape == (1, n) and got.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else 0.15
+    assert torch.allclose(got.double(), torch.tensor([want], dtype=torch.float64), atol=tol * k ** 0.5, rtol=tol)
+
+
+def test_get_logits_plain_one_row_is_the_rows_gemv():
+    """The plain LM head's one-row call is `one_row_linear`: the same bits."""
+    gen = torch.Generator().manual_seed(3)
+    weight, hidden = torch.randn(4096, 64, generator=gen), torch.randn(1, 64, generator=gen)
+    assert torch.equal(get_logits(hidden, weight), one_row_linear(hidden, weight))
+    torch.testing.assert_close(get_logits(hidden, weight), hidden @ weight.t(), atol=1e-4, rtol=1e-4)
+    half = weight.bfloat16()  # fp32 hidden, bf16 weight: computed in bf16, returned as fp32
+    torch.testing.assert_close(get_logits(hidden, half), (hidden.bfloat16() @ half.t()).float())
 
 
 def test_get_logits_writes_into_out_and_casts_hidden_to_weight_dtype():

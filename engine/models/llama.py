@@ -23,8 +23,8 @@ Two execution modes share every weight and the cache:
   instead of rsqrt.
 
 On CPU the projections run on prepacked copies of their weights: oneDNN's in fast mode
-from 4 rows on (one call per projection for any row count; oneDNN follows the CPU's ISA on
-any vendor; fewer rows run F.linear),
+from 2 rows on (one call per projection for any row count; oneDNN follows the CPU's ISA on
+any vendor; a one-row step runs `engine.ops.one_row_linear`),
 the first of oneDNN's and MKL's that the probe finds invariant in batch-invariant mode.
 The KV cache starts uninitialised and is zeroed only where attention reads masked
 padding.
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from engine.step.invariance import bmm_tiles_invariant, choose_block_gemm, warn_not_invariant
 from engine.models.protocol import ForwardBatch, check_forward_args
-from engine.ops import BlockGemm, block_gemm, onednn_linear
+from engine.ops import BlockGemm, block_gemm, one_row_linear, onednn_linear
 
 
 @dataclass(frozen=True)
@@ -151,12 +151,14 @@ class LlamaWeights:
 _PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
 # The fast mode's GEMMs from FAST_PACKED_FROM rows on: oneDNN's prepacked weights laid out
 # for 16-row GEMMs, one call per projection for any row count (oneDNN dispatches on the ISA:
-# AVX2, AVX-512, AMX; not on the vendor). Fewer rows run F.linear: a matrix-vector product
-# streams the weights once whatever the library, and on SmolLM2's projections (2 quiet Xeon
-# cores, fp32, all 30 layers) 1 row took 16.7 ms through F.linear against 23.7 ms on oneDNN's
-# layout, while 16 rows took 40.8 ms against 33.0 ms.
+# AVX2, AVX-512, AMX; not on the vendor). A one-row step runs `one_row_linear` (slices of
+# the weight as matrix-vector products side by side). SmolLM2's projections, all 30 layers,
+# fp32, 2 AMD EPYC cores: 1 row 17 ms that way against 24 ms on oneDNN and 41 ms through
+# F.linear; 2 and 3 rows 28 and 23 ms on oneDNN against 74 and 86 ms through F.linear (which
+# an earlier rule gave every step under 4 rows: on 2 Xeon cores F.linear had taken 16.7 ms
+# for one row against oneDNN's 23.7).
 FAST_PACK_ROWS = 16
-FAST_PACKED_FROM = 4
+FAST_PACKED_FROM = 2
 
 
 def fuse_layer(
@@ -530,6 +532,8 @@ class LlamaModel:
             # result cannot depend on how many rows share the step. (A single [rows, K] GEMM,
             # and even a bmm over the blocks, lets MKL change its blocking with the row count.)
             y = weight(x)
+        elif x.shape[0] == 1 and not self.batch_invariant:
+            return one_row_linear(x, weight, residual)  # a one-row step (FAST_PACKED_FROM)
         else:
             y = F.linear(x, weight)
         return y if residual is None else residual + y
