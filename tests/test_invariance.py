@@ -127,10 +127,12 @@ def test_model_kernels_at_smollm2_widths_are_verified(threads):
     """SmolLM2-135M's projection shapes (hidden 576, intermediate 1536, 9 heads of 64, 3 KV heads), one layer."""
     config = LlamaConfig.tiny(vocab_size=256, hidden_size=576, intermediate_size=1536, num_layers=1,
                               num_heads=9, num_kv_heads=3, head_dim=64)
-    model = LlamaModel.random(config, seed=0, batch_invariant=True, num_slots=2, max_context=64)
+    model = LlamaModel.random(config, seed=0, batch_invariant=True, num_slots=3, max_context=64)
     assert model.batch_invariant_verified
     assert set(model.gemm_kernels) == {"qkv", "o_proj", "gate_up", "down"}
     assert all(name.endswith("[16]") for name in model.gemm_kernels.values()), model.gemm_kernels
+    alone, crowd = hidden_alone_and_in_a_crowd(model)  # 5 rows against 18, short last blocks where verified
+    assert torch.equal(alone, crowd)
 
 
 def test_fast_model_promises_nothing():
@@ -291,3 +293,55 @@ def test_model_probe_catches_attention_tiles_that_depend_on_the_item_count(plant
         model = LlamaModel.random(LlamaConfig.tiny(), seed=0, batch_invariant=True, num_slots=4)
     assert not model.batch_invariant_verified
     assert all(name.endswith("[16]") for name in model.gemm_kernels.values())  # the projections hold
+
+
+# ---- short calls: a partial last block unpadded where the probe says its bits hold -----------------
+
+
+def exact_rows(kernel):
+    """A block kernel whose rows never depend on their neighbours (float64 products, rounded)."""
+    def rows(gemm: BlockGemm, block: torch.Tensor) -> torch.Tensor:
+        return (block.double() @ gemm.weight.double().t()).to(block.dtype)
+    return rows
+
+
+def off_below(fewest: int):
+    """A kernel whose calls of fewer than `fewest` rows are off by a tiny epsilon."""
+    def wrap(kernel):
+        def bad(gemm: BlockGemm, block: torch.Tensor) -> torch.Tensor:
+            out = kernel(gemm, block)
+            return out + out.abs() * 2**-20 if block.shape[0] < fewest else out
+        return bad
+    return wrap
+
+
+@pytest.mark.parametrize("fewest", [1, 2, 5, 8])
+def test_short_calls_from_finds_the_fewest_rows_that_keep_the_block_bits(planted, fewest):
+    planted(exact_rows, ("mm",))
+    planted(off_below(fewest), ("mm",))
+    gemm = block_gemm(torch.randn(300, 40), "mm", 8)
+    assert invariance.short_calls_from(gemm) == fewest  # 8: no short call keeps them
+    assert invariance.short_blocks_invariant(gemm) == (fewest == 1)
+
+
+def test_model_pads_a_step_only_to_the_short_calls_that_hold(planted):
+    """Every kernel's one-row calls are off: a one-token step must run as two rows, so a
+    request decoding alone gets the bits it gets beside another one; steps of 2 to 15 and
+    17 tokens run unpadded or nearly so."""
+    planted(exact_rows)
+    planted(off_below(2))
+    model = LlamaModel.random(LlamaConfig.tiny(), seed=0, batch_invariant=True, num_slots=4)
+    assert model.batch_invariant_verified
+    assert [model._step_rows(t) for t in (1, 2, 15, 16, 17, 18)] == [2, 2, 15, 16, 18, 18]
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, model.vocab_size, (6,), generator=gen) for _ in range(2)]
+    slots = [model.allocate_slot() for _ in range(3)]
+    for slot, prompt in zip(slots, (prompts[0], prompts[0], prompts[1])):
+        batch = ForwardBatch.of([slot], [6], [6])
+        model.forward(prompt, batch.positions(), batch)
+    token = torch.tensor([5])
+    batch = ForwardBatch.of([slots[0]], [1], [7])
+    alone = model.forward(token, batch.positions(), batch)
+    batch = ForwardBatch.of([slots[2], slots[1]], [1, 1], [7, 7])
+    crowd = model.forward(torch.tensor([9, 5]), batch.positions(), batch)[1:]
+    assert torch.equal(alone, crowd)

@@ -10,7 +10,9 @@ Two execution modes share every weight and the cache:
   whatever else shares the step and however its prompt was chunked. GEMM
   kernels pick their blocking (and so their summation order) from the matrix
   shape, so every linear layer runs one GEMM per fixed `[row_block, K]` row block
-  (the token rows are zero-padded up to a multiple of `row_block`). That one call shape
+  (the token rows are zero-padded up to a multiple of `row_block`, unless the probe found
+  that every projection's calls of fewer rows give each row the full block's bits: then
+  the last block runs unpadded). That one call shape
   gives every row one summation order is probed when the model is built
   (`engine.step.invariance`); a projection whose kernel fails falls back to another kernel or
   to a block size dividing `row_block`, and `batch_invariant_verified` says whether the
@@ -41,7 +43,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.step.invariance import bmm_tiles_invariant, choose_block_gemm, warn_not_invariant
+from engine.step.invariance import bmm_tiles_invariant, choose_block_gemm, short_calls_from, warn_not_invariant
 from engine.models.protocol import ForwardBatch, check_forward_args
 from engine.ops import BlockGemm, block_gemm, one_row_linear, onednn_linear
 
@@ -279,6 +281,7 @@ class LlamaModel:
         # Batch-invariant mode: each projection's verified block GEMM, e.g. {"qkv": "onednn[16]"}.
         self.gemm_kernels: dict[str, str] = {}
         self._invariant_layers: list[LayerWeights] = []
+        self._short_calls: list[tuple[int, int]] = []  # batch-invariant mode, see `_step_rows`
         self.batch_invariant_verified = batch_invariant and self._probe_invariant_kernels()
         kv_shape = (num_slots, self.cache_len, config.num_kv_heads, config.head_dim)
         # Uninitialised on purpose: positions are zeroed only as attention comes to read them
@@ -301,7 +304,7 @@ class LlamaModel:
         """Pick every projection's block GEMM (`engine.step.invariance`): the first of oneDNN's
         and MKL's packed GEMMs (when `packed_weights`) and plain `mm`, at `row_block` rows and then at each smaller
         divisor of it (the forward pads to whole `row_block` blocks, which they split
-        evenly), that is batch-invariant here; probe the attention tiles' two bmm shapes.
+        evenly, or to a last block of verified short calls: `_step_rows`), that is batch-invariant here; probe the attention tiles' two bmm shapes.
         Builds `_invariant_layers` and `gemm_kernels`; warns and returns False when a
         projection or a tile shape has nothing that holds."""
         kernels = ("onednn", "mkl_packed", "mm") if self.packed_weights else ("mm",)
@@ -314,18 +317,22 @@ class LlamaModel:
             return None if packed is None else getattr(packed[layer], name)
 
         failed = []
-        chosen: dict[str, tuple[str, int]] = {}
+        chosen: dict[str, BlockGemm] = {}
         for name in _PROJECTIONS:  # every layer has layer 0's shapes: one probe per projection
             gemm, holds = choose_block_gemm(gemm_of(0, name, kernel, rows) for rows in sizes for kernel in kernels)
-            chosen[name] = (gemm.kernel, gemm.block_rows)
+            chosen[name] = gemm
             self.gemm_kernels[name] = gemm.name
             if not holds:
                 failed.append(f"{name} {tuple(gemm.weight.shape)}")
         self._invariant_layers = [
-            LayerWeights(**{f.name: gemm_of(n, f.name, *chosen[f.name]) if f.name in _PROJECTIONS else getattr(layer, f.name)
+            LayerWeights(**{f.name: gemm_of(n, f.name, chosen[f.name].kernel, chosen[f.name].block_rows)
+                            if f.name in _PROJECTIONS else getattr(layer, f.name)
                             for f in fields(LayerWeights)})
             for n, layer in enumerate(self.weights.layers)
         ]
+        # Per projection: its block rows and the fewest rows a verified short call may have
+        # (`short_calls_from`); `_step_rows` pads a step only as far as they need.
+        self._short_calls = [(gemm.block_rows, short_calls_from(gemm)) for gemm in chosen.values()]
         qb, kb, d = self.row_block, self.key_block, self.config.head_dim
         for shape in ((qb, d, kb), (qb, kb, d)):  # scores q k^T, then probabilities x values
             if not bmm_tiles_invariant(*shape, self.dtype, self.device):
@@ -333,6 +340,16 @@ class LlamaModel:
         if failed:
             warn_not_invariant(f"the Llama model ({self.dtype} on {self.device}): " + ", ".join(failed))
         return not failed
+
+    def _step_rows(self, total: int) -> int:
+        """Batch-invariant mode: the rows a step of `total` tokens runs, padding included: the
+        fewest at or above `total` whose last partial block (if any) is, for every projection,
+        a short call the probe verified (`short_calls_from`: a projection with none verified
+        pads to its whole blocks)."""
+        rows = total
+        while not all(rows % block == 0 or rows % block >= fewest for block, fewest in self._short_calls):
+            rows += 1
+        return rows if self._short_calls else _ceil_to(total, self.row_block)
 
     @classmethod
     def random(cls, config: LlamaConfig, seed: int, **kwargs: object) -> LlamaModel:
@@ -431,7 +448,7 @@ class LlamaModel:
         cfg = self.config
         total = batch.num_tokens
         if self.batch_invariant:
-            rows = _ceil_to(total, self.row_block)
+            rows = self._step_rows(total)
             layers = self._invariant_layers
         else:
             rows = total
@@ -440,7 +457,7 @@ class LlamaModel:
         positions = positions.to(self.device)
         if rows > total:
             # Padding rows run through every layer (their results are dropped) so each GEMM sees
-            # whole row blocks (or the packed row count); token 0 at position 0 keeps them finite.
+            # whole row blocks; token 0 at position 0 keeps them finite.
             pad = torch.zeros(rows - total, dtype=torch.int64, device=self.device)
             token_ids, positions = torch.cat([token_ids, pad]), torch.cat([positions, pad])
 
@@ -527,10 +544,11 @@ class LlamaModel:
         if isinstance(weight, BlockGemm):
             if not self.batch_invariant:  # oneDNN's packed weight: one call for any row count
                 return onednn_linear(x, weight.packed, residual)
-            # x has a multiple of weight.block_rows rows. In batch-invariant mode: one GEMM call
-            # per block of a shape probed to give every row one summation order, so a row's
-            # result cannot depend on how many rows share the step. (A single [rows, K] GEMM,
-            # and even a bmm over the blocks, lets MKL change its blocking with the row count.)
+            # x has a multiple of weight.block_rows rows, or a last partial block where the
+            # short calls were verified. In batch-invariant mode: one GEMM call per block of a
+            # shape probed to give every row one summation order, so a row's result cannot
+            # depend on how many rows share the step. (A single [rows, K] GEMM, and even a bmm
+            # over the blocks, lets MKL change its blocking with the row count.)
             y = weight(x)
         elif x.shape[0] == 1 and not self.batch_invariant:
             return one_row_linear(x, weight, residual)  # a one-row step (FAST_PACKED_FROM)

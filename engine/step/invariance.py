@@ -133,12 +133,14 @@ def _alone(block: torch.Tensor, position: int) -> torch.Tensor:
     return alone
 
 
-def short_blocks_invariant(gemm: BlockGemm) -> bool:
-    """Whether calls of 1 .. block_rows - 1 rows give each row the bits a full block call
-    gives it (probed once per kernel, shape, dtype, device and thread count): then a
-    last, partial block may run unpadded (`BlockGemm.short_tail`)."""
+def short_calls_from(gemm: BlockGemm) -> int:
+    """The fewest rows n such that calls of n .. block_rows - 1 rows give each row the bits a
+    full block call gives it (probed once per kernel, shape, dtype, device and thread count);
+    `block_rows` when even a call of block_rows - 1 rows does not. A last, partial block of at
+    least that many rows may run unpadded. (On 2 AMD EPYC cores, oneDNN's one-row call of
+    SmolLM2's down projection, K = 1536, missed the block's bits; 2 to 15 rows kept them.)"""
     if _values_unavailable():
-        return False
+        return gemm.block_rows
     weight, rows = gemm.weight, gemm.block_rows
     key = ("short", gemm.kernel, rows, tuple(weight.shape), *_context(weight.dtype, weight.device))
     if key not in _verdicts:
@@ -146,10 +148,21 @@ def short_blocks_invariant(gemm: BlockGemm) -> bool:
         probe = torch.randn(rows, weight.shape[1], generator=gen).to(device=weight.device, dtype=weight.dtype)
         with torch.no_grad():
             reference = gemm(probe)
-            _verdicts[key] = all(
-                _same_bits(gemm(probe[start : start + n]), reference[start : start + n])
-                for n in range(1, rows) for start in dict.fromkeys((0, rows - n)))
+            fewest = rows
+            for n in range(rows - 1, 0, -1):  # from the longest short call down to one row
+                if not all(_same_bits(gemm(probe[start : start + n]), reference[start : start + n])
+                           for start in dict.fromkeys((0, rows - n))):
+                    break
+                fewest = n
+            _verdicts[key] = fewest
     return _verdicts[key]
+
+
+def short_blocks_invariant(gemm: BlockGemm) -> bool:
+    """Whether calls of 1 .. block_rows - 1 rows all give each row the bits a full block
+    call gives it: then a last, partial block of any size may run unpadded
+    (`BlockGemm.short_tail`)."""
+    return short_calls_from(gemm) == 1
 
 
 def choose_block_gemm(candidates: Iterable[BlockGemm | None]) -> tuple[BlockGemm, bool]:
