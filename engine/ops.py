@@ -76,7 +76,8 @@ class BlockGemm:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x `[n * block_rows, K]` in the weight's dtype -> `[n * block_rows, N]`, one kernel call per
-        block (a `short_tail` last block of fewer rows: one call of just those rows)."""
+        block. A last, partial block runs as one call of just its rows: for callers whose
+        probe verified such calls (`short_tail`, `engine.step.invariance.short_calls_from`)."""
         run = BLOCK_KERNELS[self.kernel]
         if x.shape[0] <= self.block_rows:  # one call, no concatenation (a [rows, V] copy for the LM head)
             return run(self, x)
@@ -127,7 +128,7 @@ def one_row_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
     chunks = next((c for c in GEMV_CHUNKS if n % c == 0), 0)
     if rows != 1 or not chunks or weight.device.type != "cpu" or weight.dtype != torch.float32 or not weight.is_contiguous():
         y = torch.nn.functional.linear(x, weight)
-    else:  # [chunks, N / chunks, K] x [chunks, K, 1]: slice c's outputs are tokens c * N / chunks onwards
+    else:  # [chunks, N / chunks, K] x [chunks, K, 1]: slice c holds outputs c * N / chunks onwards
         y = torch.bmm(weight.view(chunks, n // chunks, k), x.t().expand(chunks, k, 1)).view(1, n)
     return y if residual is None else residual + y
 

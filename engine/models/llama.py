@@ -10,9 +10,8 @@ Two execution modes share every weight and the cache:
   whatever else shares the step and however its prompt was chunked. GEMM
   kernels pick their blocking (and so their summation order) from the matrix
   shape, so every linear layer runs one GEMM per fixed `[row_block, K]` row block
-  (the token rows are zero-padded up to a multiple of `row_block`, unless the probe found
-  that every projection's calls of fewer rows give each row the full block's bits: then
-  the last block runs unpadded). That one call shape
+  (the token rows are zero-padded until the last block is whole or a call of a size whose
+  bits the probe verified against the whole block's: `_step_rows`). That one call shape
   gives every row one summation order is probed when the model is built
   (`engine.step.invariance`); a projection whose kernel fails falls back to another kernel or
   to a block size dividing `row_block`, and `batch_invariant_verified` says whether the
@@ -304,7 +303,8 @@ class LlamaModel:
         """Pick every projection's block GEMM (`engine.step.invariance`): the first of oneDNN's
         and MKL's packed GEMMs (when `packed_weights`) and plain `mm`, at `row_block` rows and then at each smaller
         divisor of it (the forward pads to whole `row_block` blocks, which they split
-        evenly, or to a last block of verified short calls: `_step_rows`), that is batch-invariant here; probe the attention tiles' two bmm shapes.
+        evenly, or to a last block of verified short calls: `_step_rows`), that is
+        batch-invariant here; probe the attention tiles' two bmm shapes.
         Builds `_invariant_layers` and `gemm_kernels`; warns and returns False when a
         projection or a tile shape has nothing that holds."""
         kernels = ("onednn", "mkl_packed", "mm") if self.packed_weights else ("mm",)
