@@ -45,13 +45,13 @@ def test_dry_run_passes_and_reports_ops_per_bucket(capsys: pytest.CaptureFixture
 def _plant(monkeypatch: pytest.MonkeyPatch, hazard) -> None:
     """Wrap the sampler's suppression stage (inside the captured step of every
     graph set) with `hazard`, given the masked scores and their row maximum."""
-    original = sampler_module.suppressed_scores
+    original = sampler_module.suppress_in_place
 
     def planted(scores, rows):
-        masked = original(scores, rows)
-        return hazard(masked, masked.amax(-1))
+        masked, restore = original(scores, rows)
+        return hazard(masked, masked.amax(-1)), restore
 
-    monkeypatch.setattr(sampler_module, "suppressed_scores", planted)
+    monkeypatch.setattr(sampler_module, "suppress_in_place", planted)
 
 
 def _cpu_constant(e: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:

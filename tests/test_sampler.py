@@ -15,7 +15,7 @@ from engine.sampling import filters, rng, thresholds
 from engine.sampling import sampler as sampler_module
 from engine.sampling import verify as verify_module
 from engine.sampling.exact import EXACT_CHUNK_ROWS, kept_sets, sample_exact, sample_reference
-from engine.sampling.errors import PLACEHOLDER_TOKEN
+from engine.sampling.errors import PLACEHOLDER_TOKEN, RowError
 from engine.sampling.logprobs import token_logprobs
 from engine.sampling.rows import expand_rows
 from engine.sampling.sampler import SamplerConfig, sample
@@ -547,6 +547,36 @@ def test_suppression_gives_one_verdict_per_token():
     scores[expected] = math.inf
     masked = thresholds.suppressed_scores(scores, rows)
     assert torch.equal(masked, torch.where(expected, -math.inf, scores))
+    scores[3, 3] = math.nan  # an unsuppressed NaN stays, and every value comes back
+    before = scores.clone()
+    in_place, restore = thresholds.suppress_in_place(scores, rows)
+    assert in_place.data_ptr() == scores.data_ptr()
+    assert torch.equal(in_place.nan_to_num(nan=7.0), torch.where(expected, -math.inf, before).nan_to_num(nan=7.0))
+    restore()
+    assert torch.equal(scores.view(torch.int32), before.view(torch.int32))
+
+
+def test_sample_hands_back_its_logits_unchanged_even_when_it_raises():
+    """The sampler suppresses stop ids in its f32 logits in place: afterwards every bit
+    is back, suppressed rows, duplicate slots and a NaN row included, and also when the
+    kept-set stage raises half way."""
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 300, generator=gen) * 3
+    logits[2, 17] = math.nan
+    stop_ids = np.array([[1, 5], [5, 5], [1, 7], [-1, -1], [1, 299], [0, -1]])
+    params = _params(6, temperature=np.array([0.0, 1.0, 0.7, 1.0, 1.3, 0.0]), top_k=np.array([0, 20, 0, 0, 5, 0]),
+                     top_p=np.array([1.0, 0.9, 1.0, 1.0, 0.8, 1.0]), stop_ids=stop_ids,
+                     eos_suppression_rows=np.array([True, True, True, False, True, True]))
+    before = logits.clone()
+    out = sample(logits, params, SamplerConfig(candidate_cap=64, max_logprobs=2))
+    assert (out.error == RowError.OK).sum() == 5 and out.error[2] == RowError.LOGITS_NOT_FINITE
+    assert torch.equal(logits.view(torch.int32), before.view(torch.int32))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("planted")
+    with pytest.raises(RuntimeError, match="planted"):
+        sample(logits, params, SamplerConfig(candidate_cap=64, max_logprobs=2), distribution=broken)
+    assert torch.equal(logits.view(torch.int32), before.view(torch.int32))
 
 
 def test_results_do_not_depend_on_the_logits_memory_layout():

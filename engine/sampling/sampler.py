@@ -35,7 +35,7 @@ from engine.sampling.errors import PLACEHOLDER_TOKEN, RowError, row_errors, writ
 from engine.sampling.logprobs import processed_row_logprobs, raw_logprobs
 from engine.sampling.row_max import first_max
 from engine.sampling.rows import expand_rows
-from engine.sampling.thresholds import RowDistribution, row_distribution, suppressed_scores
+from engine.sampling.thresholds import RowDistribution, row_distribution, suppress_in_place
 from engine.sampling.token_bitmask import apply_token_bitmask
 from graphs.step_fields import RowParams, SampleOutput
 
@@ -127,7 +127,9 @@ def sample(
     """Sample one token per row; capture-safe.
 
     Parameters: `logits` [rows, V] (any float dtype, read as f32) on the
-    sampling device; `params` their controls (same device); `cfg` the
+    sampling device (an f32 `logits` is written during the call, at the
+    suppressed stop ids, and holds its own values again when it returns,
+    raising or not); `params` their controls (same device); `cfg` the
     sampler's; `out` preallocated outputs (None: allocated, top-N =
     cfg.max_logprobs). `compute_logprobs=False` leaves logprob, rank and
     top-N of the rows untouched. `unprocessed` [rows, V] f32 (same device):
@@ -169,17 +171,22 @@ def sample(
     rows = expand_rows(params, vocab)  # the forced token is among them; it overrides the draw below
     # Everything below draws from the controlled scores; the finite check and raw logprobs read `plain`.
     scores, nothing_allowed = controlled_scores(raw, token_bitmask)  # [rows, V] f32
-    masked = suppressed_scores(scores, rows)  # suppressed stop ids -inf
-    best, greedy = first_max(masked)  # the first of the largest: ties go to the smallest id
     compute_logprobs = compute_logprobs and cfg.logprobs
     processed = compute_logprobs and cfg.logprobs_mode == "processed"
     d = None
-    if cfg.stages != "greedy" or processed:
-        # Processed logprobs report the kept set of greedy rows too: every filter runs.
-        full = cfg.stages != "filters" and processed
-        d = (distribution or row_distribution)(
-            masked, best, rows, filters=cfg.stages == "filters" or processed,
-            top_k="radix" if full else cfg.top_k, top_k_width=cfg.candidate_cap, top_p=cfg.top_p or full)
+    # Suppressed stop ids -inf, in `scores` itself until `restore` (`scores` may be `plain`,
+    # even the caller's `logits`): only the masked scores are read until then.
+    masked, restore = suppress_in_place(scores, rows)
+    try:
+        best, greedy = first_max(masked)  # the first of the largest: ties go to the smallest id
+        if cfg.stages != "greedy" or processed:
+            # Processed logprobs report the kept set of greedy rows too: every filter runs.
+            full = cfg.stages != "filters" and processed
+            d = (distribution or row_distribution)(
+                masked, best, rows, filters=cfg.stages == "filters" or processed,
+                top_k="radix" if full else cfg.top_k, top_k_width=cfg.candidate_cap, top_p=cfg.top_p or full)
+    finally:
+        restore()
     drawn = greedy if cfg.stages == "greedy" else inverse_cdf_draw(d.weights, d.block_mass, plain_uniform(rows))
     token = drawn_token(rows, greedy, drawn)  # the forced token overrides both
     # No valid token: an all -inf row's maximum is -inf. A NaN row's picks

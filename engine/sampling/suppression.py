@@ -3,8 +3,9 @@
 While a request has generated fewer than `min_tokens` tokens, its rows flagged
 in `eos_suppression_rows` give the EOS / stop ids z = -inf. One definition,
 `suppressed_at`, decides whether a (row, token id) pair is suppressed; the
-sampler applies it to whole rows (`thresholds.suppressed_scores`), the
-vocab-parallel candidate exchange to its candidates (`suppression_and_shift`).
+sampler applies it to whole rows (`thresholds.suppress_in_place`; verification
+to a copy, `suppressed_scores`), the vocab-parallel candidate exchange to its
+candidates (`suppression_and_shift`).
 
 Duplicate slots. A row's stop-id slots may name the same id twice, and a
 padding slot (-1, clamped to 0) lands on token 0 even when 0 is a real,
