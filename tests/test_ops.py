@@ -146,7 +146,7 @@ def test_one_row_linear_matches_a_float64_loop(n, k, residual, strided, dtype, s
     assert torch.allclose(got.double(), torch.tensor([want], dtype=torch.float64), atol=tol * k ** 0.5, rtol=tol)
 
 
-def test_get_logits_plain_one_row_is_the_rows_gemv():
+def test_get_logits_plain_one_row_runs_one_row_linear():
     """The plain LM head's one-row call is `one_row_linear`: the same bits."""
     gen = torch.Generator().manual_seed(3)
     weight, hidden = torch.randn(4096, 64, generator=gen), torch.randn(1, 64, generator=gen)
