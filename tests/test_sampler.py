@@ -559,17 +559,21 @@ def test_suppression_gives_one_verdict_per_token():
 def test_sample_hands_back_its_logits_unchanged_even_when_it_raises():
     """The sampler suppresses stop ids in its f32 logits in place: afterwards every bit
     is back, suppressed rows, duplicate slots and a NaN row included, and also when the
-    kept-set stage raises half way."""
+    kept-set stage raises half way. A NaN or +inf at a suppressed stop id still fails its
+    row (the finite check takes the masked maximum and the stop slots' values)."""
     gen = torch.Generator().manual_seed(4)
     logits = torch.randn(6, 300, generator=gen) * 3
     logits[2, 17] = math.nan
+    logits[0, 5] = math.nan  # at suppressed stop ids: still the model's logits, still not finite
+    logits[4, 299] = math.inf
     stop_ids = np.array([[1, 5], [5, 5], [1, 7], [-1, -1], [1, 299], [0, -1]])
     params = _params(6, temperature=np.array([0.0, 1.0, 0.7, 1.0, 1.3, 0.0]), top_k=np.array([0, 20, 0, 0, 5, 0]),
                      top_p=np.array([1.0, 0.9, 1.0, 1.0, 0.8, 1.0]), stop_ids=stop_ids,
                      eos_suppression_rows=np.array([True, True, True, False, True, True]))
     before = logits.clone()
     out = sample(logits, params, SamplerConfig(candidate_cap=64, max_logprobs=2))
-    assert (out.error == RowError.OK).sum() == 5 and out.error[2] == RowError.LOGITS_NOT_FINITE
+    assert out.error.tolist() == [RowError.LOGITS_NOT_FINITE, 0, RowError.LOGITS_NOT_FINITE, 0,
+                                  RowError.LOGITS_NOT_FINITE, 0]
     assert torch.equal(logits.view(torch.int32), before.view(torch.int32))
 
     def broken(*args, **kwargs):

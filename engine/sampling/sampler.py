@@ -192,7 +192,12 @@ def sample(
     # No valid token: an all -inf row's maximum is -inf. A NaN row's picks
     # may be anything in the vocabulary: the placeholder replaces them.
     nothing_left = best == -math.inf
-    error = row_errors(plain, nothing_left, nothing_allowed)
+    row_max = None  # the finite check's row maximum of `plain`: one more pass over the rows
+    if token_bitmask is None and unprocessed is None:
+        # `masked` is `plain` but at the stop-id slots: their values and `best` give plain's
+        # maximum (NaN and +inf included: both reductions and `maximum` propagate NaN).
+        row_max = torch.maximum(best, plain.gather(1, rows.stop_ids.clamp(max=vocab - 1)).amax(-1))
+    error = row_errors(plain, nothing_left, nothing_allowed, row_max=row_max)
     failed = error != RowError.OK
     token = torch.where(failed, PLACEHOLDER_TOKEN, token)
     if compute_logprobs:
