@@ -349,7 +349,7 @@ class LlamaModel:
         rows = total
         while not all(rows % block == 0 or rows % block >= fewest for block, fewest in self._short_calls):
             rows += 1
-        return rows if self._short_calls else _ceil_to(total, self.row_block)
+        return rows
 
     @classmethod
     def random(cls, config: LlamaConfig, seed: int, **kwargs: object) -> LlamaModel:

@@ -12,7 +12,6 @@ row's bits.
 from __future__ import annotations
 
 import math
-
 from enum import IntEnum
 
 import torch
