@@ -5,6 +5,7 @@ depend on tensor values. The same code runs on CPU and CUDA.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -133,13 +134,29 @@ def one_row_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
     return y if residual is None else residual + y
 
 
+@functools.lru_cache(maxsize=None)
+def onednn_runs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs and multiplies `dtype` weights on this CPU. Its kernels follow
+    the ISA: bf16 needs AVX-512 (bw, vl, dq) or AVX-NE-CONVERT, and on a CPU without them
+    (an AVX2-only AMD EPYC, say) packing raises. Tried once per dtype on an 8 x 8 weight."""
+    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+        return False
+    weight = torch.ones((8, 8), dtype=dtype)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        torch.ops.mkldnn._linear_pointwise(torch.ones((1, 8), dtype=dtype), packed, None, "none", [None], "")
+    except RuntimeError:
+        return False
+    return True
+
+
 def onednn_pack(weight: torch.Tensor, rows: int) -> torch.Tensor | None:
     """`weight` `[N, K]` in oneDNN's blocked layout for GEMMs of about `rows` rows (any row
-    count runs on it), or None where oneDNN does not apply: a CPU weight in fp32 or bf16,
-    dense, and a torch built with oneDNN."""
-    if (weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16)
-            or not weight.is_contiguous() or not torch.backends.mkldnn.is_available()
-            or torch._guards.detect_fake_mode() is not None):
+    count runs on it), or None where oneDNN does not apply: a dense CPU weight in a dtype
+    oneDNN runs on this CPU (`onednn_runs`: fp32, and bf16 where the ISA has it), and a
+    torch built with oneDNN."""
+    if (weight.device.type != "cpu" or not weight.is_contiguous()
+            or torch._guards.detect_fake_mode() is not None or not onednn_runs(weight.dtype)):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
 
@@ -158,8 +175,8 @@ BLOCK_KERNELS: dict[str, Callable[[BlockGemm, torch.Tensor], torch.Tensor]] = {
 
 def block_gemm(weight: torch.Tensor, kernel: str, block_rows: int) -> BlockGemm | None:
     """`weight` [N, K] prepared for `kernel` at `block_rows`-row blocks, or None where the
-    kernel does not apply. `onednn` needs a dense fp32 or bf16 CPU weight and a torch with
-    oneDNN (`onednn_pack`); `mkl_packed` a dense fp32 CPU weight and a torch with MKL
+    kernel does not apply. `onednn` needs a dense CPU weight in a dtype oneDNN runs on this
+    CPU and a torch with oneDNN (`onednn_pack`); `mkl_packed` a dense fp32 CPU weight and a torch with MKL
     (measured at H = 576, V = 49152, 16-row blocks, 2 AVX-512 cores: 8.8 ms per block
     against 12.6 ms for `mm`)."""
     if block_rows < 1:

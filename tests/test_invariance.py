@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine
+from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine, ops
 from engine.step import invariance
 from engine.models.llama import LlamaConfig, LlamaModel
 from engine.models.protocol import ForwardBatch
@@ -133,6 +133,20 @@ def test_model_kernels_at_smollm2_widths_are_verified(threads):
     assert all(name.endswith("[16]") for name in model.gemm_kernels.values()), model.gemm_kernels
     alone, crowd = hidden_alone_and_in_a_crowd(model)  # 5 rows against 18, short last blocks where verified
     assert torch.equal(alone, crowd)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cpu_where_onednn_refuses_the_dtype_gets_another_verified_kernel(dtype, monkeypatch):
+    """Planted: oneDNN refusing every dtype, as it refuses bf16 on AVX2. The engine and the
+    batch-invariant model must still build, on a kernel their probe verified."""
+    monkeypatch.setattr(ops, "onednn_runs", lambda dtype: False)
+    weight = torch.randn(256, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    assert block_gemm(weight, "onednn", 16) is None
+    engine = StepEngine(weight, EngineConfig(max_num_reqs=4, sampler_variants=False))
+    assert engine.batch_invariant_verified and not engine.logits_kernel.name.startswith("onednn")
+    model = LlamaModel.random(LlamaConfig.tiny(), seed=0, batch_invariant=True, num_slots=2, max_context=32, dtype=dtype)
+    assert model.batch_invariant_verified
+    assert not any(name.startswith("onednn") for name in model.gemm_kernels.values()), model.gemm_kernels
 
 
 def test_fast_model_promises_nothing():

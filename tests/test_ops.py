@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from engine.ops import block_gemm, gather, get_logits, one_row_linear, onednn_linear, onednn_runs
 from engine.step.invariance import choose_block_gemm, lm_head_candidates
-from engine.ops import block_gemm, gather, get_logits, one_row_linear, onednn_linear
 from graphs.capture_safety import capture_safety_check
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.int8, torch.uint8, torch.bool]
@@ -227,6 +227,21 @@ def test_onednn_blocks_and_any_row_calls_are_close_to_plain_ones():
         residual = torch.randn(batch, 2048, generator=gen)
         torch.testing.assert_close(onednn_linear(others, packed.packed), plain, atol=1e-4, rtol=1e-5)
         torch.testing.assert_close(onednn_linear(others, packed.packed, residual), plain + residual, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednn_runs_says_whether_this_cpu_packs_the_dtype(dtype):
+    """oneDNN refuses bf16 on CPUs without AVX-512 or AVX-NE-CONVERT (an AVX2-only AMD EPYC):
+    `onednn_runs` must agree with a direct try, and where it says no, nothing is packed."""
+    weight = torch.randn(64, 32, generator=torch.Generator().manual_seed(0)).to(dtype)
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(weight, 16)
+        direct = torch.backends.mkldnn.is_available()
+    except RuntimeError:
+        direct = False
+    assert onednn_runs(dtype) == direct
+    assert (block_gemm(weight, "onednn", 16) is not None) == direct
+    assert not onednn_runs(torch.float64)
 
 
 def test_get_logits_rejects_a_kernel_of_another_weight():
