@@ -29,7 +29,7 @@ _ALIGN = 8  # bytes; every field starts 8-aligned so any dtype view is legal
 # torch has no uint64 arithmetic, and the sampler's hash works on the bits.
 _STAGED_AS = {np.dtype(np.uint64): np.dtype(np.int64)}
 _TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
-          np.dtype(np.float32): torch.float32, np.dtype(np.bool_): torch.bool}
+          np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64, np.dtype(np.bool_): torch.bool}
 # Step-dependent padding of per-row fields, resolved by `_padding_rules`.
 _PADDING_RULES = ("padding request", "past request rows")
 

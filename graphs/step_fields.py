@@ -43,6 +43,9 @@ class RowParams:
     local_step: torch.Tensor  # [rows] int64
     eos_suppression_rows: torch.Tensor  # [rows] bool
     forced_tokens: torch.Tensor  # [rows] int64, -1 = none
+    # [rows] f64: each row's inverse-CDF uniform, hashed on the host from its seed and position
+    # (the staged field); None: the sampler hashes it on the device, to the same bits.
+    draw_uniforms: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -63,9 +66,11 @@ class RowParams:
         stop_ids: np.ndarray | None = None,
         eos_suppression_rows: np.ndarray | None = None,
         forced_tokens: np.ndarray | None = None,
+        draw_uniforms: np.ndarray | None = None,
         device: torch.device | str = "cpu",
     ) -> RowParams:
-        """Host arrays (the ledger's dtypes: seeds uint64, indices int32) to device tensors."""
+        """Host arrays (the ledger's dtypes: seeds uint64, indices int32) to device tensors.
+        Without `draw_uniforms` the sampler hashes the rows' uniforms on the device."""
         num_reqs, num_rows = len(temperatures), len(row_to_req)
         if stop_ids is None:
             stop_ids = np.full((num_reqs, 1), -1, dtype=np.int64)
@@ -91,6 +96,7 @@ class RowParams:
             local_step=tensor(local_step, torch.int64),
             eos_suppression_rows=tensor(eos_suppression_rows, torch.bool),
             forced_tokens=tensor(forced_tokens, torch.int64),
+            draw_uniforms=None if draw_uniforms is None else tensor(draw_uniforms, torch.float64),
         )
 
     @classmethod
@@ -118,12 +124,15 @@ class RowParams:
         return self._with_rows(slice(start, stop))
 
     def _with_rows(self, pick: torch.Tensor | slice) -> RowParams:
-        return RowParams(**{f.name: getattr(self, f.name)[pick] if f.name in _PER_ROW else getattr(self, f.name)
-                            for f in fields(self)})
+        def picked(name: str) -> torch.Tensor | None:
+            value = getattr(self, name)
+            return value[pick] if name in _PER_ROW and value is not None else value
+
+        return RowParams(**{f.name: picked(f.name) for f in fields(self)})
 
 
 # The RowParams fields with one entry per sample row (the rest: one per request).
-_PER_ROW = frozenset({"row_to_req", "local_step", "eos_suppression_rows", "forced_tokens"})
+_PER_ROW = frozenset({"row_to_req", "local_step", "eos_suppression_rows", "forced_tokens", "draw_uniforms"})
 
 
 @dataclass

@@ -6,8 +6,12 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from engine.host.draw_uniforms import draw_uniforms, staged_draw_uniforms
 from engine.sampling import rng
+from engine.sampling.draw import INVERSE_CDF_COUNTER
 
 
 def _ks_statistic(u: np.ndarray) -> float:
@@ -116,6 +120,38 @@ def test_known_values_pin_the_hash():
 
 
 _PINNED = [4201230912, 1348133266, 1503725625]
+
+
+@settings(max_examples=60, deadline=None)
+@given(seeds=st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=40),
+       positions=st.lists(st.integers(0, 2**62), min_size=40, max_size=40))
+def test_the_hosts_draw_uniforms_are_the_devices_bits(seeds, positions):
+    """The numpy twin (`engine.host.draw_uniforms`) against `rng.uniform` on the draw's
+    stream and counter: every uint64 seed (high bit included), positions past 2**32."""
+    seed = np.array(seeds, dtype=np.uint64)
+    position = np.array(positions[: len(seeds)], dtype=np.int64)
+    device = rng.uniform(torch.from_numpy(seed.view(np.int64)), torch.from_numpy(position), rng.TARGET,
+                         torch.tensor(INVERSE_CDF_COUNTER))
+    np.testing.assert_array_equal(draw_uniforms(seed, position), device.numpy())
+    np.testing.assert_array_equal(draw_uniforms(seed.view(np.int64), position), device.numpy())  # int64 bits
+    many = np.resize(seed, 3 * len(seed) + 17), np.resize(position, 3 * len(seed) + 17)  # the numpy path too
+    np.testing.assert_array_equal(draw_uniforms(*many), np.resize(device.numpy(), len(many[0])))
+
+
+def test_staged_draw_uniforms_follow_each_rows_request_and_position():
+    """Row r: its request's seed, position sample_positions[request] + local_step[r]
+    (docs/contract.md §1.2), as a per-row Python loop computes it."""
+    seeds = np.array([5, 2**64 - 3, 77], dtype=np.uint64)
+    sample_positions = np.array([10, 2**33, 0], dtype=np.int64)
+    row_to_req = np.array([0, 1, 1, 1, 2], dtype=np.int32)
+    local_step = np.array([0, 0, 1, 2, 0], dtype=np.int32)
+    got = staged_draw_uniforms(seeds, sample_positions, row_to_req, local_step)
+    for r, (req, j) in enumerate(zip(row_to_req, local_step)):
+        seed = int(seeds[req]) - (2**64 if seeds[req] >= 2**63 else 0)  # the uint64's int64 bits
+        position = int(sample_positions[req]) + int(j)
+        want = rng.uniform(torch.tensor(seed), torch.tensor(position), rng.TARGET, torch.tensor(INVERSE_CDF_COUNTER))
+        assert got[r] == want.item(), r
+    assert staged_draw_uniforms(seeds, sample_positions, row_to_req[:0], local_step[:0]).shape == (0,)
 
 
 def test_rejects_bad_stream():

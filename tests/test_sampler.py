@@ -416,7 +416,7 @@ def test_same_results_on_cuda():
     params = _params(64, temperature=np.tile([0, 1, 0.7, 1.2], 16), top_k=np.tile([0, 0, 50, 0], 16), top_p=np.tile([1, 1, 0.9, 0.6], 16))
     cfg = SamplerConfig(candidate_cap=256, max_logprobs=5)
     cpu = sample(logits, params, cfg)
-    cuda_params = RowParams(**{name: value.cuda() for name, value in vars(params).items()})
+    cuda_params = RowParams(**{name: None if value is None else value.cuda() for name, value in vars(params).items()})
     gpu = sample(logits.cuda(), cuda_params, cfg)
     assert torch.equal(cpu.tokens, gpu.tokens.cpu())
     assert torch.equal(cpu.needs_exact, gpu.needs_exact.cpu())

@@ -98,7 +98,7 @@ def test_every_field_has_the_contract_name_and_a_full_declaration():
         "selected_token_indices", "row_to_req", "local_step", "eos_suppression_rows", "forced_tokens",
         "temperatures", "top_ks", "top_ps", "min_ps", "seeds", "sample_positions", "stop_ids", "row_drafts",
         "mtp_info_read_rows", "has_draft_probs", "mtp_info_write_slots", "next_draft_tokens", "next_draft_logprobs",
-        "control_slots",
+        "control_slots", "draw_uniforms",
     }
     assert [f.name for f in STEP_FIELDS] == list(dict.fromkeys(f.name for f in STEP_FIELDS))  # once each
     assert {f.name for f in STEP_FIELDS} == contract
@@ -180,7 +180,7 @@ def test_padding_values_come_from_the_declaration():
 @pytest.mark.parametrize(
     "change, match",
     [
-        (lambda fs: fs + (dataclasses.replace(fs[0], name="wide", dtype=np.float64),), "'wide': dtype=float64"),
+        (lambda fs: fs + (dataclasses.replace(fs[0], name="wide", dtype=np.complex128),), "'wide': dtype=complex128"),
         (lambda fs: fs + (dataclasses.replace(fs[0], name="ruled", padding="mean of the row"),), "'ruled': padding="),
         (lambda fs: fs + (dataclasses.replace(fs[0], name="odd", width="vocab"),), "'odd': width='vocab'"),
         (lambda fs: fs + fs[-1:], "'next_draft_logprobs': declared twice"),

@@ -95,6 +95,8 @@ STEP_FIELDS: tuple[StepField, ...] = (
               "rows whose EOS and stop ids are masked: fewer than min_tokens generated", host_form="row numbers"),
     StepField("forced_tokens", np.int64, "row", -1, "sample", "ledger",
               "forced token of the row (SeqMeta.forced_token on a request's first sample row), -1 = none"),
+    StepField("draw_uniforms", np.float64, "row", 0.5, "sample", "engine",
+              "uniform of the row's inverse-CDF draw, hashed on the host from its seed and position"),
     StepField("row_drafts", np.int64, "row", -1, "verify", "step(draft_tokens)",
               "draft the row verifies: a token, -1 none (a request's last row), -2 from the draft-info pool"),
     StepField("has_draft_probs", np.bool_, "row", False, "verify", "step(draft_logprobs)",

@@ -78,7 +78,10 @@ def gumbel_race(
 
 
 def plain_uniform(rows: SamplingRows) -> torch.Tensor:
-    """[rows] f64: the one uniform of each row's inverse-CDF draw. Capture-safe."""
+    """[rows] f64: the one uniform of each row's inverse-CDF draw: the staged one where the
+    host hashed it (`engine.host.draw_uniforms`, the same bits), else hashed here. Capture-safe."""
+    if rows.uniform is not None:
+        return rows.uniform
     counter = torch.full((), INVERSE_CDF_COUNTER, device=rows.seed.device)
     return uniform(rows.seed, rows.position, TARGET, counter)
 

@@ -32,6 +32,7 @@ class SamplingRows:
     stop_ids: torch.Tensor  # [rows, S] int64, clamped to >= 0
     stop_active: torch.Tensor  # [rows, S] bool: this id is suppressed on this row
     forced: torch.Tensor  # [rows] int64, -1 = none
+    uniform: torch.Tensor | None = None  # [rows] f64: the draw's uniform, hashed on the host (None: not staged)
 
 
 def expand_rows(params: RowParams, vocab: int) -> SamplingRows:
@@ -65,4 +66,5 @@ def expand_rows(params: RowParams, vocab: int) -> SamplingRows:
         stop_ids=stop.clamp(min=0),
         stop_active=params.eos_suppression_rows[:, None] & (stop >= 0),
         forced=params.forced_tokens,
+        uniform=params.draw_uniforms,
     )

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from engine.host.draw_uniforms import staged_draw_uniforms
 from engine.host.ledger import SamplerInputs
 from engine.host.step_fields import FROM_LEDGER_FIELDS, STEP_FIELDS
 
@@ -42,8 +43,13 @@ class StepArrays(_StagedFields):
 
     @classmethod
     def from_inputs(cls, inputs: SamplerInputs, stop_ids: np.ndarray) -> StepArrays:
-        """The ledger's fields, and the stop-id matrix [n, max_stop_ids] the engine built."""
-        return cls(stop_ids=stop_ids, **{f.name: getattr(inputs, f.name) for f in FROM_LEDGER_FIELDS})
+        """The ledger's fields, the stop-id matrix [n, max_stop_ids] the engine built, and
+        each row's draw uniform (`engine.host.draw_uniforms`; padding only when every
+        request is greedy: a greedy row never reads it)."""
+        uniforms = None
+        if (inputs.temperatures != 0).any():
+            uniforms = staged_draw_uniforms(inputs.seeds, inputs.sample_positions, inputs.row_to_req, inputs.local_step)
+        return cls(stop_ids=stop_ids, draw_uniforms=uniforms, **{f.name: getattr(inputs, f.name) for f in FROM_LEDGER_FIELDS})
 
     def requests(self, a: int, b: int, sample_offsets: np.ndarray, sample_counts: np.ndarray) -> StepArrays:
         """The arrays of requests [a, b), renumbered from 0."""

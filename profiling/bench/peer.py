@@ -46,6 +46,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from engine.host.draw_uniforms import staged_draw_uniforms
 from engine.host.params import SamplingParams, SeqMeta
 from engine.sampling.sampler import SamplerConfig, sample
 from graphs.step_fields import RowParams, SampleOutput
@@ -164,6 +165,8 @@ def vllm_metadata(v: SimpleNamespace, case: str, batch: int) -> object:
 
 
 def our_row_params(case: str, batch: int) -> RowParams:
+    """Decode rows of one case. `draw_uniforms` holds a slot for the rows' uniforms, which
+    the engine hashes on the host each step: `stage_uniforms` writes them, timed with ours."""
     p = case_params(case)
     return RowParams.from_numpy(
         temperatures=np.full(batch, p["temperature"], np.float32),
@@ -174,7 +177,17 @@ def our_row_params(case: str, batch: int) -> RowParams:
         sample_positions=np.full(batch, 100, np.int64),
         row_to_req=np.arange(batch),
         local_step=np.zeros(batch, np.int64),
+        draw_uniforms=np.full(batch, 0.5),
     )
+
+
+def stage_uniforms(params: RowParams) -> None:
+    """What the engine's staging does for the sampler each step: hash the rows' draw
+    uniforms on the host (`engine.host.draw_uniforms`) and copy them in."""
+    seeds = params.seeds.numpy().view(np.uint64)
+    uniforms = staged_draw_uniforms(seeds, params.sample_positions.numpy(), params.row_to_req.numpy(),
+                                    params.local_step.numpy())
+    params.draw_uniforms.copy_(torch.from_numpy(uniforms))
 
 
 def our_sampler_config(case: str) -> SamplerConfig:
@@ -278,6 +291,8 @@ def bench_sampler(v: SimpleNamespace, vocab: int, batch: int, cases: Sequence[st
 
         def ours() -> float:
             start = time.perf_counter()
+            if cfg.stages != "greedy":  # the greedy graph set never reads the uniforms
+                stage_uniforms(params)
             sample(logits, params, cfg, out, compute_logprobs=False)
             return time.perf_counter() - start
 
