@@ -447,7 +447,7 @@ def _min_p_ignored(module):
     def planted(*args, **kw):
         args = list(args)
         rows = args[-1] if module is filters else args[2]
-        rows = dataclasses.replace(rows, m_on=torch.zeros_like(rows.m_on))
+        rows = rows.replace(m_on=torch.zeros_like(rows.m_on))
         args[-1 if module is filters else 2] = rows
         return real(*args, **kw)
     return name, planted
@@ -461,7 +461,7 @@ def _top_k_one_more(module):
     def planted(*args, **kw):
         args = list(args)
         at = -1 if module is filters else 2
-        args[at] = dataclasses.replace(args[at], top_k=args[at].top_k + 1)
+        args[at] = args[at].replace(top_k=args[at].top_k + 1)
         return real(*args, **kw)
     return name, planted
 
@@ -676,3 +676,26 @@ def test_a_greedy_variant_asked_for_logprobs_computes_them():
     full = sample(logits, params, SamplerConfig(max_logprobs=3))
     for name in ("tokens", "logprob", "rank", "top_ids", "top_logprobs", "error"):
         assert torch.equal(getattr(greedy, name), getattr(full, name)), name
+
+
+def test_expanded_rows_follow_their_requests_and_replace_only_known_controls():
+    """Each control of row r is its request's (a Python loop over rows), whichever
+    control is read first; `replace` swaps in a control and refuses unknown names."""
+    params = _params(3)
+    params.row_to_req = torch.tensor([2, 0, 0, 1])
+    params.local_step = torch.tensor([0, 0, 1, 0])
+    params.temperatures = torch.tensor([0.0, 0.7, 1.5])
+    params.top_ks = torch.tensor([0, 5, 100], dtype=torch.int32)
+    vocab = 100
+    for first in ("top_k", "temperature", "position"):
+        rows = expand_rows(params, vocab)
+        getattr(rows, first)
+        for r, req in enumerate(params.row_to_req.tolist()):
+            t, k = float(params.temperatures[req]), int(params.top_ks[req])
+            assert bool(rows.greedy[r]) == (t == 0) and float(rows.temperature[r]) == (1.0 if t == 0 else t)
+            assert bool(rows.k_on[r]) == (0 < k < vocab) and int(rows.top_k[r]) == (k if 0 < k < vocab else vocab)
+            assert int(rows.position[r]) == int(params.sample_positions[req]) + int(params.local_step[r])
+    swapped = rows.replace(top_k=torch.ones(4, dtype=torch.int64))
+    assert swapped.top_k.tolist() == [1, 1, 1, 1] and torch.equal(swapped.temperature, rows.temperature)
+    with pytest.raises(ValueError, match="controls \\['topk'\\]"):
+        rows.replace(topk=torch.ones(4))
