@@ -643,9 +643,14 @@ def test_every_variant_that_can_serve_a_batch_gives_the_full_samplers_bits(batch
     # The kept sets themselves, every row (greedy ones too): a cut one token off shows here.
     masked = thresholds.suppressed_scores(logits, rows)
     best = masked.amax(-1)
-    kept = thresholds.row_distribution(masked, best, rows).kept
+    d = thresholds.row_distribution(masked, best, rows)
+    kept = d.kept
     width = max(1, int(rows.top_k.max()))
     assert torch.equal(thresholds.row_distribution(masked, best, rows, top_k="topk", top_k_width=width).kept, kept)
+    # Without the kept mask (no processed logprobs): the same weights, bit for bit.
+    for variant in (dict(), dict(top_k="topk", top_k_width=width)):
+        lean = thresholds.row_distribution(masked, best, rows, kept_set=False, **variant)
+        assert lean.kept is None and torch.equal(lean.weights, d.weights) and torch.equal(lean.block_mass, d.block_mass)
     if not bool(rows.k_on.any()):
         assert torch.equal(thresholds.row_distribution(masked, best, rows, top_k="none").kept, kept)
     if not bool(rows.p_on.any()):

@@ -184,7 +184,8 @@ def sample(
             full = cfg.stages != "filters" and processed
             d = (distribution or row_distribution)(
                 masked, best, rows, filters=cfg.stages == "filters" or processed,
-                top_k="radix" if full else cfg.top_k, top_k_width=cfg.candidate_cap, top_p=cfg.top_p or full)
+                top_k="radix" if full else cfg.top_k, top_k_width=cfg.candidate_cap, top_p=cfg.top_p or full,
+                kept_set=processed)
     finally:
         restore()
     drawn = greedy if cfg.stages == "greedy" else inverse_cdf_draw(d.weights, d.block_mass, plain_uniform(rows))
