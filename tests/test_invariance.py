@@ -338,6 +338,59 @@ def test_short_calls_from_finds_the_fewest_rows_that_keep_the_block_bits(planted
     assert invariance.short_blocks_invariant(gemm) == (fewest == 1)
 
 
+def off_above(most: int):
+    """A kernel whose calls of more than `most` rows are off by a tiny epsilon."""
+    def wrap(kernel):
+        def bad(gemm: BlockGemm, block: torch.Tensor) -> torch.Tensor:
+            out = kernel(gemm, block)
+            return out + out.abs() * 2**-20 if block.shape[0] > most else out
+        return bad
+    return wrap
+
+
+@pytest.mark.parametrize("most_rows, blocks", [(8, 1), (16, 2), (31, 2), (32, 4), (64, 8), (1000, 8)])
+def test_long_calls_upto_finds_the_most_blocks_that_keep_the_block_bits(planted, most_rows, blocks):
+    planted(exact_rows)
+    planted(off_above(most_rows))
+    gemm = block_gemm(torch.randn(300, 40), "mm", 8)
+    assert invariance.long_calls_upto(gemm) == blocks
+    # The engine groups blocks only as far as verified: a row alone and in 1 to 70 rows agree.
+    engine = StepEngine(torch.randn(300, 40), EngineConfig(max_num_reqs=4, logits_block_rows=8, sampler_variants=False))
+    assert engine.batch_invariant_verified and engine.logits_kernel.long_blocks == blocks
+    assert_rows_invariant(engine.logits_kernel.weight, engine.logits_kernel, [1, 9, 16, 17, 40, 70], seed=most_rows)
+
+
+def test_a_kernel_off_only_where_a_long_call_puts_a_row_is_caught(planted):
+    """Planted: a kernel whose rows past the first block of a call are off. A call of two
+    blocks puts the probe's second block there, so no call may group blocks."""
+    planted(exact_rows, ("mm",))
+
+    def wrap(kernel):
+        def bad(gemm: BlockGemm, block: torch.Tensor) -> torch.Tensor:
+            out = kernel(gemm, block).clone()
+            out[gemm.block_rows :] += out[gemm.block_rows :].abs() * 2**-20
+            return out
+        return bad
+    planted(wrap, ("mm",))
+    assert invariance.long_calls_upto(block_gemm(torch.randn(300, 40), "mm", 8)) == 1
+
+
+@pytest.mark.parametrize("block_rows, long_blocks", [(1, 1), (1, 8), (5, 1), (5, 2), (5, 8), (16, 4)])
+def test_block_calls_cover_the_rows_in_verified_sizes(block_rows, long_blocks):
+    """`BlockGemm.calls` against a Python loop: whole blocks in the largest power-of-two
+    group up to `long_blocks` that fits, then the partial rest as one range."""
+    gemm = BlockGemm("mm", torch.zeros(3, 2), block_rows, long_blocks=long_blocks)
+    for rows in range(0, 140):
+        want, start = [], 0
+        while rows - start >= block_rows:
+            group = max(g for g in (1, 2, 4, 8) if g <= long_blocks and start + g * block_rows <= rows)
+            want.append((start, start + group * block_rows))
+            start += group * block_rows
+        if start < rows:
+            want.append((start, rows))
+        assert gemm.calls(rows) == want, rows
+
+
 def test_model_pads_a_step_only_to_the_short_calls_that_hold(planted):
     """Every kernel's one-row calls are off: a one-token step must run as two rows, so a
     request decoding alone gets the bits it gets beside another one; steps of 2 to 15 and

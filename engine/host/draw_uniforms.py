@@ -27,7 +27,7 @@ _INV_2_32 = 2.0**-32
 _PYTHON_ROWS = 16
 
 
-def _hash(seed, position):  # noqa: ANN001, ANN202 (Python ints, or uint64 arrays)
+def _hash(seed: int | np.ndarray, position: int | np.ndarray) -> int | np.ndarray:
     """The 32-bit hash of (seed, position, stream TARGET, the draw's counter): the words
     absorbed in `rng.hash32`'s order. The same code runs on Python ints and on numpy
     uint64 arrays, whose products wrap modulo 2**64 and keep the low 32 bits exact."""
