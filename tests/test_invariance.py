@@ -127,11 +127,13 @@ def test_model_kernels_at_smollm2_widths_are_verified(threads):
     """SmolLM2-135M's projection shapes (hidden 576, intermediate 1536, 9 heads of 64, 3 KV heads), one layer."""
     config = LlamaConfig.tiny(vocab_size=256, hidden_size=576, intermediate_size=1536, num_layers=1,
                               num_heads=9, num_kv_heads=3, head_dim=64)
-    model = LlamaModel.random(config, seed=0, batch_invariant=True, num_slots=3, max_context=64)
+    model = LlamaModel.random(config, seed=0, batch_invariant=True, num_slots=6, max_context=80)
     assert model.batch_invariant_verified
     assert set(model.gemm_kernels) == {"qkv", "o_proj", "gate_up", "down"}
     assert all(name.endswith("[16]") for name in model.gemm_kernels.values()), model.gemm_kernels
     alone, crowd = hidden_alone_and_in_a_crowd(model)  # 5 rows against 18, short last blocks where verified
+    assert torch.equal(alone, crowd)
+    alone, crowd = hidden_alone_and_in_a_crowd(model, before=60)  # 65 rows: whole blocks grouped where verified
     assert torch.equal(alone, crowd)
 
 
@@ -259,16 +261,16 @@ def test_nothing_passes_sets_unverified_and_warns_once(planted):
 # ---- the invariant model's probe ---------------------------------------------------------------------
 
 
-def hidden_alone_and_in_a_crowd(model: LlamaModel) -> tuple[torch.Tensor, torch.Tensor]:
-    """A 5-token prefill alone, and the same prefill placed after a 13-token one."""
+def hidden_alone_and_in_a_crowd(model: LlamaModel, before: int = 13) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 5-token prefill alone, and the same prefill placed after a `before`-token one."""
     gen = torch.Generator().manual_seed(7)
     target = torch.randint(2, model.vocab_size, (5,), generator=gen)
-    other = torch.randint(2, model.vocab_size, (13,), generator=gen)
+    other = torch.randint(2, model.vocab_size, (before,), generator=gen)
     alone_slot, crowd_slots = model.allocate_slot(), (model.allocate_slot(), model.allocate_slot())
     batch = ForwardBatch.of([alone_slot], [5], [5])
     alone = model.forward(target, batch.positions(), batch)
-    batch = ForwardBatch.of(list(crowd_slots), [13, 5], [13, 5])
-    crowd = model.forward(torch.cat([other, target]), batch.positions(), batch)[13:]
+    batch = ForwardBatch.of(list(crowd_slots), [before, 5], [before, 5])
+    crowd = model.forward(torch.cat([other, target]), batch.positions(), batch)[before:]
     return alone, crowd
 
 
@@ -358,6 +360,19 @@ def test_long_calls_upto_finds_the_most_blocks_that_keep_the_block_bits(planted,
     engine = StepEngine(torch.randn(300, 40), EngineConfig(max_num_reqs=4, logits_block_rows=8, sampler_variants=False))
     assert engine.batch_invariant_verified and engine.logits_kernel.long_blocks == blocks
     assert_rows_invariant(engine.logits_kernel.weight, engine.logits_kernel, [1, 9, 16, 17, 40, 70], seed=most_rows)
+
+
+def test_model_groups_blocks_only_as_far_as_verified(planted):
+    """Planted: every kernel off in calls of more than 16 rows. The model's projections may
+    then group two 8-row blocks per call, no more: a prefill alone equals the same prefill
+    after a 60-token one (65 rows: calls of 16, 16, 16, 16 and 1 rows)."""
+    planted(exact_rows)
+    planted(off_above(16))
+    model = LlamaModel.random(LlamaConfig.tiny(), seed=0, batch_invariant=True, num_slots=4, row_block=8)
+    assert model.batch_invariant_verified
+    assert {layer.qkv.long_blocks for layer in model._invariant_layers} == {2}
+    alone, crowd = hidden_alone_and_in_a_crowd(model, before=60)
+    assert torch.equal(alone, crowd)
 
 
 def test_a_kernel_off_only_where_a_long_call_puts_a_row_is_caught(planted):

@@ -36,7 +36,7 @@ q/k/v and gate/up are stored fused so a layer runs four GEMMs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 import torch
@@ -324,8 +324,12 @@ class LlamaModel:
             self.gemm_kernels[name] = gemm.name
             if not holds:
                 failed.append(f"{name} {tuple(gemm.weight.shape)}")
+        # Every layer's projection on the kernel chosen for it, grouping as many whole blocks
+        # per call as the probe verified (`long_calls_upto`: a 218-token prefill runs 13 blocks
+        # in calls of 8, 4 and 1 where it may).
         self._invariant_layers = [
-            LayerWeights(**{f.name: gemm_of(n, f.name, chosen[f.name].kernel, chosen[f.name].block_rows)
+            LayerWeights(**{f.name: replace(gemm_of(n, f.name, chosen[f.name].kernel, chosen[f.name].block_rows),
+                                            long_blocks=chosen[f.name].long_blocks)
                             if f.name in _PROJECTIONS else getattr(layer, f.name)
                             for f in fields(LayerWeights)})
             for n, layer in enumerate(self.weights.layers)
@@ -545,9 +549,9 @@ class LlamaModel:
             if not self.batch_invariant:  # oneDNN's packed weight: one call for any row count
                 return onednn_linear(x, weight.packed, residual)
             # x has a multiple of weight.block_rows rows, or a last partial block where the
-            # short calls were verified. In batch-invariant mode: one GEMM call per block of a
-            # shape probed to give every row one summation order, so a row's result cannot
-            # depend on how many rows share the step. (A single [rows, K] GEMM, and even a bmm
+            # short calls were verified. In batch-invariant mode: one GEMM call per block (or
+            # per group of blocks, `BlockGemm.long_blocks`) of a shape probed to give every row
+            # one summation order, so a row's result cannot depend on how many rows share the step. (A single [rows, K] GEMM, and even a bmm
             # over the blocks, lets MKL change its blocking with the row count.)
             y = weight(x)
         elif x.shape[0] == 1 and not self.batch_invariant:
