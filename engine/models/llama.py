@@ -551,8 +551,9 @@ class LlamaModel:
             # x has a multiple of weight.block_rows rows, or a last partial block where the
             # short calls were verified. In batch-invariant mode: one GEMM call per block (or
             # per group of blocks, `BlockGemm.long_blocks`) of a shape probed to give every row
-            # one summation order, so a row's result cannot depend on how many rows share the step. (A single [rows, K] GEMM, and even a bmm
-            # over the blocks, lets MKL change its blocking with the row count.)
+            # one summation order, so a row's result cannot depend on how many rows share the
+            # step. (An unprobed [rows, K] GEMM, and even a bmm over the blocks, lets MKL
+            # change its blocking with the row count.)
             y = weight(x)
         elif x.shape[0] == 1 and not self.batch_invariant:
             return one_row_linear(x, weight, residual)  # a one-row step (FAST_PACKED_FROM)
