@@ -170,6 +170,30 @@ def processed_scores(masked: torch.Tensor, best: torch.Tensor, rows: SamplingRow
     return shift, processed_logits(masked, shift, rows.temperature)
 
 
+def _top_k_cut(keys: torch.Tensor, masked: torch.Tensor, shift: torch.Tensor, rows: SamplingRows, top_k: str,
+               top_k_width: int) -> torch.Tensor:
+    """[rows, 1] int32: the largest order key top-k keeps (`KEY_MAX` where it is off), by
+    the counting radix ("radix") or a topk of `top_k_width` scores ("topk")."""
+    if top_k == "radix":
+        t_k = radix_threshold(keys, None, rows.top_k.to(torch.float64))
+    else:
+        t_k = top_k_keys(masked, shift, rows, top_k_width)
+    return torch.where(rows.k_on, t_k, KEY_MAX)[:, None]
+
+
+def _top_p_cut(keys: torch.Tensor, mass: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """[rows, 1] int32: the largest order key top-p keeps (`KEY_MAX` where it is off), over
+    `mass` [rows, V], the masses of the tokens top-k kept (0 elsewhere)."""
+    t_p = radix_threshold(keys, mass, rows.top_p * mass.sum(-1))
+    return torch.where(rows.p_on, t_p, KEY_MAX)[:, None]
+
+
+def _min_p_floor(rows: SamplingRows) -> torch.Tensor:
+    """[rows, 1] f32: the least weight exp(z) min-p keeps; -1 where it is off (keeps all).
+    min_p came in as a float32: the float32 comparison is the float64 one."""
+    return torch.where(rows.m_on, rows.min_p, -1.0).to(torch.float32)[:, None]
+
+
 def _filtered_weights(masked: torch.Tensor, shift: torch.Tensor, z: torch.Tensor, weights: torch.Tensor,
                       rows: SamplingRows, top_k: str, top_k_width: int, top_p: bool) -> RowDistribution:
     """`row_distribution`'s weights without its kept mask. An invalid token's weight is
@@ -178,15 +202,10 @@ def _filtered_weights(masked: torch.Tensor, shift: torch.Tensor, z: torch.Tensor
     then min-p's, which keeps a weight >= min_p (a NaN, on a failed row, is zeroed)."""
     keys = order_keys(z) if top_k != "none" or top_p else None
     if top_k != "none":
-        t_k = (radix_threshold(keys, None, rows.top_k.to(torch.float64)) if top_k == "radix"
-               else top_k_keys(masked, shift, rows, top_k_width))
-        weights.masked_fill_(keys > torch.where(rows.k_on, t_k, KEY_MAX)[:, None], 0.0)
+        weights.masked_fill_(keys > _top_k_cut(keys, masked, shift, rows, top_k, top_k_width), 0.0)
     if top_p:
-        mass = token_masses(weights)
-        t_p = radix_threshold(keys, mass, rows.top_p * mass.sum(-1))
-        weights.masked_fill_(keys > torch.where(rows.p_on, t_p, KEY_MAX)[:, None], 0.0)
-    floor = torch.where(rows.m_on, rows.min_p, -1.0).to(torch.float32)[:, None]
-    weights = torch.where(weights >= floor, weights, 0.0)
+        weights.masked_fill_(keys > _top_p_cut(keys, token_masses(weights), rows), 0.0)
+    weights = torch.where(weights >= _min_p_floor(rows), weights, 0.0)
     return RowDistribution(shift, z, None, weights, block_sums(weights))
 
 
@@ -216,16 +235,10 @@ def row_distribution(masked: torch.Tensor, best: torch.Tensor, rows: SamplingRow
         keys = order_keys(z) if top_k != "none" or top_p else None
         kept = masked > -math.inf
         if top_k != "none":
-            if top_k == "radix":
-                t_k = radix_threshold(keys, None, rows.top_k.to(torch.float64))
-            else:
-                t_k = top_k_keys(masked, shift, rows, top_k_width)
-            kept &= keys <= torch.where(rows.k_on, t_k, KEY_MAX)[:, None]
+            kept &= keys <= _top_k_cut(keys, masked, shift, rows, top_k, top_k_width)
         if top_p:
             mass = token_masses(weights.masked_fill(~kept, 0.0))  # the top-k set's masses, 0 elsewhere
-            t_p = radix_threshold(keys, mass, rows.top_p * mass.sum(-1))
-            kept &= keys <= torch.where(rows.p_on, t_p, KEY_MAX)[:, None]
-        # min_p came in as a float32: the float32 comparison is the float64 one. Off: -1 keeps all.
-        kept &= weights >= torch.where(rows.m_on, rows.min_p, -1.0).to(torch.float32)[:, None]
+            kept &= keys <= _top_p_cut(keys, mass, rows)
+        kept &= weights >= _min_p_floor(rows)
         weights.masked_fill_(~kept, 0.0)  # a fresh tensor; a bool-to-float multiply costs 4x more on CPU
     return RowDistribution(shift, z, kept, weights, block_sums(weights))
