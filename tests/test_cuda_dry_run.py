@@ -48,8 +48,8 @@ def _plant(monkeypatch: pytest.MonkeyPatch, hazard) -> None:
     original = sampler_module.suppress_in_place
 
     def planted(scores, rows):
-        masked, restore = original(scores, rows)
-        return hazard(masked, masked.amax(-1)), restore
+        masked, restore, at_stops = original(scores, rows)
+        return hazard(masked, masked.amax(-1)), restore, at_stops
 
     monkeypatch.setattr(sampler_module, "suppress_in_place", planted)
 

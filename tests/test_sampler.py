@@ -549,8 +549,10 @@ def test_suppression_gives_one_verdict_per_token():
     assert torch.equal(masked, torch.where(expected, -math.inf, scores))
     scores[3, 3] = math.nan  # an unsuppressed NaN stays, and every value comes back
     before = scores.clone()
-    in_place, restore = thresholds.suppress_in_place(scores, rows)
+    in_place, restore, at_stops = thresholds.suppress_in_place(scores, rows)
     assert in_place.data_ptr() == scores.data_ptr()
+    slots = rows.stop_ids.clamp(max=vocab - 1)
+    assert torch.equal(at_stops.nan_to_num(nan=7.0), before.gather(1, slots).nan_to_num(nan=7.0))
     assert torch.equal(in_place.nan_to_num(nan=7.0), torch.where(expected, -math.inf, before).nan_to_num(nan=7.0))
     restore()
     assert torch.equal(scores.view(torch.int32), before.view(torch.int32))

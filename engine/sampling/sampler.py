@@ -176,7 +176,7 @@ def sample(
     d = None
     # Suppressed stop ids -inf, in `scores` itself until `restore` (`scores` may be `plain`,
     # even the caller's `logits`): only the masked scores are read until then.
-    masked, restore = suppress_in_place(scores, rows)
+    masked, restore, at_stops = suppress_in_place(scores, rows)  # at_stops: `scores` at the stop-id slots
     try:
         best, greedy = first_max(masked)  # the first of the largest: ties go to the smallest id
         if cfg.stages != "greedy" or processed:
@@ -195,9 +195,9 @@ def sample(
     nothing_left = best == -math.inf
     row_max = None  # the finite check's row maximum of `plain`: one more pass over the rows
     if token_bitmask is None and unprocessed is None:
-        # `masked` is `plain` but at the stop-id slots: their values and `best` give plain's
-        # maximum (NaN and +inf included: both reductions and `maximum` propagate NaN).
-        row_max = torch.maximum(best, plain.gather(1, rows.stop_ids.clamp(max=vocab - 1)).amax(-1))
+        # `masked` is `plain` (= `scores`) but at the stop-id slots: their values and `best` give
+        # plain's maximum (NaN and +inf included: both reductions and `maximum` propagate NaN).
+        row_max = torch.maximum(best, at_stops.amax(-1))
     error = row_errors(plain, nothing_left, nothing_allowed, row_max=row_max)
     failed = error != RowError.OK
     token = torch.where(failed, PLACEHOLDER_TOKEN, token)

@@ -133,7 +133,8 @@ def suppressed_scores(scores: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     return scores.clone().scatter_(1, slots, value)
 
 
-def suppress_in_place(scores: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, Callable[[], None]]:
+def suppress_in_place(scores: torch.Tensor, rows: SamplingRows
+                      ) -> tuple[torch.Tensor, Callable[[], None], torch.Tensor]:
     """`suppressed_scores` without the copy: the suppressed stop ids of `scores` [rows, V]
     f32 are set to -inf in place (a gather and a scatter of the few stop-id slots), and the
     returned call writes their values back. The caller reads the masked scores, and nothing
@@ -141,15 +142,16 @@ def suppress_in_place(scores: torch.Tensor, rows: SamplingRows) -> tuple[torch.T
     `scores` as it came). A whole-row copy costs about as much as `exp` over the rows on a
     CPU (1 ms per [64, 49152]). A `scores` whose rows are not dense in memory gets
     `suppressed_scores`' copy, and the call does nothing. Returns: (the masked scores,
-    the restoring call). Capture-safe."""
-    if not scores.is_contiguous():
-        return suppressed_scores(scores, rows), lambda: None
+    the restoring call, `scores`' own values at the stop-id slots [rows, S], which the
+    caller's finite check reads). Capture-safe."""
     vocab = scores.shape[1]
     slots = rows.stop_ids.clamp(max=vocab - 1)  # [rows, S]
     original = scores.gather(1, slots)
+    if not scores.is_contiguous():
+        return suppressed_scores(scores, rows), lambda: None, original
     # Duplicate slots name one token, so they gather, suppress and restore one value (suppression.py).
     scores.scatter_(1, slots, torch.where(suppressed_at(slots, rows), -math.inf, original))
-    return scores, lambda: scores.scatter_(1, slots, original)
+    return scores, lambda: scores.scatter_(1, slots, original), original
 
 
 def top_k_keys(masked: torch.Tensor, shift: torch.Tensor, rows: SamplingRows, width: int) -> torch.Tensor:
