@@ -1,8 +1,15 @@
 """Fixtures shared by the test files."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run under Triton's interpreter on CPU tensors
+# (engine/sampling/kernels); it must be chosen before anything imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
