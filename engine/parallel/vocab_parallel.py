@@ -3,8 +3,8 @@
 Each rank holds rows [start, stop) of the LM head. Shard boundaries fall on
 the sampler's normaliser blocks (`engine.sampling.normaliser.BLOCK`): a block never spans
 two ranks, so every rank computes whole blocks exactly as the unsharded
-sampler does, and the gathered raw block masses are the same f32 numbers.
-That is what makes the sharded logprobs bit-identical, not just close.
+sampler does, and the gathered raw block masses are the same exact integers
+(f64). That is what makes the sharded logprobs bit-identical, not just close.
 
 Two ways to sample a step, chosen per step by the engine:
 
@@ -162,9 +162,9 @@ class VocabParallelSampler:
         # Candidate exchange: [rows, 2, C] int32 = (raw value bits, global id).
         self.local_candidates = torch.zeros(max_rows, 2, c, dtype=torch.int32, device=device)
         self.gathered_candidates = torch.zeros(tp * max_rows, 2, c, dtype=torch.int32, device=device)
-        # Raw block masses: [rows, blocks_max] fp32, sums of exp(raw - raw max).
-        self.local_blocks = torch.zeros(max_rows, nb, **f32)
-        self.gathered_blocks = torch.zeros(tp * max_rows, nb, **f32)
+        # Raw block masses: [rows, blocks_max] fp64, exact sums of the masses of exp(raw - raw max).
+        self.local_blocks = torch.zeros(max_rows, nb, dtype=torch.float64, device=device)
+        self.gathered_blocks = torch.zeros(tp * max_rows, nb, dtype=torch.float64, device=device)
         # Global block b lives at column b - first block of its rank in rank
         # r's slab [r, :blocks(r)]: a fixed index assembles the blocks in order.
         self.block_index = torch.as_tensor(
@@ -184,7 +184,7 @@ class VocabParallelSampler:
         tp = self.shards.tp
         if strategy == "gather":
             return tp * rows * self.gathered_logits.shape[1] * 4
-        per_row = self.gathered_candidates[0].numel() * 4 + self.gathered_blocks[0].numel() * 4
+        per_row = self.gathered_candidates[0].numel() * 4 + self.gathered_blocks[0].numel() * 8
         return tp * rows * per_row
 
     # -- logits -------------------------------------------------------------------
@@ -249,11 +249,11 @@ class VocabParallelSampler:
         # A NaN or inf logit in a shard makes that shard's block mass NaN,
         # so every rank sees the row fail from the gathered masses.
         scratch.masked_fill_(~torch.isfinite(raw_local), math.nan)
-        blocks_send[:, : self.shards.blocks(self.rank)].copy_(block_sums(scratch))
+        blocks_send[:, : self.shards.blocks(self.rank)].copy_(block_sums(scratch, vocab))
         got = self.gathered_blocks[: tp * rows_n]
         dist.all_gather_single(got, blocks_send, group=self.group)
         block_mass = got.view(tp, rows_n, -1).permute(1, 0, 2).reshape(rows_n, -1).index_select(1, self.block_index)
-        log_z_raw = log_block_total(block_mass)  # [rows] f64
+        log_z_raw = log_block_total(block_mass, vocab)  # [rows] f64
 
         d = decide_on_candidates(cand_raw, cand_ids, boundary_raw, valid, shift, rows, vocab)
         # Plain rows never reach this path (not eligible) except as bucket

@@ -2,13 +2,15 @@
 
 - Greedy (T = 0): the largest raw logit among valid tokens, ties to the
   smallest id. Filters do not change it (the maximum is always kept).
-- Every other row draws by inverse CDF with one uniform per row (stream
-  TARGET, counter `INVERSE_CDF_COUNTER`) over its kept tokens' weights
-  exp(z) in token-id order (`engine.sampling.thresholds.RowDistribution`,
-  0 outside the kept set): the block whose float64 running sum of float32
-  block sums (fixed blocks of `BLOCK` tokens) first exceeds u * total, then
-  the token inside it. Any path that lays the same weights out over the
-  whole row (the vocab-parallel candidates do) gets the same bits.
+- Every other row draws by inverse CDF with one uniform u per row (stream
+  TARGET, counter `INVERSE_CDF_COUNTER`) over its kept tokens' masses in
+  token-id order (`engine.sampling.normaliser`; 0 outside the kept set):
+  the first token whose running mass exceeds u * total (float64). Masses are
+  integers whose sums are exact, so any order of addition finds the same
+  token; this one looks for the block of `BLOCK` tokens first (the block
+  masses of `engine.sampling.thresholds.RowDistribution`), then the token
+  inside it. Any path that lays the same weights out over the whole row (the
+  vocab-parallel candidates, the Triton kernels) gets the same bits.
 - A forced token, when set, replaces whatever the row drew.
 Verification draws from explicit float64 distributions with `inverse_cdf`;
 its top-k-space bonus token races Gumbel noise keyed by token id (`gumbel_race`).
@@ -19,7 +21,7 @@ import math
 
 import torch
 
-from engine.sampling.normaliser import BLOCK
+from engine.sampling.normaliser import BLOCK, token_masses
 from engine.sampling.rng import TARGET, gumbel, uniform
 from engine.sampling.rows import SamplingRows
 
@@ -34,8 +36,9 @@ def _min_id_of_max(score: torch.Tensor, ids: torch.Tensor, fill: int) -> torch.T
 
 def _first_above(cum: torch.Tensor, weights: torch.Tensor, level: torch.Tensor) -> torch.Tensor:
     """[rows, 1] the first column whose cumulative weight `cum` [rows, W] exceeds
-    `level` [rows, 1], never past the last column of positive weight: float32
-    and float64 sums round differently, and a token of weight 0 is never drawn."""
+    `level` [rows, 1], never past the last column of positive weight: a token of
+    weight 0 is never drawn, even where a rounded sum (or a zero total) would
+    let the search run past the last positive one."""
     pick = torch.searchsorted(cum, level, right=True)
     columns = torch.arange(weights.shape[1], device=weights.device)
     last_positive = torch.where(weights > 0, columns, -1).amax(-1, keepdim=True).clamp(min=0)
@@ -87,15 +90,16 @@ def plain_uniform(rows: SamplingRows) -> torch.Tensor:
 
 
 def inverse_cdf_draw(weights: torch.Tensor, block_mass: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """One token per row by inverse CDF over fixed blocks.
+    """One token per row by inverse CDF over the kept tokens' masses.
 
     Parameters: `weights` [rows, V] f32 nonnegative (the kept weights), 0
-    for tokens never drawn; `block_mass` [rows, blocks] their sums over the
-    normaliser's blocks (`block_sums`); `u` [rows] f64 in (0, 1). Returns:
-    [rows] int64 token ids. Capture-safe.
+    for tokens never drawn; `block_mass` [rows, blocks] f64 their masses
+    summed per block (`normaliser.block_sums`); `u` [rows] f64 in (0, 1).
+    Returns: [rows] int64 token ids: the first token whose running mass
+    exceeds u * total. Capture-safe.
     """
     rows, vocab = weights.shape
-    block_cum = block_mass.to(torch.float64).cumsum(-1)  # [rows, blocks]
+    block_cum = block_mass.cumsum(-1)  # [rows, blocks] f64 integers: exact
     target = (u * block_cum[:, -1])[:, None]
     block = torch.searchsorted(block_cum, target, right=True).clamp_(max=block_cum.shape[1] - 1)  # [rows, 1]
     before = torch.where(block > 0, block_cum.gather(1, (block - 1).clamp(min=0)), torch.zeros_like(target))
@@ -104,7 +108,9 @@ def inverse_cdf_draw(weights: torch.Tensor, block_mass: torch.Tensor, u: torch.T
     in_vocab = ids < vocab
     ids = ids.clamp(max=vocab - 1)
     inner = torch.where(in_vocab, weights.gather(1, ids), torch.zeros((), dtype=weights.dtype, device=weights.device))
-    pick = _first_above(inner.to(torch.float64).cumsum(-1), inner, target - before)
+    inner_mass = token_masses(inner, vocab)  # [rows, width] f64
+    # before + the running mass inside the block: integers, so the comparison with target is exact.
+    pick = _first_above(before + inner_mass.cumsum(-1), inner_mass, target)
     return ids.gather(1, pick).squeeze(1)
 
 

@@ -1,15 +1,16 @@
 """Logprobs (docs/contract.md §2): the emitted token's logprob and rank, and top-N.
 
-"raw" mode: log-softmax of the unprocessed logits, with the fixed-block
-normaliser (`raw_log_normaliser`), so a logprob does not depend on which path
-reported it: the sampler, the reference path, the step engine's rescoring of a
+"raw" mode: log-softmax of the unprocessed logits, with the normaliser of
+exact mass sums (`raw_log_normaliser`), so a logprob does not depend on which
+path reported it: the sampler, the reference path, the step engine's rescoring of a
 residual draw, or prompt logprobs. The rank is 1 + the number of tokens with
 a strictly larger logit (ties share a rank); top-N lists the N largest
 logits, best first, ties to the smaller id.
 
-"processed" mode: the logprobs of the distribution the row drew from, the
-kept set renormalised; a token outside it has logprob -inf and ranks after
-every kept token.
+"processed" mode: the logprobs of the distribution the row drew from: each
+kept token's mass over the kept set's total (`engine.sampling.normaliser`);
+a token outside it (or of mass 0) has logprob -inf, and a token outside it
+ranks after every kept token.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch
 
 from typing import TYPE_CHECKING
 
-from engine.sampling.normaliser import raw_log_normaliser
+from engine.sampling.normaliser import raw_log_normaliser, token_masses
 from graphs.step_fields import SampleOutput
 
 if TYPE_CHECKING:
@@ -112,21 +113,22 @@ def raw_logprobs(plain: torch.Tensor, tokens: torch.Tensor, num_top: int) -> Row
 
 def processed_row_logprobs(d: "RowDistribution", tokens: torch.Tensor, num_top: int) -> RowLogprobs:
     """Logprobs of the distribution each row drew from: each kept token's
-    weight exp(z) over the kept total (`engine.sampling.thresholds.RowDistribution`,
-    by token id, with its kept set). A token outside the kept set has logprob
-    -inf; the rank counts the kept tokens of strictly larger z, and a token
-    not kept ranks after all of them. `tokens` [rows] int64; `num_top` <= V.
-    Capture-safe."""
-    log_total = torch.log(d.total)[:, None]  # [rows, 1] f64
+    mass over the kept set's mass (`engine.sampling.thresholds.RowDistribution`,
+    by token id, with its kept set), log(mass) - log(total) in float64. A
+    token outside the kept set has logprob -inf; the rank counts the kept
+    tokens of strictly larger z, and a token not kept ranks after all of
+    them. `tokens` [rows] int64; `num_top` <= V. Capture-safe."""
+    vocab = d.z.shape[1]
+    log_total = torch.log(d.mass_total)[:, None]  # [rows, 1] f64
     at = tokens[:, None]
     kept_z = torch.where(d.kept, d.z, -math.inf)
     token_z = kept_z.gather(1, at)  # [rows, 1]: -inf when not kept
     top_ids = top_n_ids(kept_z, num_top)
     return RowLogprobs(
-        logprob=(torch.log(d.weights.gather(1, at).to(torch.float64)) - log_total).squeeze(1),
+        logprob=(torch.log(token_masses(d.weights.gather(1, at), vocab)) - log_total).squeeze(1),
         rank=(kept_z > token_z).sum(-1) + 1,
         top_ids=torch.where(d.kept.gather(1, top_ids), top_ids, -1),
-        top_logprobs=torch.log(d.weights.gather(1, top_ids).to(torch.float64)) - log_total,
+        top_logprobs=torch.log(token_masses(d.weights.gather(1, top_ids), vocab)) - log_total,
     )
 
 

@@ -1,60 +1,88 @@
-"""The fixed-block log normaliser (docs/contract.md §2): log Z of a row's weights.
+"""Masses and the log normaliser (docs/contract.md §2): every sum over a row, exact.
 
-Z is the sum of a row's weights exp(z) (float32 values), taken as float32 sums
-over fixed blocks of `BLOCK` tokens and added in float64. Fixed blocks make Z,
-and so every filter decision and every logprob, independent of how many rows
-share the call and of which path (fast, exact, verification, prompt
-logprobs, a vocab-parallel shard of whole blocks) computes it.
+A token's weight exp(z) (a float32 in [0, 1]) enters every sum as its
+*mass*, the integer floor(exp(z) * 2**S) with S = 52 - bit_length(V - 1)
+(`mass_bits`): V masses add up to less than 2**53, so any sum of a row's
+masses, partial or whole, is an exact integer in float64 whatever the order
+of the additions. That one definition serves every consumer:
+
+- top-p's level and its cut (`engine.sampling.thresholds`);
+- the inverse-CDF draw: the first token whose running kept mass exceeds u
+  times the kept total (`engine.sampling.draw`);
+- the normaliser Z of processed and raw logprobs: the masses' total times
+  2**-S (`block_log_normaliser`, `raw_log_normaliser`).
+
+So a CPU sum, a CUDA reduction, a Triton kernel's tree of partial sums and a
+vocab-parallel shard's share all give the same bits, and no result depends on
+how many rows share the call. The price is resolution: a weight below 2**-S
+(exp(z) < 2.9e-11 at V = 129280) has mass 0 and is never drawn, and Z falls
+short of the float sum of the weights by less than V * 2**-S (< 4e-6 at
+V = 129280, < 7e-7 at V = 49152).
+
+Masses are summed over fixed blocks of `BLOCK` tokens: the draw finds the
+block first and then the token inside it, and a vocab-parallel shard of whole
+blocks reports its blocks' masses.
 """
 from __future__ import annotations
 
 import torch
 
-BLOCK = 1024  # tokens per block of the normaliser and the inverse-CDF draw
+BLOCK = 1024  # tokens per block of the block masses and the inverse-CDF draw
+
+
+def mass_bits(vocab: int) -> int:
+    """S: a token's mass is floor(exp(z) * 2**S). V * 2**S <= 2**52, so any sum
+    of a row's masses is an integer below 2**53, exact in float64."""
+    return 52 - max(1, (vocab - 1).bit_length())
+
+
+def token_masses(weights: torch.Tensor, vocab: int | None = None) -> torch.Tensor:
+    """floor(exp(z) * 2**S) per token, float64 integers: `weights` [rows, M] f32
+    exp(z) in [0, 1] (0 for tokens outside the set being weighed) of a whole
+    row (M = V) or of some of its tokens (then `vocab` gives V, which sets
+    S). Capture-safe."""
+    scale = float(2 ** mass_bits(weights.shape[1] if vocab is None else vocab))
+    # Scaling by a power of two and flooring are exact in float32, and so is the cast.
+    return torch.mul(weights, scale).floor_().to(torch.float64)
+
+
+def block_sums(weights: torch.Tensor, vocab: int | None = None) -> torch.Tensor:
+    """[rows, ceil(M / BLOCK)] f64: the masses of `weights` [rows, M] f32
+    (nonnegative exp(z), 0 outside the set being weighed) summed over each
+    block of BLOCK tokens (the last block may be partial); exact integers.
+    `vocab` V sets the masses' scale when M < V (a vocab-parallel shard of
+    whole blocks). Capture-safe."""
+    rows, width = weights.shape
+    masses = token_masses(weights, vocab)  # [rows, M] f64
+    full = width // BLOCK
+    parts = []
+    if full:
+        parts.append(masses[:, : full * BLOCK].view(rows, full, BLOCK).sum(-1))
+    if width % BLOCK:
+        parts.append(masses[:, full * BLOCK :].sum(-1, keepdim=True))
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+
+def log_block_total(block_mass: torch.Tensor, vocab: int) -> torch.Tensor:
+    """log Z from block masses [rows, blocks] f64 (a row's, or gathered from
+    vocab-parallel shards) of a `vocab`-wide row: [rows] f64, the log of
+    their total times 2**-S (an exact scaling). Capture-safe."""
+    return torch.log(block_mass.sum(-1) * 2.0 ** -mass_bits(vocab))
 
 
 def block_log_normaliser(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Block masses and the log of their total.
 
     Parameters: `weights` [rows, V] f32, nonnegative (exp of processed or raw
-    logits; its row stride may exceed V). Returns: `block_mass` [rows,
-    ceil(V / BLOCK)] f32, the sum of each block of BLOCK tokens (the last
-    block may be partial), and `log_z` [rows] f64, log of their float64 sum.
-    Capture-safe.
+    logits). Returns: `block_mass` [rows, ceil(V / BLOCK)] f64 (`block_sums`)
+    and `log_z` [rows] f64 (`log_block_total`). Capture-safe.
     """
     block_mass = block_sums(weights)
-    return block_mass, log_block_total(block_mass)
-
-
-def block_sums(weights: torch.Tensor) -> torch.Tensor:
-    """[rows, ceil(V / BLOCK)] the sum of each block of BLOCK tokens of
-    `weights` [rows, V] (the last block may be partial), in their dtype,
-    along contiguous tokens whatever the caller's layout. Capture-safe."""
-    rows, vocab = weights.shape
-    # A float32 sum's rounding follows the memory order it walks: a row must
-    # be summed along contiguous tokens whatever the caller's layout (a
-    # column-major logits tensor would otherwise change Z, and every filter).
-    if weights.stride(-1) != 1:
-        weights = weights.contiguous()
-    full = vocab // BLOCK
-    parts = []
-    if full:
-        # [rows, full, BLOCK] view of the leading tokens (row stride stays V).
-        parts.append(weights[:, : full * BLOCK].view(rows, full, BLOCK).sum(-1))
-    if vocab % BLOCK:
-        parts.append(weights[:, full * BLOCK :].sum(-1, keepdim=True))
-    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-
-
-def log_block_total(block_mass: torch.Tensor) -> torch.Tensor:
-    """log Z from block masses [rows, blocks] f32 (a row's, or gathered from
-    vocab-parallel shards in block order): [rows] f64, the log of their
-    float64 sum. Capture-safe."""
-    return torch.log(block_mass.to(torch.float64).sum(-1))
+    return block_mass, log_block_total(block_mass, weights.shape[1])
 
 
 def raw_log_normaliser(raw: torch.Tensor, raw_max: torch.Tensor, kept: torch.Tensor | None = None) -> torch.Tensor:
-    """log-sum-exp of raw logits over the same fixed blocks as every other normaliser.
+    """log-sum-exp of raw logits by the same masses as every other normaliser.
 
     Parameters: `raw` [rows, V] f32 logits; `raw_max` [rows] f32, their row
     maximum; `kept` [rows, V] bool or None, the tokens to sum over (None:

@@ -13,7 +13,7 @@ order keys instead of sorting it:
   is the same on every path, device and batch layout.
 - min-p: exp(z) >= min_p, elementwise (the largest token has exp(0) = 1).
 
-The draw then weighs each kept token by exp(z) (`engine.sampling.draw`).
+The draw then weighs each kept token by its mass (`engine.sampling.draw`).
 
 `radix_threshold` settles a cut in `len(radix_digits(V))` passes over the row (a
 histogram of one digit of the keys that share the digits settled so far),
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling.filters import kth_largest
-from engine.sampling.normaliser import block_sums
+from engine.sampling.normaliser import block_sums, mass_bits, token_masses
 from engine.sampling.rows import SamplingRows
 from engine.sampling.suppression import suppressed_at
 from engine.sampling.temperature import processed_logits
@@ -48,22 +48,6 @@ def radix_digits(vocab: int) -> tuple[int, ...]:
     width = max(4, min(MAX_DIGIT_BITS, (vocab - 1).bit_length()))
     passes = -(-KEY_BITS // width)
     return tuple(KEY_BITS // passes + (1 if i < KEY_BITS % passes else 0) for i in range(passes))
-
-
-def mass_bits(vocab: int) -> int:
-    """S: a token's mass is floor(exp(z) * 2**S). V * 2**S <= 2**52, so any sum
-    of a row's masses is an integer below 2**53, exact in float64."""
-    return 52 - max(1, (vocab - 1).bit_length())
-
-
-def token_masses(weights: torch.Tensor, vocab: int | None = None) -> torch.Tensor:
-    """floor(exp(z) * 2**S) per token, float64 integers: `weights` [rows, M] f32
-    exp(z) in [0, 1] (0 for tokens outside the set being weighed) of a whole
-    row (M = V) or of some of its tokens (then `vocab` gives V, which sets
-    S). Capture-safe."""
-    scale = float(2 ** mass_bits(weights.shape[1] if vocab is None else vocab))
-    # Scaling by a power of two and flooring are exact in float32, and so is the cast.
-    return torch.mul(weights, scale).floor_().to(torch.float64)
 
 
 def order_keys(z: torch.Tensor) -> torch.Tensor:
@@ -114,13 +98,24 @@ class RowDistribution:
     shift: torch.Tensor  # [rows] f32: M, the largest valid score (0 when there is none)
     z: torch.Tensor  # [rows, V] f32 processed logits, -inf where not valid
     kept: torch.Tensor | None  # [rows, V] bool; None: not computed (no filters, or only the weights asked for)
-    weights: torch.Tensor  # [rows, V] f32: exp(z) of the kept tokens, 0 elsewhere (what the draw weighs)
-    block_mass: torch.Tensor  # [rows, blocks] f32: weights summed over the normaliser's blocks
+    weights: torch.Tensor  # [rows, V] f32: exp(z) of the kept tokens, 0 elsewhere
+    block_mass: torch.Tensor  # [rows, blocks] f64: the kept tokens' masses summed per block (`block_sums`)
+
+    @property
+    def mass_total(self) -> torch.Tensor:
+        """[rows] f64: the kept set's mass, an exact integer (what the draw and processed logprobs divide by)."""
+        return self.block_mass.sum(-1)
 
     @property
     def total(self) -> torch.Tensor:
-        """[rows] f64: the kept set's weight, the block masses added in float64."""
-        return self.block_mass.to(torch.float64).sum(-1)
+        """[rows] f64: the kept set's mass times 2**-S, in the weights' units."""
+        return self.mass_total * 2.0 ** -mass_bits(self.z.shape[1])
+
+    def probabilities(self) -> torch.Tensor:
+        """[rows, V] f64: each kept token's mass over the kept total, the distribution
+        the inverse-CDF draw follows (a row with no valid token: all zeros)."""
+        total = self.mass_total[:, None]
+        return token_masses(self.weights) / torch.where(total > 0, total, torch.ones_like(total))
 
 
 def suppressed_scores(scores: torch.Tensor, rows: SamplingRows) -> torch.Tensor:

@@ -105,7 +105,7 @@ def target_probs(logits: torch.Tensor, params: RowParams, token_bitmask: torch.T
 
     Parameters: `logits` [rows, V] (read as f32), their `params` and
     `token_bitmask` ([rows, ceil(V / 32)] int32 or None), as `sample` takes them.
-    Returns: [rows, V] f64 by token id: the kept weights of
+    Returns: [rows, V] f64 by token id: the kept masses of
     `engine.sampling.thresholds.row_distribution` (the sampler's own
     suppression, temperature and filters) over their total, the
     distribution the sampler's inverse CDF draws from; greedy rows one-hot
@@ -122,8 +122,7 @@ def target_probs(logits: torch.Tensor, params: RowParams, token_bitmask: torch.T
     masked = suppressed_scores(scores, rows)
     best, greedy = first_max(masked)  # ties to the smallest id
     d = row_distribution(masked, best, rows)
-    total = d.total[:, None]  # > 0 unless no token is valid
-    probs = d.weights.to(torch.float64) / torch.where(total > 0, total, torch.ones_like(total))
+    probs = d.probabilities()  # [rows, V] f64: the kept masses over their total
     ids = torch.arange(vocab, device=scores.device)
     one_hot_token = torch.where(rows.forced >= 0, rows.forced, greedy)
     one_hot = (ids == one_hot_token[:, None]).to(torch.float64)
