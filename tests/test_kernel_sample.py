@@ -1,0 +1,319 @@
+"""The sampling kernel (engine/sampling/kernels/sample.py) against the torch path.
+
+Under Triton's interpreter on the CPU (tests/conftest.py), with torch's exp and log
+(tests/kernel_interpreter.py): tokens, errors, ranks and top-N ids identical, logprobs
+within 2 ulp. The reference is the torch path's building blocks composed in vLLM's stage
+order (min-p, then top-k, then top-p over what both leave); where min-p is off it is also
+today's `sample`. Long variants (full vocabularies, flat rows keeping tens of thousands of
+tokens) run with ENGINE_LONG_TESTS=1.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("triton")
+
+from engine.host.draw_uniforms import staged_draw_uniforms
+from engine.sampling.draw import drawn_token, inverse_cdf_draw
+from engine.sampling.errors import PLACEHOLDER_TOKEN, RowError, row_errors, write_placeholders
+from engine.sampling.kernels import sample as kernel_module
+from engine.sampling.kernels.sample import SampleScratch, sample_rows
+from engine.sampling.logprobs import processed_row_logprobs, raw_logprobs
+from engine.sampling.normaliser import block_sums
+from engine.sampling.row_max import first_max
+from engine.sampling.rows import expand_rows
+from engine.sampling.sampler import SamplerConfig, sample
+from engine.sampling.thresholds import (
+    KEY_MAX, RowDistribution, order_keys, processed_scores, radix_threshold, suppressed_scores, token_masses,
+)
+from graphs.capture_safety import capture_safety_check
+from graphs.step_fields import RowParams, SampleOutput
+from profiling.fake_cuda import FakeCuda
+from tests.kernel_interpreter import torch_math
+
+LONG = os.environ.get("ENGINE_LONG_TESTS") == "1"
+FIELDS = ("tokens", "error", "needs_exact", "rank", "top_ids")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def interpreter_math():
+    with torch_math():
+        yield
+
+
+# -- the reference: the torch path's stages in vLLM's order ---------------------------------
+
+
+def reference(scores: torch.Tensor, params: RowParams, num_top: int, mode: str | None, *,
+              logits: torch.Tensor | None = None, nothing_allowed: torch.Tensor | None = None) -> SampleOutput:
+    """`sample`'s stages with the kept set of vLLM's order: min-p, then top-k (counting every
+    token, as `thresholds` does), then top-p over the masses of what both leave."""
+    return reference_with_kept_set(scores, params, num_top, mode, logits=logits, nothing_allowed=nothing_allowed)[0]
+
+
+def reference_with_kept_set(scores: torch.Tensor, params: RowParams, num_top: int, mode: str | None, *,
+                            logits: torch.Tensor | None = None, nothing_allowed: torch.Tensor | None = None
+                            ) -> tuple[SampleOutput, torch.Tensor]:
+    """`reference`, and each row's kept set [rows, V] bool."""
+    rows_n, vocab = scores.shape
+    plain = scores if logits is None else logits
+    rows = expand_rows(params, vocab)
+    masked = suppressed_scores(scores, rows)
+    best, greedy = first_max(masked)
+    shift, z = processed_scores(masked, best, rows)
+    weights = z.exp()
+    keys = order_keys(z)
+    kept = (masked > -math.inf) & (weights >= torch.where(rows.m_on, rows.min_p, -1.0).to(torch.float32)[:, None])
+    top_k_cut = torch.where(rows.k_on, radix_threshold(keys, None, rows.top_k.to(torch.float64)), KEY_MAX)
+    kept &= keys <= top_k_cut[:, None]
+    mass = token_masses(weights.masked_fill(~kept, 0.0))
+    top_p_cut = torch.where(rows.p_on, radix_threshold(keys, mass, rows.top_p * mass.sum(-1)), KEY_MAX)
+    kept &= keys <= top_p_cut[:, None]
+    weights.masked_fill_(~kept, 0.0)
+    d = RowDistribution(shift, z, kept, weights, block_sums(weights))
+    token = drawn_token(rows, greedy, inverse_cdf_draw(d.weights, d.block_mass, rows.uniform))
+    error = row_errors(plain, best == -math.inf, nothing_allowed)
+    failed = error != RowError.OK
+    token = torch.where(failed, PLACEHOLDER_TOKEN, token)
+    out = SampleOutput.allocate(rows_n, num_top)
+    if mode is not None:
+        lp = processed_row_logprobs(d, token, num_top) if mode == "processed" else raw_logprobs(plain, token, num_top)
+        lp.write(out)
+    out.tokens.copy_(token)
+    out.error.copy_(error)
+    write_placeholders(out, failed)
+    return out, kept
+
+
+def run_kernel(scores, params, num_top, mode, **kw) -> SampleOutput:
+    out = SampleOutput.allocate(scores.shape[0], num_top)
+    return sample_rows(scores, params, out, SampleScratch.allocate(scores.shape[0], scores.shape[1], "cpu"),
+                       logprobs=mode, **kw)
+
+
+def within_ulps(a: torch.Tensor, b: torch.Tensor, ulps: int = 2) -> bool:
+    """Equal (infinities and NaN alike), or finite float32 values at most `ulps` apart."""
+    a, b = a.float().flatten(), b.float().flatten()
+    same = (a == b) | (a.isnan() & b.isnan())
+    ia, ib = a.view(torch.int32).to(torch.int64), b.view(torch.int32).to(torch.int64)
+    close = (torch.sign(a) == torch.sign(b)) & a.isfinite() & b.isfinite() & ((ia - ib).abs() <= ulps)
+    return bool((same | close).all())
+
+
+def assert_agree(got: SampleOutput, want: SampleOutput, what: str, logprobs: bool = True) -> None:
+    for name in FIELDS if logprobs else FIELDS[:3]:
+        assert torch.equal(getattr(got, name), getattr(want, name)), f"{what}: {name} {getattr(got, name)} != {getattr(want, name)}"
+    if logprobs:
+        assert within_ulps(got.logprob, want.logprob), f"{what}: logprob {got.logprob} != {want.logprob}"
+        assert within_ulps(got.top_logprobs, want.top_logprobs), f"{what}: top_logprobs"
+
+
+# -- inputs ---------------------------------------------------------------------------------
+
+PATTERNS = ("normal", "ties", "flat", "tiny", "peaked", "masked", "nan", "inf", "all_masked", "all_suppressed")
+
+
+def row_values(rng: np.random.Generator, vocab: int, pattern: str) -> np.ndarray:
+    """One row of unprocessed logits [V] f32 of a kind the kernel must get right."""
+    row = (rng.standard_normal(vocab) * rng.choice([0.5, 3.0, 12.0])).astype(np.float32)
+    if pattern == "ties":  # a few distinct values: ties everywhere, at every cut
+        row = rng.integers(-3, 3, vocab).astype(np.float32)
+    elif pattern == "flat":
+        row = np.zeros(vocab, np.float32)
+    elif pattern == "tiny":  # distinct values within a few ulps: a flat row with no ties
+        row = (1.0 + rng.integers(0, 64, vocab) * np.float32(2 ** -23)).astype(np.float32)
+    elif pattern == "peaked":
+        row[rng.integers(vocab)] = 40.0
+    elif pattern == "nan":
+        row[rng.integers(vocab)] = np.nan
+    elif pattern == "inf":
+        row[rng.integers(vocab)] = rng.choice([np.inf, -np.inf])
+    return row
+
+
+@st.composite
+def batches(draw, max_rows: int = 3, vocabs=(7, 64, 333, 1024, 1500), min_p_off: bool = False):
+    vocab = draw(st.sampled_from(vocabs))
+    rows_n = draw(st.integers(1, max_rows))
+    reqs = draw(st.integers(1, rows_n))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    num_stop = draw(st.integers(1, 3))
+    patterns = [draw(st.sampled_from(PATTERNS)) for _ in range(rows_n)]
+    plain = np.stack([row_values(rng, vocab, p) for p in patterns])
+    # Scores that differ from the logits (bias, masked tokens) come with the logits beside them.
+    controls = draw(st.booleans()) or any(p in ("masked", "all_masked") for p in patterns)
+    scores = plain.copy()
+    row_to_req = np.sort(rng.integers(0, reqs, rows_n))
+    stop_ids = rng.choice(np.array([-1, 0, vocab - 1, vocab, int(rng.integers(vocab))]), (reqs, num_stop))
+    eos_rows = rng.random(rows_n) < 0.4
+    for r, pattern in enumerate(patterns):
+        if controls or pattern in ("masked", "all_masked"):
+            scores[r] += np.where(rng.random(vocab) < 0.1, rng.standard_normal(vocab).astype(np.float32), 0)
+            cut = rng.random(vocab) < (1.0 if pattern == "all_masked" else 0.3)
+            scores[r, cut] = -np.inf
+        if pattern == "all_suppressed":  # the one token left is a suppressed stop id
+            scores[r, 1:] = -np.inf
+            stop_ids[row_to_req[r], 0] = 0
+            eos_rows[r] = True
+    nothing_allowed = np.array([draw(st.sampled_from([False] * 5 + [True])) for _ in range(rows_n)])
+    k_choices = [0, 1, 2, 5, vocab - 1, vocab, vocab + 3]
+    params = RowParams.from_numpy(
+        temperatures=np.array([draw(st.sampled_from([0.0, 0.3, 1.0, 1.7])) for _ in range(reqs)], np.float32),
+        top_ks=np.array([draw(st.sampled_from(k_choices)) for _ in range(reqs)], np.int32),
+        top_ps=np.array([draw(st.sampled_from([1.0, 0.999, 0.9, 0.5, 0.1, 1e-6])) for _ in range(reqs)], np.float32),
+        min_ps=np.array([0.0 if min_p_off else draw(st.sampled_from([0.0, 0.0, 0.05, 0.5, 1.0]))
+                         for _ in range(reqs)], np.float32),
+        seeds=rng.integers(0, 2**63, reqs).astype(np.uint64),
+        sample_positions=rng.integers(0, 1000, reqs),
+        row_to_req=row_to_req,
+        local_step=np.zeros(rows_n, np.int64),
+        stop_ids=stop_ids,
+        eos_suppression_rows=eos_rows,
+        forced_tokens=np.where(rng.random(rows_n) < 0.2, rng.integers(0, vocab, rows_n), -1),
+        draw_uniforms=rng.random(rows_n) * 0.999 + 0.0005,
+    )
+    num_top = draw(st.sampled_from([0, 1, 3, min(8, vocab)]))
+    mode = draw(st.sampled_from([None, "raw", "processed"]))
+    return dict(scores=torch.from_numpy(scores), logits=torch.from_numpy(plain) if controls else None,
+                nothing_allowed=torch.from_numpy(nothing_allowed), params=params, num_top=num_top, mode=mode)
+
+
+# -- the kernel against the reference -------------------------------------------------------
+
+
+@settings(max_examples=300 if LONG else 12, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(batches())
+def test_kernel_matches_the_torch_stages_in_vllm_order(batch):
+    kw = dict(logits=batch["logits"], nothing_allowed=batch["nothing_allowed"])
+    got = run_kernel(batch["scores"], batch["params"], batch["num_top"], batch["mode"], **kw)
+    want = reference(batch["scores"], batch["params"], batch["num_top"], batch["mode"], **kw)
+    assert_agree(got, want, "kernel vs reference", logprobs=batch["mode"] is not None)
+
+
+@settings(max_examples=100 if LONG else 5, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(batches(min_p_off=True))
+def test_kernel_matches_sample_where_min_p_is_off(batch):
+    """Without min-p the two stage orders keep the same sets: today's `sample` agrees."""
+    mode = batch["mode"]
+    got = run_kernel(batch["scores"], batch["params"], batch["num_top"], mode, logits=batch["logits"])
+    want = SampleOutput.allocate(batch["scores"].shape[0], batch["num_top"])
+    cfg = SamplerConfig(max_logprobs=batch["num_top"], logprobs_mode=mode or "raw")
+    sample(batch["scores"].clone(), batch["params"], cfg, want, compute_logprobs=mode is not None,
+           unprocessed=batch["logits"])
+    assert_agree(got, want, "kernel vs sample")
+
+
+@settings(max_examples=60 if LONG else 5, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(batches(max_rows=2, vocabs=(7, 64)))
+def test_kept_sets_are_the_references(batch):
+    """Processed top-N over the whole vocabulary lists the kept set, best first: the same
+    tokens as the reference's, in the same order (ties at every cut included)."""
+    vocab = batch["scores"].shape[1]
+    kw = dict(logits=batch["logits"], nothing_allowed=batch["nothing_allowed"])
+    got = run_kernel(batch["scores"], batch["params"], vocab, "processed", **kw)
+    want, kept = reference_with_kept_set(batch["scores"], batch["params"], vocab, "processed", **kw)
+    assert_agree(got, want, "kept sets")
+    spare = torch.zeros(kept.shape[0], vocab + 1, dtype=torch.bool)  # -1 entries land in the last column
+    listed = spare.scatter_(1, torch.where(got.top_ids >= 0, got.top_ids, vocab), True)[:, :vocab]
+    ok = got.error == RowError.OK
+    assert torch.equal(listed[ok], kept[ok])
+
+
+def _fixed_batch(vocab: int = 2500, rows_n: int = 4) -> dict:
+    """Rows of every kind, all controls on somewhere: a flat row, ties, a NaN row, a peaked one."""
+    rng = np.random.default_rng(5)
+    plain = np.stack([row_values(rng, vocab, p) for p in ("tiny", "ties", "nan", "peaked")[:rows_n]])
+    params = RowParams.from_numpy(
+        temperatures=np.array([1.0, 0.7, 1.0, 0.0][:rows_n], np.float32),
+        top_ks=np.array([2000, 3, 0, 0][:rows_n], np.int32),
+        top_ps=np.array([0.97, 0.9, 0.5, 1.0][:rows_n], np.float32),
+        min_ps=np.array([0.0, 0.05, 0.0, 0.0][:rows_n], np.float32),
+        seeds=np.arange(rows_n, dtype=np.uint64), sample_positions=np.arange(rows_n) + 9,
+        row_to_req=np.arange(rows_n), local_step=np.zeros(rows_n, np.int64),
+        stop_ids=np.array([[3, -1]] * rows_n), eos_suppression_rows=np.array([True, False, True, False][:rows_n]),
+        draw_uniforms=staged_draw_uniforms(np.arange(rows_n, dtype=np.uint64), np.arange(rows_n) + 9,
+                                           np.arange(rows_n), np.zeros(rows_n, np.int64)),
+    )
+    return dict(scores=torch.from_numpy(plain), params=params)
+
+
+def test_results_do_not_depend_on_the_chunk(monkeypatch):
+    """Exact sums: the step a pass takes through the row changes no bit."""
+    batch = _fixed_batch()
+    outs = []
+    for chunk in (1024, 4096):
+        monkeypatch.setattr(kernel_module, "_chunk", lambda vocab, chunk=chunk: chunk)
+        outs.append(run_kernel(batch["scores"], batch["params"], 5, "processed"))
+    assert_agree(outs[0], outs[1], "chunk 1024 vs 4096")
+    assert_agree(outs[0], reference(batch["scores"], batch["params"], 5, "processed"), "kernel vs reference")
+
+
+def test_a_flat_row_keeps_thousands_and_failed_rows_hold_the_placeholder():
+    batch = _fixed_batch()
+    got = run_kernel(batch["scores"], batch["params"], 5, "processed")
+    want, kept = reference_with_kept_set(batch["scores"], batch["params"], 5, "processed")
+    assert_agree(got, want, "kernel vs reference")
+    assert kept[0].sum() > 1900  # the flat row keeps most of its 2000 top-k tokens
+    assert got.error.tolist() == [RowError.OK, RowError.OK, RowError.LOGITS_NOT_FINITE, RowError.OK]
+    assert got.tokens[2] == PLACEHOLDER_TOKEN and got.rank[2] == 0 and (got.top_ids[2] == -1).all()
+    assert not got.needs_exact.any()
+
+
+def _statics(scores, params, out, scratch) -> dict[str, torch.Tensor]:
+    tensors = {f"out.{k}": v for k, v in vars(out).items()}
+    tensors.update({f"params.{k}": v for k, v in vars(params).items()})
+    return {**tensors, "scores": scores, "scratch.hist": scratch.hist, "scratch.block_mass": scratch.block_mass}
+
+
+def test_one_capture_safe_op():
+    batch = _fixed_batch(vocab=300, rows_n=2)
+    out, scratch = SampleOutput.allocate(2, 3), SampleScratch.allocate(2, 300, "cpu")
+    with capture_safety_check(_statics(batch["scores"], batch["params"], out, scratch)) as stats:
+        sample_rows(batch["scores"], batch["params"], out, scratch, logprobs="raw")
+    assert stats.op_counts == {"engine.sample_rows.default": 1}
+
+
+def test_one_op_on_the_fake_cuda_device():
+    """The dry run's view: fake CUDA tensors, the capture check with the device rules; one op, no launch."""
+    with FakeCuda() as cuda:
+        scores = torch.zeros(4, 129280, device="cuda")
+        params = RowParams.neutral(4, 4, device="cuda")
+        params.draw_uniforms = torch.full((4,), 0.5, dtype=torch.float64, device="cuda")
+        logits = scores.clone()
+        out, scratch = SampleOutput.allocate(4, 20, "cuda"), SampleScratch.allocate(4, 129280, "cuda")
+        with capture_safety_check({**_statics(scores, params, out, scratch), "logits": logits}, device=scores.device,
+                                  is_pinned=cuda.is_pinned) as stats:
+            sample_rows(scores, params, out, scratch, logits=logits, logprobs="processed")
+    assert stats.op_counts == {"engine.sample_rows.default": 1}
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(logprobs="all"), "logprobs"),
+    (dict(scores=torch.zeros(2, 300, dtype=torch.float64)), "scores"),
+    (dict(scores=torch.zeros(300, 2).t()), "scores"),
+    (dict(logits=torch.zeros(2, 299)), "logits"),
+    (dict(uniforms=None), "draw_uniforms"),
+    (dict(out=SampleOutput.allocate(2, 301)), "top-N"),
+    (dict(scratch=SampleScratch.allocate(2, 5000, "cpu")), "scratch"),
+])
+def test_bad_arguments_name_the_field(change, field):
+    batch = _fixed_batch(vocab=300, rows_n=2)
+    params = batch["params"]
+    if "uniforms" in change:
+        params.draw_uniforms = change.pop("uniforms")
+    kw = dict(scores=batch["scores"], params=params, out=SampleOutput.allocate(2, 3),
+              scratch=SampleScratch.allocate(2, 300, "cpu"))
+    kw.update(change)
+    with pytest.raises(ValueError, match=field):
+        sample_rows(kw.pop("scores"), kw.pop("params"), kw.pop("out"), kw.pop("scratch"), **kw)
