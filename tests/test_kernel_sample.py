@@ -400,3 +400,18 @@ def test_the_draw_lands_in_the_block_and_token_its_uniform_names():
         got = run_kernel(row, params, 0, None)
         assert got.tokens.tolist() == [block * 1024 + 7 * block + 3]
         assert_agree(got, reference(row, params, 0, None), f"u={u}", logprobs=False)
+
+
+@pytest.mark.parametrize("suppress", [False, True])
+def test_a_stop_id_is_suppressed_only_on_a_row_flagged_for_it(suppress):
+    """The largest logit is a stop id: greedy takes it unless the row's EOS suppression is on;
+    a padding slot (-1) never suppresses token 0."""
+    row = torch.tensor([[2.0, 1.0, 5.0, 4.0]])
+    params = RowParams.from_numpy(
+        temperatures=np.zeros(1, np.float32), top_ks=np.zeros(1, np.int32), top_ps=np.ones(1, np.float32),
+        min_ps=np.zeros(1, np.float32), seeds=np.zeros(1, np.uint64), sample_positions=np.zeros(1, np.int64),
+        row_to_req=np.zeros(1, np.int64), local_step=np.zeros(1, np.int64), stop_ids=np.array([[2, -1]]),
+        eos_suppression_rows=np.array([suppress]), draw_uniforms=np.array([0.5]))
+    got = run_kernel(row, params, 2, "processed")
+    assert got.tokens.tolist() == ([3] if suppress else [2])
+    assert_agree(got, reference(row, params, 2, "processed"), f"suppress={suppress}")

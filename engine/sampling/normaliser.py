@@ -42,8 +42,10 @@ def token_masses(weights: torch.Tensor, vocab: int | None = None) -> torch.Tenso
     row (M = V) or of some of its tokens (then `vocab` gives V, which sets
     S). Capture-safe."""
     scale = float(2 ** mass_bits(weights.shape[1] if vocab is None else vocab))
-    # Scaling by a power of two and flooring are exact in float32, and so is the cast.
-    return torch.mul(weights, scale).floor_().to(torch.float64)
+    # The cast, the scaling by a power of two and the floor are exact: the float32 floor's
+    # integers. One new tensor, scaled and floored in place (each [rows, V] temporary costs
+    # page faults on a CPU).
+    return weights.to(torch.float64, copy=True).mul_(scale).floor_()
 
 
 def block_sums(weights: torch.Tensor, vocab: int | None = None) -> torch.Tensor:

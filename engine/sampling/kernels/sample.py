@@ -7,17 +7,23 @@ inside the kernel, so one launch serves greedy, plain, filtered, logprob and pro
 logprob rows alike: no graph-set variants.
 
 Design
-- Grid: one program per sample row. The cuts are chains of row-wide reductions (each
+- One program per sample row. The cuts are chains of row-wide reductions (each
   histogram pass needs the previous one's bin), which a split row could only share through
   a global barrier per pass; one program keeps the chain on one SM with no barrier. The
   row's repeated passes then hit L2 (a [64, 129280] f32 row block is 33 MB).
 - Passes over the row, by row kind (V tokens read per pass; the draw also reads the one
-  block of 1024 tokens it lands in):
-    greedy, no logprobs ............................. 1
-    greedy + raw logprobs ........................... 2
-    plain draw (no filter) / min-p only ............. 2, +1 with logprobs
-    + top-k or top-p ................................ +3 each (radix passes of 11, 10, 10 bits)
-    processed logprobs: the draw's pass, +1 for the rank of a drawn (not greedy, not forced) token
+  block of 1024 tokens it lands in), whatever the row's values:
+    greedy, no logprobs ................................ 1
+    greedy + raw logprobs .............................. 2
+    greedy + processed logprobs ........................ 2 (+ the cuts: processed logprobs report the kept set)
+    sampled, no cut or min-p only ...................... 2, 3 with logprobs
+    each of top-k and top-p ............................ +3 (radix passes of 11, 10 and 10 bits)
+    worst: sampled, top-k and top-p, logprobs .......... 9
+  More than 4 with both cuts: each exact cut is a selection over 31-bit keys and top-p's
+  level needs top-k's exact cut first; a Triton program cannot hold a 129280-token row on
+  chip nor keep a wide weighted histogram in shared memory, so each digit reads the row again.
+  Grid: (rows,), 8 warps, 2048 tokens per step of a pass (8 per thread: 128 registers, no
+  spills, 512 B of shared memory for sm_90).
   Pass 1: the row maximum M of the masked scores and its first index (the greedy token), the
   finite check of the logits, their maximum and their top-N (raw logprobs). The cuts:
   `kept_set.radix_cut`. The draw's pass: each kept token's mass, summed per block of 1024
