@@ -79,7 +79,7 @@ class ChaosModel:
 
 
 def chaos_loop(model) -> DecodeLoop:
-    return DecodeLoop(model, LoopConfig(max_num_reqs=4, token_budget=16, max_draft_tokens=2, min_shared_prefix=6),
+    return DecodeLoop(model, LoopConfig(seed_base=0, max_num_reqs=4, token_budget=16, max_draft_tokens=2, min_shared_prefix=6),
                       engine_config=EngineConfig(device="cpu"))
 
 
@@ -211,7 +211,7 @@ def clean_run(good: dict) -> dict:
     when it arrives, nor on who shares its batch, nor on graphs, and this way the
     reference costs a tenth of the chaotic run."""
     model = LlamaModel.random(CONFIG, seed=0, num_slots=16, batch_invariant=True)
-    loop = DecodeLoop(model, LoopConfig(max_num_reqs=16, token_budget=128, max_draft_tokens=2, min_shared_prefix=6),
+    loop = DecodeLoop(model, LoopConfig(seed_base=0, max_num_reqs=16, token_budget=128, max_draft_tokens=2, min_shared_prefix=6),
                       engine_config=EngineConfig(device="cpu", use_graphs=False), capture=False)
     for rid, (prompt, params, _) in good.items():
         loop.submit(rid, prompt, params)

@@ -194,7 +194,7 @@ def _controlled_params(n: int) -> list[SamplingParams]:
 
 
 def _loop_run(prompts, params, *, drafts: int, graphs: bool = False, max_num_reqs: int = 4):
-    loop = DecodeLoop(tiny_model(8), LoopConfig(max_num_reqs=max_num_reqs, token_budget=64, max_draft_tokens=drafts),
+    loop = DecodeLoop(tiny_model(8), LoopConfig(seed_base=0, max_num_reqs=max_num_reqs, token_budget=64, max_draft_tokens=drafts),
                       engine_config=EngineConfig(device="cpu", use_graphs=graphs), capture=graphs)
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         loop.submit(i, prompt, p)
@@ -338,7 +338,7 @@ def test_seqmeta_path_needs_the_prompt_for_repetition_and_counts_its_tokens():
 
 
 def test_a_decode_loop_refuses_controls_it_cannot_honour_at_submission():
-    loop = DecodeLoop(tiny_model(2), LoopConfig(max_num_reqs=2, token_budget=16),
+    loop = DecodeLoop(tiny_model(2), LoopConfig(seed_base=0, max_num_reqs=2, token_budget=16),
                       engine_config=EngineConfig(device="cpu", use_graphs=False), capture=False)
     assert loop.engine.config.max_control_slots == 2
     with pytest.raises(ValueError, match=f"request 'x': logit_bias: token {CONFIG.vocab_size} is outside"):

@@ -50,7 +50,7 @@ def test_schema_constrained_outputs_parse_and_validate_with_and_without_drafts(s
             schemas.append(schema)
     # One bucket, no small-candidate graphs: capture stays short; every step uses the bitmask graphs anyway.
     engine_config = EngineConfig(buckets=(9,), sampler_variants=False)
-    runs = {k: generate(model, prompts, params, config=LoopConfig(max_num_reqs=9, max_draft_tokens=k),
+    runs = {k: generate(model, prompts, params, config=LoopConfig(seed_base=0, max_num_reqs=9, max_draft_tokens=k),
                         engine_config=engine_config, tokenizer=tok)
             for k in (0, 3)}
     for k, completions in runs.items():

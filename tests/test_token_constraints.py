@@ -243,7 +243,7 @@ def test_a_failed_loop_step_rolls_the_constraints_back():
 
     def run(fail_at: set[int]) -> list[int]:
         model = LlamaModel.random(LlamaConfig.tiny(), seed=0, num_slots=2, batch_invariant=True)
-        loop = DecodeLoop(model, LoopConfig(max_num_reqs=2, max_draft_tokens=2), engine_config=EngineConfig(use_graphs=False),
+        loop = DecodeLoop(model, LoopConfig(seed_base=0, max_num_reqs=2, max_draft_tokens=2), engine_config=EngineConfig(use_graphs=False),
                           capture=False)
         record, calls = loop.batch.record, [0]
 
