@@ -23,7 +23,6 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -32,13 +31,10 @@ from engine.loop.config import LoopConfig
 from engine.loop.decode_loop import DecodeLoop
 from engine.loop.requests import Completion
 from engine.host.params import SamplingParams
+from engine.models.tiny import tiny_model
 from engine.step.config import EngineConfig
 from profiling import ranges
 from profiling.telemetry import Telemetry, TelemetrySummary
-
-if TYPE_CHECKING:
-    from engine.models.llama import LlamaModel
-    from engine.models.tokenizer import ByteChatMLTokenizer
 
 # Per-request seeds are `seed * 1000 + i` (see `workload`): this bound keeps them far below 2**64.
 MAX_SEED = 2**32
@@ -125,30 +121,6 @@ class RunResult:
     completions: dict
     seconds: float
     loop: DecodeLoop
-
-
-def tiny_model(seed: int, device: torch.device, num_slots: int) -> tuple[LlamaModel, ByteChatMLTokenizer]:
-    """(model, tokenizer): a seeded random Llama over the byte tokenizer, needing no weights.
-
-    Its embedding is also its LM head. Plain random rows give logits so peaked that every
-    request emits the same control byte (a newline) forever. So the rows are scaled down (softer
-    logits: sampled requests differ), the printable-ASCII rows and `<|im_end|>` to 0.1 and the
-    rest to 0.03: the answers are noise, but mostly noise a terminal shows.
-    """
-    from engine.models.llama import LlamaConfig, LlamaModel, random_weights
-    from engine.models.tokenizer import ByteChatMLTokenizer
-
-    tokenizer = ByteChatMLTokenizer()
-    eos = tokenizer.token_id("<|im_end|>")
-    config = LlamaConfig(vocab_size=288, hidden_size=256, intermediate_size=704, num_layers=4, num_heads=4,
-                         num_kv_heads=2, head_dim=64, max_position=1024, eos_token_id=eos)
-    weights = random_weights(config, seed)
-    row_scale = torch.full((config.vocab_size, 1), 0.03)
-    row_scale[ord(" ") : ord("~") + 1] = 0.1
-    row_scale[eos] = 0.1
-    weights = dataclasses.replace(weights, embed=weights.embed * row_scale)
-    model = LlamaModel(config, weights, device=device, num_slots=num_slots, max_context=1024, batch_invariant=True)
-    return model, tokenizer
 
 
 def load_model(args: argparse.Namespace, num_slots: int):

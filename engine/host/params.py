@@ -124,6 +124,12 @@ class SamplingParams:
                 object.__setattr__(self, "json_schema", json.dumps(schema))
             except (TypeError, ValueError) as e:
                 return f"json_schema={schema!r}: not serialisable as JSON ({e})"
+        elif isinstance(schema, str) and schema.strip():
+            # The syntax is checked here; whether xgrammar can compile the schema, at submission.
+            try:
+                json.loads(schema)
+            except ValueError as e:
+                return f"json_schema={schema!r}: not valid JSON ({e})"
         return None
 
     def problem(self) -> str | None:

@@ -14,10 +14,12 @@ from typing import Sequence
 import torch
 
 from engine.models.protocol import ForwardBatch, check_forward_args
+from engine.models.tokenizer import HFProtocol
 
 
-class HFChatTokenizer:
-    """Implements `ChatTokenizer` over a `transformers` tokenizer and its chat template.
+class HFChatTokenizer(HFProtocol):
+    """Implements `ChatTokenizer` (and Hugging Face's protocol, by passing it through)
+    over a `transformers` tokenizer and its chat template.
 
     Without a chat template the messages' contents are joined by newlines.
     """
@@ -25,15 +27,29 @@ class HFChatTokenizer:
     def __init__(self, tokenizer: object) -> None:
         self.tokenizer = tokenizer
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def chat_text(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            return "\n".join(message["content"] for message in messages)
+        return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False)
+
     def chat_prompt(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
-            return self.encode("\n".join(message["content"] for message in messages))
+            return self.encode(self.chat_text(messages, add_generation_prompt))
         ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=True)
         if not isinstance(ids, list):  # newer transformers return a BatchEncoding
             ids = ids["input_ids"]

@@ -2,11 +2,11 @@
 
 Two execution modes share every weight and the cache:
 
-- fast (default): one GEMM per projection over all scheduled tokens;
+- fast (`batch_invariant=False`): one GEMM per projection over all scheduled tokens;
   `scaled_dot_product_attention` once for all single-token (decode) requests,
   over their cache slots alone (a view when they sit in slots 0..n-1 in batch order, else
   a copy of just those slots), and per request for prefill chunks.
-- batch-invariant (`batch_invariant=True`): a token's hidden state is bit-identical
+- batch-invariant (`batch_invariant=True`, the default, as for the engine): a token's hidden state is bit-identical
   whatever else shares the step and however its prompt was chunked. GEMM
   kernels pick their blocking (and so their summation order) from the matrix
   shape, so every linear layer runs one GEMM per fixed `[row_block, K]` row block
@@ -241,7 +241,7 @@ class LlamaModel:
         max_context: int | None = None,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
-        batch_invariant: bool = False,
+        batch_invariant: bool = True,
         row_block: int = 16,
         key_block: int = 64,
         packed_weights: bool = True,

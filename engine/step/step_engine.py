@@ -57,7 +57,7 @@ from engine.step.staging import StepArrays
 from engine.step.stop_ids import StopIds
 from engine.step.validation import check_hidden_states, check_ledger, check_token_bitmask, is_same_view
 from graphs.buckets import BucketTable
-from graphs.replay import CaptureReport, GraphReplayer
+from graphs.replay import CaptureProgress, CaptureReport, GraphReplayer, show_capture_progress
 from graphs.static_buffers import StepBuffers
 from profiling.ranges import stage
 
@@ -172,10 +172,21 @@ class StepEngine:
         (batch order, from row 0) makes `step(engine.source, seqs)` zero-copy."""
         return self.buffers.source
 
-    def capture(self, progress: bool = False) -> CaptureReport:
+    def capture(self, progress: bool | CaptureProgress = False) -> CaptureReport:
         """Capture one graph per bucket (largest first) of every graph set; on CPU,
-        run each once under the capture safety check. Reports buckets, seconds, pool bytes."""
-        reports = [replayer.capture(progress=progress) for replayer in self.replayers.values()]
+        run each once under the capture safety check. Reports buckets, seconds, pool bytes.
+        `progress`: True draws one bar on stderr over every set's buckets; a callable
+        hears (graphs captured, graphs to capture, bucket) instead."""
+        total = sum(len(replayer.buckets) for replayer in self.replayers.values())
+        hear = show_capture_progress if progress is True else progress
+        reports: list[CaptureReport] = []
+        for replayer in self.replayers.values():
+            offset = sum(len(report.buckets) for report in reports)  # graphs of the sets before this one
+
+            def heard(done: int, _: int, bucket: int, offset: int = offset) -> None:
+                hear(offset + done, total, bucket)
+
+            reports.append(replayer.capture(progress=heard if hear else False))
         first = reports[0]
         pools = None if first.pool_bytes is None else sum(r.pool_bytes or 0 for r in reports)
         return dataclasses.replace(first, seconds=sum(r.seconds for r in reports), pool_bytes=pools,
