@@ -35,6 +35,7 @@ from engine.host.ledger import (
     suppression_rows,
     validate_batch,
 )
+from engine.host.ledger_tables import LedgerRequest, render
 from engine.host.params import SamplingParams, SeqMeta
 from engine.host.token_constraints import TokenConstraint, TokenConstraints
 
@@ -452,6 +453,18 @@ class BatchStep:
     inputs: SamplerInputs
     arrays: StepArrays
     read_slots: np.ndarray | None  # [n] draft-info slots read (0 = padding), None without a pool
+    seqlen_q: np.ndarray | None = None  # [n] int32 query tokens per request
+    seqlen_k: np.ndarray | None = None  # [n] int32 context length per request after the step
+
+    def explain(self, bucket: int | None = None, max_draft_tokens: int = 0) -> str:
+        """This step's ledger as tables, as `python -m engine explain` prints a batch: per
+        request its rows, sample rows (a discarded one marked), positions, prompt rows and
+        draft info; the row map; the staged fields. At most 100 columns wide. `bucket`
+        (with the engine's `max_draft_tokens`): also show that graph bucket's padding."""
+        inputs = self.inputs
+        requests = [LedgerRequest(rid, bool(p), int(q), int(k))
+                    for rid, p, q, k in zip(inputs.request_ids, inputs.is_prompt, self.seqlen_q, self.seqlen_k)]
+        return render(requests, inputs, max_draft_tokens=max_draft_tokens, bucket=bucket)
 
 
 class PersistentBatch:
@@ -606,7 +619,7 @@ class PersistentBatch:
         constrained = np.flatnonzero(self._constrained[rows])
         if len(constrained):
             arrays.token_bitmask = self._token_bitmask(rows, constrained, inputs, arrays)
-        return BatchStep(rows, inputs, arrays, read)
+        return BatchStep(rows, inputs, arrays, read, q, k)
 
     def _token_bitmask(self, rows: np.ndarray, constrained: np.ndarray, inputs: SamplerInputs,
                        arrays: StepArrays) -> np.ndarray | None:
