@@ -4,7 +4,6 @@ Hugging Face checkpoint folder (the `hf` extra). Every check that needs no loadi
 runs first, so a bad name or folder fails in one line before anything is read."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -31,12 +30,17 @@ def check_model_name(model: str | os.PathLike, field: str = "model") -> None:
     if isinstance(model, str) and model in NAMES:
         return
     path = Path(model)
-    accepted = (f"'smollm2', 'tiny' (a seeded random model, no weights) or a local Hugging Face checkpoint "
+    accepted = ("'smollm2', 'tiny' (a seeded random model, no weights) or a local Hugging Face checkpoint "
                 "folder")
     if not path.exists():
         raise ValueError(f"{field}={str(model)!r}: no such folder; give {accepted}")
     if not path.is_dir():
         raise ValueError(f"{field}={str(model)!r}: a file, not a folder; give {accepted}")
+    try:
+        import transformers  # noqa: F401  (only asked whether it imports)
+    except ImportError:
+        raise ValueError(f"{field}={str(model)!r}: loading a Hugging Face checkpoint needs transformers; install "
+                         "the hf extra: pip install -e '.[hf]'") from None
     config = path / "config.json"
     if not config.is_file():
         raise ValueError(f"{field}={str(model)!r}: the folder has no config.json, so it is not a Hugging Face "
@@ -48,9 +52,6 @@ def check_model_name(model: str | os.PathLike, field: str = "model") -> None:
     if not isinstance(doc, dict) or not ("model_type" in doc or "architectures" in doc):
         raise ValueError(f"{field}={str(model)!r}: config.json names no model_type or architectures: not a "
                          "Hugging Face checkpoint")
-    if importlib.util.find_spec("transformers") is None:
-        raise ValueError(f"{field}={str(model)!r}: loading a Hugging Face checkpoint needs transformers; install "
-                         "the hf extra: pip install -e '.[hf]'")
 
 
 def load(
@@ -58,14 +59,15 @@ def load(
     *,
     device: torch.device,
     num_slots: int,
-    max_context: int,
+    max_context: int | None,
     batch_invariant: bool,
     seed: int = 0,
     progress: bool = False,
 ) -> Loaded:
     """The model a name stands for, with its tokenizer (module docstring); `seed` seeds
     the tiny model's weights. **Raises** ValueError (see `check_model_name`, and for a
-    checkpoint transformers cannot read), FileNotFoundError when SmolLM2's wheel is missing."""
+    checkpoint transformers cannot read), FileNotFoundError when SmolLM2's wheel is missing.
+    `max_context` None: a checkpoint's own limit (the named models need a number)."""
     check_model_name(model)
     if model == "tiny":
         from engine.models.tiny import tiny_model

@@ -36,6 +36,7 @@ q/k/v and gate/up are stored fused so a layer runs four GEMMs.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
@@ -225,6 +226,20 @@ def _ceil_to(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def check_kv_cache_fits(config: LlamaConfig, num_slots: int, max_context: int, dtype: torch.dtype,
+                        device: torch.device) -> None:
+    """On CPU, a KV cache larger than the machine's memory is refused before anything is
+    allocated, naming the fields that size it (an allocation error says neither)."""
+    if device.type != "cpu":
+        return
+    per_slot = 2 * config.num_layers * max_context * config.num_kv_heads * config.head_dim * dtype.itemsize
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if num_slots * per_slot > memory:
+        raise ValueError(f"num_slots={num_slots}: the KV cache would take {num_slots * per_slot / 2**30:.1f} GiB "
+                         f"({per_slot / 2**20:.0f} MiB per slot at max_context={max_context}) and the machine has "
+                         f"{memory / 2**30:.0f} GiB; lower num_slots (the loop's max_num_reqs) or max_context")
+
+
 class LlamaModel:
     """The decoder plus its KV cache: `[num_slots, cache_len, kv_heads, head_dim]` per layer for K and V.
 
@@ -253,6 +268,7 @@ class LlamaModel:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         if row_block < 1 or key_block < 1:
             raise ValueError(f"row_block and key_block must be >= 1, got {row_block} and {key_block}")
+        check_kv_cache_fits(config, num_slots, _ceil_to(max_context, key_block), dtype, torch.device(device))
         self.config = config
         self.weights = weights.to(device, dtype)
         self.device = torch.device(device)

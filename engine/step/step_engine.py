@@ -62,6 +62,18 @@ from graphs.static_buffers import StepBuffers
 from profiling.ranges import stage
 
 
+def check_vocab_fits_sampler(lm_head: torch.Tensor | LMHead, config: EngineConfig) -> None:
+    """A vocabulary smaller than the top-N the sampler allocates for cannot be captured: refuse
+    it here, before any work, naming the field and the fix."""
+    vocab = lm_head.vocab_size if isinstance(lm_head, LMHead) else (
+        lm_head.shape[0] if isinstance(lm_head, torch.Tensor) and lm_head.dim() == 2 else None)
+    top_n = config.sampler.max_logprobs
+    if vocab is not None and top_n > vocab:
+        raise ValueError(f"EngineConfig.sampler.max_logprobs={top_n}: exceeds the LM head's vocabulary V={vocab}; "
+                         f"build it with EngineConfig(sampler=SamplerConfig(max_logprobs={vocab})) "
+                         "(from engine import SamplerConfig)")
+
+
 class StepEngine:
     """The captured tail of an inference step (docs/contract.md §4, §6).
 
@@ -73,6 +85,7 @@ class StepEngine:
         config = config or EngineConfig()
         self.config = config
         self.device = config.resolved_device()
+        check_vocab_fits_sampler(lm_head_weight, config)
         self.head = lm_head_weight if isinstance(lm_head_weight, LMHead) else LocalHead(lm_head_weight, config)
         self.weight = self.head.weight  # [V, H], or this rank's [V_rank, H] shard
         self.vocab_size, self.hidden_size = self.head.vocab_size, self.head.hidden_size
