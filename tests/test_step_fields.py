@@ -7,6 +7,7 @@ through the ledger into the `forced_tokens` field, reaches the emitted token.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from types import SimpleNamespace
 
 import numpy as np
@@ -154,10 +155,14 @@ def test_a_field_added_to_the_declaration_is_staged_viewed_padded_and_explained(
     assert {f.name for f in dataclasses.fields(params)} == {f.name for f in dataclasses.fields(RowParams)}
     assert params.temperatures.data_ptr() == b.inputs.temperatures.data_ptr() and len(params.temperatures) == 2
     assert len(params.forced_tokens) == b.rows_for(2)
-    text = explain(seqs, max_draft_tokens=MAX_DRAFTS, step_fields=declared)
+    lines = explain(seqs, max_draft_tokens=MAX_DRAFTS, step_fields=declared).splitlines()
     for f in EXTRA:
-        line = next(line for line in text.splitlines() if line.startswith(f.name + " "))
-        assert f.meaning in line and f.source in line and f.stage in line and str(f.padding) in line
+        # A field's row, then what it means on the indented lines under it (the table wraps by row).
+        at = next(i for i, line in enumerate(lines) if line.startswith(f.name + " "))
+        under = itertools.takewhile(lambda line: line.startswith(" "), lines[at + 1 :])
+        block = " ".join(" ".join([lines[at], *under]).split())
+        assert " ".join(f.meaning.split()) in block and f.source in block and f.stage in block
+        assert str(f.padding) in lines[at]
 
 
 def test_padding_values_come_from_the_declaration():
@@ -300,6 +305,7 @@ def test_an_out_of_vocabulary_forced_token_names_the_request():
 
 
 def test_explain_shows_the_forced_tokens():
-    text = explain([_decode("a", 1, forced=7), _decode("b")], max_draft_tokens=MAX_DRAFTS)
-    line = next(line for line in text.splitlines() if line.startswith("forced_tokens "))
-    assert "7 -1 -1" in line
+    lines = explain([_decode("a", 1, forced=7), _decode("b")], max_draft_tokens=MAX_DRAFTS).splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("forced_tokens "))
+    under = " ".join(" ".join(lines[at + 1 : at + 3]).split())  # this step's values, under the field's row
+    assert "this step: 7 -1 -1" in under

@@ -116,6 +116,31 @@ class Columns:
 
 
 
+class RecordColumns:
+    """The request columns of a batch read straight from its SeqMeta records (`SEQ_RECORD`,
+    engine/host/params.py, writable): `cols.temperatures` is the records' field, a strided
+    view, nothing copied. A request that brought no seed gets the derived one written into
+    its record's copy. Read by `prepare_sampler_inputs`; the persistent table keeps `Columns`."""
+
+    __slots__ = ("records",)
+
+    def __init__(self, records: np.ndarray, request_ids: Sequence[Hashable], seed_base: int = 0):
+        self.records = records
+        unseeded = np.flatnonzero(~records["has_seed"])
+        if len(unseeded):
+            seeds = records["seeds"]
+            for i in unseeded.tolist():
+                seeds[i] = derive_seed(request_ids[i], seed_base)
+
+    def __getattr__(self, name: str) -> np.ndarray:
+        if name not in _LOCATION:
+            raise AttributeError(name)
+        return self.records[name]
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+
 def _column_view(g: int, j: int) -> property:
     return property(lambda self: self.groups[g][:, j], doc=f"column {j} of dtype group {g} (a view)")
 

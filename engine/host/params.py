@@ -9,17 +9,62 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from engine.host.step_fields import PARAM_FIELDS
+
 INT32_MAX = 2**31 - 1
 UINT64_MAX = 2**64 - 1
 PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty, as vLLM
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # each logit_bias value, as OpenAI and vLLM
 STRUCTURED_FIELDS = ("json_schema", "regex", "grammar")
+
+
+def _record_layout(fields: Sequence[tuple[str, str]]) -> tuple[np.dtype, struct.Struct]:
+    """A numpy record dtype with its fields aligned (so a field of a batch of records is an
+    aligned, strided view) and the `struct` that writes one record of it, padding included."""
+    codes = {"b1": "?", "i1": "b", "u1": "B", "i2": "h", "u2": "H", "i4": "i", "u4": "I", "i8": "q", "u8": "Q",
+             "f4": "f", "f8": "d"}
+    dtype = np.dtype([(name, np.dtype(kind).newbyteorder("<")) for name, kind in fields], align=True)
+    layout, end = "<", 0
+    for name, kind in fields:
+        offset = dtype.fields[name][1]
+        layout += "x" * (offset - end) + codes[np.dtype(kind).str[1:]]
+        end = offset + np.dtype(kind).itemsize
+    packer = struct.Struct(layout + "x" * (dtype.itemsize - end))
+    assert packer.size == dtype.itemsize
+    return dtype, packer
+
+
+# `prepare_sampler_inputs` reads a batch of SeqMeta as one numpy record array: each
+# SamplingParams and each SeqMeta packs its record when it is built (after validation),
+# and the batch is the records joined. The fields are named as the ledger and the request
+# columns (engine/host/columns.py) name them; the sampling parameters are the step-field
+# declaration's (`PARAM_FIELDS`: temperatures, top_ks, ...), so a parameter declared there
+# is packed with no edit here. `has_seed` says whether `seeds` holds the request's own seed.
+PARAMS_RECORD, _PARAMS_PACKER = _record_layout((
+    ("min_tokens", "i4"), ("num_logprobs", "i4"), ("num_prompt_logprobs", "i4"),
+    *((f.name, np.dtype(f.dtype).str[1:]) for f in PARAM_FIELDS), ("has_seed", "b1"),
+))
+_SEQ_PART, _SEQ_PACKER = _record_layout((
+    ("is_prompt", "b1"), ("seqlen_q", "i4"), ("seqlen_k", "i4"), ("prompt_len", "i4"), ("num_generated", "i4"),
+    ("mtp_read_slot", "i4"), ("mtp_write_slot", "i4"), ("forced_token", "i8"),  # -1: none
+))
+_FLOAT_FIELDS = tuple(name for name in PARAMS_RECORD.names if PARAMS_RECORD.fields[name][0].kind == "f")
+# The two parts' records back to back; each part's size is a multiple of its largest field
+# (8 bytes), so the params part stays aligned after the request's part.
+SEQ_RECORD = np.dtype({
+    "names": [*_SEQ_PART.names, *PARAMS_RECORD.names],
+    "formats": [*(_SEQ_PART.fields[n][0] for n in _SEQ_PART.names), *(PARAMS_RECORD.fields[n][0] for n in PARAMS_RECORD.names)],
+    "offsets": [*(_SEQ_PART.fields[n][1] for n in _SEQ_PART.names),
+                *(_SEQ_PART.itemsize + PARAMS_RECORD.fields[n][1] for n in PARAMS_RECORD.names)],
+    "itemsize": _SEQ_PART.itemsize + PARAMS_RECORD.itemsize,
+}, align=True)
 
 
 def _is_int(value: object) -> bool:
@@ -51,6 +96,8 @@ class SamplingParams:
     - `json_schema` (a JSON schema as text or a dict), `regex`, `grammar`
       (EBNF): structured output through xgrammar; at most one of the three.
     Checks that need the vocabulary or a tokenizer run at submission.
+    `ledger_record` (bytes, not a field): the values the ledger reads, packed once the
+    fields are validated.
     """
 
     temperature: float = 1.0
@@ -88,6 +135,15 @@ class SamplingParams:
         problem = self.problem()
         if problem:
             raise ValueError(problem)
+        values = {"min_tokens": self.min_tokens, "num_logprobs": self.num_logprobs,
+                  "num_prompt_logprobs": self.num_prompt_logprobs, "has_seed": self.seed is not None,
+                  **{f.name: getattr(self, f.param) for f in PARAM_FIELDS}}
+        values["seeds"] = self.seed or 0
+        with np.errstate(over="ignore"):  # a finite temperature past float32's range is inf there, as staged
+            for name in _FLOAT_FIELDS:
+                values[name] = np.float32(values[name]).item()
+        # Not a field: these parameters as one `PARAMS_RECORD`, what the ledger reads.
+        object.__setattr__(self, "ledger_record", _PARAMS_PACKER.pack(*(values[name] for name in PARAMS_RECORD.names)))
 
     def _normalise(self) -> str | None:
         """Copy the container fields into immutable forms (a caller's later
@@ -249,7 +305,8 @@ class SeqMeta:
     `seqlen_q = 1 + drafts`; the first query token is the last generated one.
     `forced_token`: the token the request's first sample row emits this step
     whatever its logits say (a "golden" token, docs/contract.md §2); None = sample.
-    The engine checks it lies inside the vocabulary.
+    The engine checks it lies inside the vocabulary. `ledger_record` (bytes, not a
+    field): the values the ledger reads, packed once the fields are validated.
     """
 
     request_id: Hashable
@@ -268,6 +325,12 @@ class SeqMeta:
         problem = self.problem()
         if problem:
             raise ValueError(f"request {self.request_id!r}: {problem}")
+        forced = -1 if self.forced_token is None else self.forced_token
+        # Not a field: this view of the step as one `SEQ_RECORD`; a batch of them joined is
+        # what `prepare_sampler_inputs` reads, in one go.
+        object.__setattr__(self, "ledger_record", _SEQ_PACKER.pack(
+            self.is_prompt, self.seqlen_q, self.seqlen_k, self.prompt_len, self.num_generated, self.mtp_read_slot,
+            self.mtp_write_slot, forced) + self.params.ledger_record)
 
     def problem(self) -> str | None:
         """The first invalid field as 'field=value: why', or None when valid."""
