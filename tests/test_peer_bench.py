@@ -214,7 +214,7 @@ def test_transformers_on_the_checkpoint_computes_our_logits(checkpoint):
     tokens = [5, 17, 42, 8, 99, 3, 60]
     with torch.inference_mode():
         expected = hf(torch.tensor([tokens])).logits[0]
-    model = LlamaModel(TINY, weights, num_slots=1)
+    model = LlamaModel(TINY, weights, num_slots=1, batch_invariant=False)
     batch = ForwardBatch.of([model.allocate_slot()], [len(tokens)], [len(tokens)])
     hidden = model.forward(torch.tensor(tokens), batch.positions(), batch)
     torch.testing.assert_close(hidden @ model.lm_head_weight.T, expected, rtol=1e-4, atol=1e-4)

@@ -47,7 +47,9 @@ class StepSchedule:
     forced_tokens: np.ndarray | None = None  # [n] int64, -1 = none; None: no request has one
 
     @classmethod
-    def from_records(cls, records: np.ndarray, request_ids: Sequence[Hashable], seqs: Sequence[SeqMeta]) -> StepSchedule:
+    def from_records(
+        cls, records: np.ndarray, request_ids: Sequence[Hashable], seqs: Sequence[SeqMeta]
+    ) -> StepSchedule:
         """From the batch's SeqMeta records (`SEQ_RECORD`, writable): the columns are views
         into them; prompt tokens are read from `seqs` only where prompt-logprob targets need them."""
         forced = records["forced_token"]

@@ -60,7 +60,8 @@ _FLOAT_FIELDS = tuple(name for name in PARAMS_RECORD.names if PARAMS_RECORD.fiel
 # (8 bytes), so the params part stays aligned after the request's part.
 SEQ_RECORD = np.dtype({
     "names": [*_SEQ_PART.names, *PARAMS_RECORD.names],
-    "formats": [*(_SEQ_PART.fields[n][0] for n in _SEQ_PART.names), *(PARAMS_RECORD.fields[n][0] for n in PARAMS_RECORD.names)],
+    "formats": [*(_SEQ_PART.fields[n][0] for n in _SEQ_PART.names),
+                *(PARAMS_RECORD.fields[n][0] for n in PARAMS_RECORD.names)],
     "offsets": [*(_SEQ_PART.fields[n][1] for n in _SEQ_PART.names),
                 *(_SEQ_PART.itemsize + PARAMS_RECORD.fields[n][1] for n in PARAMS_RECORD.names)],
     "itemsize": _SEQ_PART.itemsize + PARAMS_RECORD.itemsize,
