@@ -203,3 +203,48 @@ def test_tables_fit_in_100_columns_for_long_chunks_and_ids(capsys):
     out = capsys.readouterr().out
     assert max(map(len, out.splitlines())) <= 100
     assert "0-198" in out  # a run of context-only rows is one row-map line
+
+
+def _ledger_table(out: str) -> list[dict[str, str]]:
+    """The tool's per-request table: columns from the rule line, a wrapped cell joined back."""
+    lines = out.splitlines()
+    top = next(i for i, line in enumerate(lines) if line.startswith("#  request"))
+    rule = next(i for i in range(top, len(lines)) if lines[i].startswith("-  ---"))
+    spans = [(m.start(), m.end()) for m in re.finditer(r"-+", lines[rule])]
+
+    def cells(line: str) -> list[str]:
+        return [line[a : b + 2 if k + 1 < len(spans) else None].strip() for k, (a, b) in enumerate(spans)]
+
+    headers = [" ".join(parts).strip() for parts in zip(*(cells(line) for line in lines[top:rule]))]
+    rows: list[list[str]] = []
+    for line in lines[rule + 1 :]:
+        if not line.strip():
+            break
+        values = cells(line)
+        if values[0]:
+            rows.append(values)
+        else:  # a continuation line of a wrapped row
+            rows[-1] = [f"{a} {b}".strip() for a, b in zip(rows[-1], values)]
+    return [dict(zip(headers, row)) for row in rows]
+
+
+def test_the_contracts_worked_examples_are_what_the_tool_prints(capsys):
+    import shlex
+    from pathlib import Path
+
+    contract = (Path(__file__).resolve().parents[1] / "docs" / "contract.md").read_text()
+    examples = re.findall(r"^    python -m engine explain ([^\n]+)\n(.*?)(?=^#)", contract, re.M | re.S)
+    assert len(examples) >= 3
+    for args, section in examples:
+        assert main(["explain", *shlex.split(args)]) == 0, args
+        out = capsys.readouterr().out
+        tool = _ledger_table(out)
+        table = [line for line in section.splitlines() if line.startswith("|")]
+        headers = [h.strip() for h in table[0].strip("|").split("|")]
+        documented = [dict(zip(headers, (c.strip() for c in line.strip("|").split("|")))) for line in table[2:]]
+        assert len(documented) == len(tool), args
+        for doc_row, tool_row in zip(documented, tool):
+            for column, value in doc_row.items():
+                assert tool_row[column] == value, (args, column, value, tool_row[column])
+        for pair in re.findall(r"\b\d+->\d+\b", section):  # row->target pairs quoted in the prose
+            assert pair in out, (args, pair)

@@ -40,6 +40,7 @@ from engine.step.step_engine import StepEngine
 
 DEFAULT_MAX_NUM_REQS = 8
 DEFAULT_MAX_CONTEXT = 1024
+DEFAULT_MAX_TOKENS = 16  # vLLM's, for a request whose SamplingParams.max_tokens is None
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ class LLM:
     (default True, as everywhere in the engine): a request's tokens do not depend on
     what else runs beside it; False is faster. `max_num_reqs`: requests decoded
     together (one graph bucket each up to it); `max_context`: prompt + output tokens
-    per request. `config` / `engine_config`: the loop's and the engine's full
+    per request. A request without `max_tokens` generates at most 16 (vLLM's default). `config` / `engine_config`: the loop's and the engine's full
     configuration, for what the shortcuts do not cover. `progress`: bars on stderr
     while loading and capturing.
 
@@ -288,7 +289,8 @@ def _configs(
     if not isinstance(batch_invariant, bool):
         raise ValueError(f"batch_invariant={batch_invariant!r}: must be a bool")
     if config is None:
-        config = LoopConfig(max_num_reqs=max_num_reqs or DEFAULT_MAX_NUM_REQS, seed_base=seed)
+        config = LoopConfig(max_num_reqs=max_num_reqs or DEFAULT_MAX_NUM_REQS, seed_base=seed,
+                            default_max_tokens=DEFAULT_MAX_TOKENS)
     else:
         if not isinstance(config, LoopConfig):
             raise ValueError(f"config={config!r}: must be a LoopConfig")
