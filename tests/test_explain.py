@@ -248,3 +248,22 @@ def test_the_contracts_worked_examples_are_what_the_tool_prints(capsys):
                 assert tool_row[column] == value, (args, column, value, tool_row[column])
         for pair in re.findall(r"\b\d+->\d+\b", section):  # row->target pairs quoted in the prose
             assert pair in out, (args, pair)
+
+
+def test_a_live_batch_step_explains_itself():
+    import torch
+
+    from engine import EngineConfig, PersistentBatch, SamplingParams, StepEngine
+
+    engine = StepEngine(torch.zeros(64, 8), EngineConfig(max_num_reqs=4, device="cpu", use_graphs=False))
+    batch = PersistentBatch(engine)
+    batch.add("long", prompt_tokens=list(range(10)), params=SamplingParams(prompt_logprobs=1))
+    batch.add("short", prompt_tokens=[1, 2, 3], params=SamplingParams(temperature=0))
+    step = batch.prepare(["long", "short"], seqlen_q=[6, 3], seqlen_k=[6, 3])  # a first chunk of 6 of 10
+    text = step.explain(bucket=4)
+    assert "Ledger: 2 requests, 9 output rows, 2 sample rows, 6 prompt rows" in text
+    table = _ledger_table(text)
+    assert (table[0]["kind"], table[0]["sample rows"]) == ("prefill (chunk)", "5 (discarded)")
+    assert (table[1]["kind"], table[1]["sample rows"]) == ("prefill", "8")
+    assert "long: 0->1 1->2 2->3 3->4 4->5 5->6" in text and "Graph bucket 4" in text
+    assert max(map(len, text.splitlines())) <= 100

@@ -236,3 +236,27 @@ def test_generate_refuses_text_and_flat_prompts_before_building_an_engine(monkey
     with pytest.raises(ValueError, match=r"prompts='Hello': a str"):
         generate(model, "Hello")
 
+
+
+# -- library errors a new user met (issue 27, list 9) ------------------------------------------
+
+def test_a_vocabulary_smaller_than_the_top_n_is_refused_when_the_engine_is_built():
+    import torch
+
+    from engine import SamplerConfig
+
+    with pytest.raises(ValueError, match=r"EngineConfig.sampler.max_logprobs=20: exceeds the LM head's vocabulary "
+                                         r"V=5; build it with EngineConfig\(sampler=SamplerConfig\(max_logprobs=5\)\)"):
+        StepEngine(torch.randn(5, 16), EngineConfig(device="cpu", max_num_reqs=2))
+    engine = StepEngine(torch.randn(5, 16), EngineConfig(device="cpu", max_num_reqs=2,
+                                                        sampler=SamplerConfig(max_logprobs=5)))
+    assert engine.capture().buckets
+
+
+def test_a_kv_cache_past_the_machines_memory_is_refused_naming_num_slots():
+    from engine.models.llama import LlamaConfig, LlamaModel, random_weights
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=8, max_position=1024, eos_token_id=1)
+    with pytest.raises(ValueError, match=r"num_slots=100000000: the KV cache would take .* GiB .* lower num_slots"):
+        LlamaModel(config, random_weights(config, 0), num_slots=10**8, max_context=1024)
