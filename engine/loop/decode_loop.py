@@ -160,14 +160,8 @@ class DecodeLoop:
                 request.text = OutputText(self.tokenizer, params.stop, params.include_stop_str_in_output)
             self.waiting.insert(position + j, (arrival_step, request))
 
-    def check(
-        self,
-        request_id: Hashable,
-        prompt_tokens: Sequence[int],
-        params: SamplingParams | None = None,
-        *,
-        arrival_step: int = 0,
-    ) -> None:
+    def check(self, request_id: Hashable, prompt_tokens: Sequence[int], params: SamplingParams | None = None, *,
+              arrival_step: int = 0) -> None:
         """Every check `submit` runs, without queuing anything: a caller with several
         requests checks them all before it submits the first."""
         self._checked(request_id, prompt_tokens, params, arrival_step)
