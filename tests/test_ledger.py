@@ -457,3 +457,9 @@ def test_records_hold_a_forced_token_and_a_temperature_past_float32():
     assert inputs.forced_tokens.tolist() == [9, -1] and inputs.temperatures[1] == np.inf
     with pytest.raises(TypeError, match="expected SeqMeta, got dict"):
         prepare_sampler_inputs([seqs[0], {"request_id": "c"}])
+
+
+@pytest.mark.parametrize("field", ["min_tokens", "logprobs", "prompt_logprobs"])
+def test_counts_past_int32_are_refused_where_the_params_are_built(field):
+    with pytest.raises(ValueError, match=rf"{field}={2**31}: must be .*an int in \[0, 2\*\*31\)"):
+        SamplingParams(**{field: 2**31})

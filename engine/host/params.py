@@ -204,17 +204,17 @@ class SamplingParams:
             return f"min_p={m!r}: must lie in [0, 1]"
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= UINT64_MAX):
             return f"seed={self.seed!r}: must be None or an int in [0, 2**64)"
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            return f"min_tokens={self.min_tokens!r}: must be an int >= 0"
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT32_MAX:
+            return f"min_tokens={self.min_tokens!r}: must be an int in [0, 2**31)"
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             return f"max_tokens={self.max_tokens!r}: must be None or an int >= 1"
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             return f"min_tokens={self.min_tokens!r}: exceeds max_tokens={self.max_tokens!r}"
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            return f"logprobs={self.logprobs!r}: must be None or an int >= 0 (top-N alternatives)"
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= INT32_MAX):
+            return f"logprobs={self.logprobs!r}: must be None or an int in [0, 2**31) (top-N alternatives)"
         pl = self.prompt_logprobs
-        if not (pl is None or isinstance(pl, bool) or (_is_int(pl) and pl >= 0)):
-            return f"prompt_logprobs={pl!r}: must be a bool or an int >= 0 (top-N alternatives)"
+        if not (pl is None or isinstance(pl, bool) or (_is_int(pl) and 0 <= pl <= INT32_MAX)):
+            return f"prompt_logprobs={pl!r}: must be a bool or an int in [0, 2**31) (top-N alternatives)"
         for tok in self.stop_token_ids:
             if not _is_int(tok) or not 0 <= tok <= INT32_MAX:
                 return f"stop_token_ids={self.stop_token_ids!r}: token {tok!r} is not an int32 token id >= 0"
