@@ -463,3 +463,16 @@ def test_records_hold_a_forced_token_and_a_temperature_past_float32():
 def test_counts_past_int32_are_refused_where_the_params_are_built(field):
     with pytest.raises(ValueError, match=rf"{field}={2**31}: must be .*an int in \[0, 2\*\*31\)"):
         SamplingParams(**{field: 2**31})
+
+
+def test_the_record_stays_out_of_vars_and_survives_copy_and_pickle():
+    import copy
+    import pickle
+
+    params = SamplingParams(temperature=0.5, seed=3, min_tokens=2)
+    seq = SeqMeta("a", False, 1, 6, 5, num_generated=1, params=params)
+    assert "ledger_record" not in vars(params) and "ledger_record" not in vars(seq)
+    assert SamplingParams(**vars(params)) == params  # rebuilding from the fields still works
+    for twin in (copy.copy(seq), copy.deepcopy(seq), pickle.loads(pickle.dumps(seq))):
+        assert twin == seq and twin.ledger_record == seq.ledger_record
+        assert prepare_sampler_inputs([twin]) == prepare_sampler_inputs([seq])

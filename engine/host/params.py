@@ -68,6 +68,15 @@ SEQ_RECORD = np.dtype({
 }, align=True)
 
 
+def _set_state(obj: object, state: tuple[dict, dict | None]) -> None:
+    """copy / pickle of a frozen dataclass whose record sits in a slot: its fields into the
+    instance dict, its slots set past the frozen `__setattr__`."""
+    fields_state, slots_state = state
+    obj.__dict__.update(fields_state)
+    for name, value in (slots_state or {}).items():
+        object.__setattr__(obj, name, value)
+
+
 def _is_int(value: object) -> bool:
     # bool is an int subclass; a flag passed where a count belongs is a bug, not a 1.
     return isinstance(value, int) and not isinstance(value, bool)
@@ -100,6 +109,13 @@ class SamplingParams:
     `ledger_record` (bytes, not a field): the values the ledger reads, packed once the
     fields are validated.
     """
+
+    # The record lives in a slot, outside the instance dict: `vars(params)` holds the fields
+    # only, so `SamplingParams(**vars(params))` still rebuilds the same parameters.
+    __slots__ = ("ledger_record", "__dict__", "__weakref__")
+
+    def __setstate__(self, state: tuple[dict, dict | None]) -> None:
+        _set_state(self, state)
 
     temperature: float = 1.0
     top_k: int = 0
@@ -309,6 +325,11 @@ class SeqMeta:
     The engine checks it lies inside the vocabulary. `ledger_record` (bytes, not a
     field): the values the ledger reads, packed once the fields are validated.
     """
+
+    __slots__ = ("ledger_record", "__dict__", "__weakref__")  # the record outside vars(seq), as SamplingParams
+
+    def __setstate__(self, state: tuple[dict, dict | None]) -> None:
+        _set_state(self, state)
 
     request_id: Hashable
     is_prompt: bool

@@ -65,8 +65,10 @@ from profiling.ranges import stage
 def check_vocab_fits_sampler(lm_head: torch.Tensor | LMHead, config: EngineConfig) -> None:
     """A vocabulary smaller than the top-N the sampler allocates for cannot be captured: refuse
     it here, before any work, naming the field and the fix."""
+    # A weight that is not a float matrix is refused by the head itself, naming its dtype or shape.
     vocab = lm_head.vocab_size if isinstance(lm_head, LMHead) else (
-        lm_head.shape[0] if isinstance(lm_head, torch.Tensor) and lm_head.dim() == 2 else None)
+        lm_head.shape[0] if isinstance(lm_head, torch.Tensor) and lm_head.dim() == 2
+        and lm_head.dtype.is_floating_point else None)
     top_n = config.sampler.max_logprobs
     if vocab is not None and top_n > vocab:
         raise ValueError(f"EngineConfig.sampler.max_logprobs={top_n}: exceeds the LM head's vocabulary V={vocab}; "
