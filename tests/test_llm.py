@@ -83,7 +83,7 @@ def test_a_new_users_script_gets_request_outputs_with_text_and_fresh_reproducibl
     (PROMPTS, {"temperature": 0.5}, r"sampling_params=\{'temperature': 0.5\}: must be a SamplingParams"),
     (PROMPTS, [SamplingParams(), SamplingParams(logprobs=500)], r"prompts\[1\]: params.logprobs=500: more than"),
     (PROMPTS, SamplingParams(stop_token_ids=(4000,)), r"prompts\[0\]: .*stop_token_ids"),
-    (["x" * 2000], None, r"prompts\[0\]: prompt \(2000 tokens\) \+ max_tokens \(64\) needs a context of 2063"),
+    (["x" * 2000], None, r"prompts\[0\]: prompt \(2000 tokens\) \+ max_tokens \(16\) needs a context of 2015"),
 ])
 def test_every_bad_prompt_or_parameter_raises_naming_it_before_any_compute(no_compute, prompts, params, match):
     with pytest.raises(ValueError, match=match):
