@@ -152,7 +152,7 @@ def test_a_cpu_where_onednn_refuses_the_dtype_gets_another_verified_kernel(dtype
 
 
 def test_fast_model_promises_nothing():
-    model = LlamaModel.random(LlamaConfig.tiny(), seed=0)
+    model = LlamaModel.random(LlamaConfig.tiny(), seed=0, batch_invariant=False)  # no longer the default
     assert not model.batch_invariant_verified and model.gemm_kernels == {}
 
 
