@@ -33,7 +33,7 @@ from engine.loop.decode_loop import DecodeLoop
 from engine.loop.requests import Completion
 from engine.host.params import SamplingParams
 from engine.step.config import EngineConfig
-from profiling import ranges
+from engine.trace import record_stages
 from profiling.telemetry import Telemetry, TelemetrySummary
 
 if TYPE_CHECKING:
@@ -428,7 +428,7 @@ def run(args: argparse.Namespace) -> int:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         trace = torch.profiler.profile(activities=activities)
     else:
-        trace = ranges.record_stages() if args.trace else contextlib.nullcontext()
+        trace = record_stages() if args.trace else contextlib.nullcontext()
     with trace as recorder:
         result = run_workload(model, tokenizer, args, requests, use_graphs=not args.no_graphs, progress=not args.json)
     if args.trace:

@@ -49,7 +49,7 @@ from engine.step.checkpoint import EngineCheckpoint
 from engine.step.config import EngineConfig
 from engine.step.outputs import StepOutput
 from engine.step.step_engine import StepEngine
-from profiling.ranges import stage
+from engine.trace import stage
 
 
 @dataclass

@@ -36,9 +36,9 @@ from engine.step.outputs import StepOutput
 from engine.step.prompt_logprobs import PromptRowResults
 from engine.step.staging import StepArrays
 from engine.step.step_engine import StepEngine
+from engine.trace import stage
 from graphs.replay import CaptureReport
 from graphs.static_buffers import StepBuffers
-from profiling.ranges import stage
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from engine.step.body import verify_drafts
 from engine.step.config import EngineConfig, EngineStats
 from engine.step.controls import SamplingControls
 from engine.step.staging import StepArrays
+from engine.trace import stage
 from graphs.static_buffers import StepBuffers
 from graphs.step_fields import SampleOutput
-from profiling.ranges import stage
 
 
 def collect(buffers: StepBuffers, config: EngineConfig, bucket: int, arrays: StepArrays, stats: EngineStats, *,

@@ -56,10 +56,10 @@ from engine.step.prompt_logprobs import PromptLogprobAccumulator, PromptLogprobU
 from engine.step.staging import StepArrays
 from engine.step.stop_ids import StopIds
 from engine.step.validation import check_hidden_states, check_ledger, check_token_bitmask, is_same_view
+from engine.trace import stage
 from graphs.buckets import BucketTable
 from graphs.replay import CaptureReport, GraphReplayer
 from graphs.static_buffers import StepBuffers
-from profiling.ranges import stage
 
 
 class StepEngine:
