@@ -1,4 +1,4 @@
-"""Batch invariance checked where it runs: the probe (engine.step.invariance) against planted
+"""Batch invariance checked where it runs: the probe (engine.invariance) against planted
 kernels, and the kernels the engine and the invariant model pick against a plain check
 (a row alone vs the same row at random places in batches of arbitrary sizes), at 1 and 2
 torch threads."""
@@ -11,8 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine, ops
-from engine.step import invariance
+from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine, invariance, ops
 from engine.models.llama import LlamaConfig, LlamaModel
 from engine.models.protocol import ForwardBatch
 from engine.ops import BLOCK_KERNELS, BlockGemm, block_gemm, get_logits

@@ -13,7 +13,7 @@ Two execution modes share every weight and the cache:
   (the token rows are zero-padded until the last block is whole or a call of a size whose
   bits the probe verified against the whole block's: `_step_rows`). That one call shape
   gives every row one summation order is probed when the model is built
-  (`engine.step.invariance`); a projection whose kernel fails falls back to another kernel or
+  (`engine.invariance`); a projection whose kernel fails falls back to another kernel or
   to a block size dividing `row_block`, and `batch_invariant_verified` says whether the
   whole promise (projections and attention tiles) holds. Attention works on fixed `[row_block, key_block]`
   score tiles aligned to absolute cache positions: the softmax maximum is exact in
@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.step.invariance import bmm_tiles_invariant, choose_block_gemm, short_calls_from, warn_not_invariant
+from engine.invariance import bmm_tiles_invariant, choose_block_gemm, short_calls_from, warn_not_invariant
 from engine.models.protocol import ForwardBatch, check_forward_args
 from engine.ops import BlockGemm, block_gemm, one_row_linear, onednn_linear
 
@@ -113,7 +113,7 @@ class LlamaWeights:
         `rows`-row blocks, built once per (kernel, rows) and shared by the models on these
         weights; None where the kernel does not apply (device, dtype, torch build). A packed
         form's summation order may differ from F.linear's; whether it is one order for every
-        row of a block is probed (`engine.step.invariance`) before the batch-invariant mode
+        row of a block is probed (`engine.invariance`) before the batch-invariant mode
         relies on it."""
         if (kernel, rows) not in self._packed:
             packed = [
@@ -300,7 +300,7 @@ class LlamaModel:
         self._rope_sin = torch.cat([-sin, sin], dim=-1)
 
     def _probe_invariant_kernels(self) -> bool:
-        """Pick every projection's block GEMM (`engine.step.invariance`): the first of oneDNN's
+        """Pick every projection's block GEMM (`engine.invariance`): the first of oneDNN's
         and MKL's packed GEMMs (when `packed_weights`) and plain `mm`, at `row_block` rows and then at each smaller
         divisor of it (the forward pads to whole `row_block` blocks, which they split
         evenly, or to a last block of verified short calls: `_step_rows`), that is
