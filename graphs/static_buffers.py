@@ -21,7 +21,9 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from graphs.step_fields import SAMPLE_STAGE, FieldSpec, RowParams, SampleOutput, step_inputs_class
+from engine.sampling.row_params import RowParams
+from engine.sampling.sample_output import SampleOutput
+from graphs.step_fields import SAMPLE_STAGE, FieldSpec, step_inputs_class
 
 _ALIGN = 8  # bytes; every field starts 8-aligned so any dtype view is legal
 

@@ -18,9 +18,9 @@ from engine.cli.explain import explain
 from engine.host.columns import Columns, derive_seed
 from engine.host.ledger import SamplerInputs
 from engine.host.step_fields import PARAM_FIELDS, STEP_FIELDS, StepField
+from engine.sampling.row_params import RowParams
 from engine.step.staging import StepArrays
 from graphs.static_buffers import StepBuffers
-from graphs.step_fields import RowParams
 
 MAX_REQS, MAX_DRAFTS, MAX_STOP = 4, 2, 3
 VOCAB, HIDDEN = 48, 8

@@ -16,9 +16,9 @@ from engine import EngineConfig, SamplingParams, StepEngine
 from engine.host.persistent_batch import PersistentBatch
 from engine.sampling.errors import RowError
 from engine.sampling.exact import sample_exact, sample_reference
+from engine.sampling.row_params import RowParams
 from engine.sampling.sampler import SamplerConfig, sample
 from engine.sampling.token_bitmask import unpack_token_bitmask
-from graphs.step_fields import RowParams
 
 
 def allowed_by_loop(words: np.ndarray, vocab: int) -> np.ndarray:

@@ -15,13 +15,13 @@ import torch
 
 from engine.sampling.exact import sample_exact
 from engine.sampling.logprobs import token_logprobs
+from engine.sampling.sample_output import SampleOutput
 from engine.step.body import verify_drafts
 from engine.step.config import EngineConfig, EngineStats
 from engine.step.controls import SamplingControls
 from engine.step.staging import StepArrays
 from engine.trace import stage
 from graphs.static_buffers import StepBuffers
-from graphs.step_fields import SampleOutput
 
 
 def collect(buffers: StepBuffers, config: EngineConfig, bucket: int, arrays: StepArrays, stats: EngineStats, *,
