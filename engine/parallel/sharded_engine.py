@@ -35,10 +35,10 @@ from engine.step.lm_head import LMHead, checked_head_weight
 from engine.step.outputs import StepOutput
 from engine.step.prompt_logprobs import PromptRowResults
 from engine.step.staging import StepArrays
+from engine.step.static_buffers import StepBuffers
 from engine.step.step_engine import StepEngine
 from engine.trace import stage
 from graphs.replay import CaptureReport
-from graphs.static_buffers import StepBuffers
 
 
 @dataclass(frozen=True)

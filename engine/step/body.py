@@ -26,7 +26,7 @@ from engine.sampling.sampler import controlled_scores
 from engine.sampling.verify import accept_strict, draft_in_top_k, target_probs, verify_rejection
 from engine.step.config import EngineConfig
 from engine.step.controls import SamplingControls
-from graphs.static_buffers import StepBuffers
+from engine.step.static_buffers import StepBuffers
 
 
 @dataclass(frozen=True)

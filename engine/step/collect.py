@@ -20,8 +20,8 @@ from engine.step.body import verify_drafts
 from engine.step.config import EngineConfig, EngineStats
 from engine.step.controls import SamplingControls
 from engine.step.staging import StepArrays
+from engine.step.static_buffers import StepBuffers
 from engine.trace import stage
-from graphs.static_buffers import StepBuffers
 
 
 def collect(buffers: StepBuffers, config: EngineConfig, bucket: int, arrays: StepArrays, stats: EngineStats, *,

@@ -27,8 +27,8 @@ from engine.sampling.sampler import TOP_K_MODES, SamplerConfig, sample
 from engine.step.config import EngineConfig, EngineStats
 from engine.step.controls import SamplingControls
 from engine.step.prompt_logprobs import PromptRowResults, compute_prompt_logprobs
+from engine.step.static_buffers import StepBuffers
 from engine.step.validation import type_name
-from graphs.static_buffers import StepBuffers
 
 
 class LMHead(ABC):

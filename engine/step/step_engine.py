@@ -54,12 +54,12 @@ from engine.step.lm_head import CONTROLLED, LMHead, LocalHead
 from engine.step.outputs import StepOutput, assemble, row_errors
 from engine.step.prompt_logprobs import PromptLogprobAccumulator, PromptLogprobUpdate
 from engine.step.staging import StepArrays
+from engine.step.static_buffers import StepBuffers
 from engine.step.stop_ids import StopIds
 from engine.step.validation import check_hidden_states, check_ledger, check_token_bitmask, is_same_view
 from engine.trace import stage
 from graphs.buckets import BucketTable
 from graphs.replay import CaptureReport, GraphReplayer
-from graphs.static_buffers import StepBuffers
 
 
 class StepEngine:

@@ -15,15 +15,43 @@ parameters, so its logits and draw stay finite and are then cut off.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any, NamedTuple, Sequence
+import functools
+from dataclasses import dataclass, field, fields, make_dataclass
+from typing import Any, NamedTuple, Protocol, Sequence
 
 import numpy as np
 import torch
 
 from engine.sampling.row_params import RowParams
 from engine.sampling.sample_output import SampleOutput
-from graphs.step_fields import SAMPLE_STAGE, FieldSpec, step_inputs_class
+
+
+class FieldSpec(Protocol):
+    """What the buffers read of a declared per-step field (engine/host/step_fields.py)."""
+
+    name: str
+    dtype: type  # numpy dtype; uint64 is staged as its int64 bits
+    per: str  # "req": one entry per request slot; "row": one per sample-row slot
+    padding: int | float | bool | str  # a value, or a rule resolved per step ("padding request", "past request rows")
+    stage: str  # "sample": part of the sampler's view, `RowParams`
+    width: int | str  # columns: an int, or "stop" / "draft" (max stop ids / max draft tokens)
+    host_form: str  # "slots", or "row numbers": the host hands the rows where the bool field is True
+
+
+# The stage whose fields make up `RowParams`, the sampler's view.
+SAMPLE_STAGE = "sample"
+
+
+@functools.lru_cache(maxsize=None)
+def step_inputs_class(names: tuple[str, ...]) -> type:
+    """The typed device views of a declaration: one tensor attribute per field
+    (`buffers.inputs.row_drafts`, never a string key), in declaration order."""
+    return make_dataclass(
+        "StepInputs",
+        [(name, torch.Tensor) for name in names],
+        namespace={"__doc__": "Device views of the per-step fields (declaration order), full size."},
+    )
+
 
 _ALIGN = 8  # bytes; every field starts 8-aligned so any dtype view is legal
 
