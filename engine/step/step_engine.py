@@ -43,6 +43,7 @@ from engine.host.ledger import SamplerInputs
 from engine.host.persistent_batch import SeqMetaFront
 from engine.host.params import SeqMeta
 from engine.host.step_fields import STEP_FIELDS
+from engine.host.stop_ids import StopIds
 from engine.sampling.token_bitmask import bitmask_words
 from engine.step.body import StepBody
 from engine.step.checkpoint import EngineCheckpoint, copy_counters, restore_counters
@@ -55,7 +56,6 @@ from engine.step.outputs import StepOutput, assemble, row_errors
 from engine.step.prompt_logprobs import PromptLogprobAccumulator, PromptLogprobUpdate
 from engine.step.staging import StepArrays
 from engine.step.static_buffers import StepBuffers
-from engine.step.stop_ids import StopIds
 from engine.step.validation import check_hidden_states, check_ledger, check_token_bitmask, is_same_view
 from engine.trace import stage
 from graphs.buckets import BucketTable
