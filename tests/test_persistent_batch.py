@@ -1,4 +1,4 @@
-"""The persistent batch (engine/host/persistent_batch.py): the embedding API
+"""The persistent batch (engine/step/batch.py): the embedding API
 against the SeqMeta path step by step, its request life cycle and errors, the
 draft-info pool it holds (or not), and the SeqMeta front `StepEngine.step`
 runs on against the pure `prepare_sampler_inputs`."""
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine, prepare_sampler_inputs
-from engine.host.persistent_batch import PersistentBatch
+from engine.step.batch import PersistentBatch
 
 V, H, K, EOS = 64, 8, 3, 1
 

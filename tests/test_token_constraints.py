@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine
-from engine.host.persistent_batch import PersistentBatch
 from engine.host.token_constraints import TokenConstraints
 from engine.models.tokenizer import ByteChatMLTokenizer
+from engine.step.batch import PersistentBatch
 
 BYTE_VOCAB, BYTE_EOS = 264, 257  # the byte tokenizer's 258 ids, padded like a model's vocabulary
 WORDS = -(-BYTE_VOCAB // 32)

@@ -392,7 +392,7 @@ def prepare_sampler_inputs(
     between calls.
 
     The engine keeps per-request state in a persistent `RequestTable`
-    (engine/host/persistent_batch.py) and runs the same vectorised walk.
+    (engine/host/request_table.py) and runs the same vectorised walk.
     `seed_base` salts the seeds given to requests that brought none;
     `draft_pool=False`: no draft-info pool, write slots may be 0 (see `validate_batch`).
     """

@@ -38,13 +38,13 @@ import numpy as np
 import torch
 
 from engine.host.params import SamplingParams
-from engine.host.persistent_batch import BatchStep, PersistentBatch
 from engine.loop.config import LoopConfig, engine_config_for
 from engine.loop.requests import (Completion, RunningRequest, StepEvent, check_request_id, checked_prompt,
                                   sibling_seed)
 from engine.loop.scheduler import ScheduledRequest, choose_shared_prefix, common_prefix_length, schedule
 from engine.loop.stop_strings import OutputText, StopMatch
 from engine.models.protocol import CausalLM, ChatTokenizer, ForwardBatch, PrefixCopy
+from engine.step.batch import BatchStep, PersistentBatch
 from engine.step.checkpoint import EngineCheckpoint
 from engine.step.config import EngineConfig
 from engine.step.outputs import StepOutput

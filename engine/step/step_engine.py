@@ -40,7 +40,6 @@ import torch
 
 from engine.host.control_slots import NoControls
 from engine.host.ledger import SamplerInputs
-from engine.host.persistent_batch import SeqMetaFront
 from engine.host.params import SeqMeta
 from engine.host.step_fields import STEP_FIELDS
 from engine.host.stop_ids import StopIds
@@ -54,6 +53,7 @@ from engine.step.drafts import StepDrafts
 from engine.step.lm_head import CONTROLLED, LMHead, LocalHead
 from engine.step.outputs import StepOutput, assemble, row_errors
 from engine.step.prompt_logprobs import PromptLogprobAccumulator, PromptLogprobUpdate
+from engine.step.seq_front import SeqMetaFront
 from engine.step.staging import StepArrays
 from engine.step.static_buffers import StepBuffers
 from engine.step.validation import check_hidden_states, check_ledger, check_token_bitmask, is_same_view
