@@ -1,5 +1,6 @@
-"""Profiling kit: stage ranges cost nothing without a profiler and carry
-their names into torch.profiler traces; NVML telemetry degrades to a notice."""
+"""Stage ranges (engine/trace.py) cost nothing without a profiler and carry their names
+into torch.profiler traces; the demo's NVML telemetry (engine/cli/telemetry.py) degrades
+to a notice."""
 from __future__ import annotations
 
 import importlib.util
@@ -7,7 +8,7 @@ import importlib.util
 import torch
 
 from engine import trace
-from profiling.telemetry import Telemetry
+from engine.cli.telemetry import Telemetry
 
 
 def test_stage_is_a_shared_no_op_without_a_profiler():
@@ -65,7 +66,7 @@ def test_record_stages_does_not_nest():
 
 
 def test_telemetry_summary_as_numbers():
-    from profiling.telemetry import TelemetrySummary
+    from engine.cli.telemetry import TelemetrySummary
 
     figures = TelemetrySummary(samples=3, gpu_util_pct=50.0, memory_used_mib=1024.0).as_dict()
     assert figures["samples"] == 3 and figures["gpu_util_pct"] == 50.0 and figures["notice"] is None
