@@ -184,6 +184,11 @@ def test_errors_at_submission_name_the_request_and_the_field_and_change_nothing(
     with pytest.raises(ValueError, match=r"request 'b': params.bad_words\[1\]=\(2, 64\): token 64 is outside the vocabulary"):
         batch.add("b", [3], SamplingParams(bad_words=((5,), (2, 64))))
     assert len(batch) == 0 and not batch._constrained.any()
+    decoding_only = PersistentBatch(small_engine(), tokenizer=object())  # no grammar_vocabulary
+    with pytest.raises(ValueError, match=r"request 'a': params.regex: .*needs a tokenizer with grammar_vocabulary\(\) "
+                                         r"\(GrammarTokenizer\), got a object"):
+        decoding_only.add("a", [3], SamplingParams(regex="ab"))
+    assert len(decoding_only) == 0
     bytes_batch = PersistentBatch(small_engine(), tokenizer=ByteChatMLTokenizer())
     for kind, text, says in (("regex", "a(", "parenthesis"), ("json_schema", '{"type": "nope"}', "nope"),
                              ("grammar", "root ::= foo", "foo")):
