@@ -25,33 +25,33 @@ from engine.host.ledger import (
     validate_batch,
 )
 from engine.host.params import SamplingParams, SeqMeta
-
-# (request_id, params) -> [max_stop_ids] int64, -1 padded; raises ValueError naming the request.
-StopIdRule = Callable[[Hashable, SamplingParams], np.ndarray]
-
+from engine.host.stop_ids import StopIds
 
 class RequestTable:
     """Columns for up to `capacity` live requests, plus their prompt tokens,
-    `SamplingParams` and (with a `stop_ids_for` rule) stop ids, by table row."""
+    `SamplingParams` and (with a `stop_rule`) stop ids, by table row.
+
+    `controls`: what the engine's sampling-control state says when a request
+    joins, changes or leaves (None: no control state, any control is refused)."""
 
     def __init__(
         self,
         capacity: int,
         *,
         seed_base: int = 0,
-        stop_ids_for: StopIdRule | None = None,
-        max_stop_ids: int = 0,
+        stop_rule: StopIds | None = None,
         controls: ControlHook | None = None,
     ):
         if capacity < 1:
             raise ValueError(f"capacity={capacity}: must be >= 1")
         self.capacity = capacity
         self.seed_base = seed_base
-        self.stop_ids_for = stop_ids_for
+        self.stop_rule = stop_rule
         self.cols = Columns.empty(capacity)
         self.prompt_tokens: list[np.ndarray | None] = [None] * capacity
         self.params: list[SamplingParams | None] = [None] * capacity
-        self.stop_ids = np.full((capacity, max_stop_ids), -1, dtype=np.int64)  # [capacity, max_stop_ids]
+        width = 0 if stop_rule is None else stop_rule.width
+        self.stop_ids = np.full((capacity, width), -1, dtype=np.int64)  # [capacity, max_stop_ids]
         # Sampling controls (penalties, logit bias, allowed tokens): each row's control slot, 0 = none.
         self.controls = controls or NoControls("this request table has no sampling-control state")
         self.control_slot = np.zeros(capacity, dtype=np.int64)
@@ -159,7 +159,7 @@ class RequestTable:
                        params=params, mtp_write_slot=mtp_write_slot)
 
     def _stop_ids(self, request_id: Hashable, params: SamplingParams) -> np.ndarray | None:
-        return None if self.stop_ids_for is None else self.stop_ids_for(request_id, params)
+        return None if self.stop_rule is None else self.stop_rule.for_request(request_id, params)
 
     def _write(self, row: int, seq: SeqMeta, stop_ids: np.ndarray | None) -> None:
         self._steady = None

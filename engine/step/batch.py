@@ -18,21 +18,9 @@ from engine.host.request_table import RequestTable
 from engine.host.token_constraints import TokenConstraint, TokenConstraints
 
 if TYPE_CHECKING:
-    from engine.step.config import EngineConfig
     from engine.step.outputs import StepOutput
     from engine.step.staging import StepArrays
     from engine.step.step_engine import StepEngine
-
-
-def engine_table(engine: StepEngine, capacity: int) -> tuple[RequestTable, dict]:
-    """A request table that computes the engine's stop ids, and the ledger
-    options of the engine's config."""
-    config: EngineConfig = engine.config
-    table = RequestTable(capacity, seed_base=config.seed_base, stop_ids_for=engine.stop_ids_for,
-                         max_stop_ids=config.max_stop_ids, controls=engine.control_hook)
-    options = dict(max_draft_tokens=config.max_draft_tokens, compaction_keep_tokens=config.compaction_keep_tokens,
-                   draft_pool=config.draft_pool)
-    return table, options
 
 
 @dataclass(frozen=True)
@@ -73,7 +61,8 @@ class PersistentBatch:
     def __init__(self, engine: StepEngine, capacity: int | None = None, *, tokenizer: object | None = None):
         config = engine.config
         self.engine = engine
-        self.table, self.ledger_options = engine_table(engine, capacity or config.max_num_reqs)
+        self.table = RequestTable(capacity or config.max_num_reqs, seed_base=config.seed_base,
+                                  stop_rule=engine.stop_rule, controls=engine.control_hook)
         self.draft_slots = DraftSlots(config.pool_slots) if config.draft_pool else None
         self._rows_in_range = b""  # the last rows (as bytes) found in range and holding requests
         # Per table row: its token constraint (bad words, structured output), if any.
@@ -189,7 +178,9 @@ class PersistentBatch:
         read = None
         if self.draft_slots is not None:
             read = self.draft_slots.read_slots(table.cols.mtp_write_slot[rows], ~is_prompt)
-        inputs = table.ledger(rows, is_prompt, q, k, read, **self.ledger_options)
+        config = self.engine.config
+        inputs = table.ledger(rows, is_prompt, q, k, read, max_draft_tokens=config.max_draft_tokens,
+                              compaction_keep_tokens=config.compaction_keep_tokens, draft_pool=config.draft_pool)
         arrays = self.engine.step_arrays(inputs, table.stop_ids_of(rows), draft_tokens=draft_tokens,
                                          draft_logprobs=draft_logprobs, next_drafts=next_drafts,
                                          next_draft_logprobs=next_draft_logprobs)

@@ -3,17 +3,16 @@ from __future__ import annotations
 
 import operator
 from operator import attrgetter
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from engine.host.ledger import SamplerInputs, prepare_sampler_inputs
 from engine.host.params import SeqMeta
-from engine.host.request_table import LazyLookup
-from engine.step.batch import engine_table
-
-if TYPE_CHECKING:
-    from engine.step.step_engine import StepEngine
+from engine.host.control_slots import ControlHook
+from engine.host.request_table import LazyLookup, RequestTable
+from engine.host.stop_ids import StopIds
+from engine.step.config import EngineConfig
 
 
 _REQUEST_ID, _PARAMS, _PROMPT_LEN = attrgetter("request_id"), attrgetter("params"), attrgetter("prompt_len")
@@ -49,15 +48,18 @@ class SeqMetaFront:
     `prepare_sampler_inputs(seqs)` (which stays the pure reference).
     """
 
-    def __init__(self, engine: StepEngine, capacity: int):
-        self.engine = engine
+    def __init__(self, config: EngineConfig, stop_rule: StopIds, controls: ControlHook, capacity: int):
+        self.config = config
+        self.stop_rule = stop_rule
+        self.controls = controls
         self._reset(capacity)
 
     def _reset(self, capacity: int) -> None:
         if hasattr(self, "table"):  # a larger table replaces this one: its control slots go back
             for request_id in list(self.table.row_of):
                 self.table.remove(request_id)
-        self.table, self.ledger_options = engine_table(self.engine, capacity)
+        self.table = RequestTable(capacity, seed_base=self.config.seed_base, stop_rule=self.stop_rule,
+                                  controls=self.controls)
         self.params_id = np.zeros(capacity, np.int64)  # id() of the SamplingParams each row was written from
         self.last_seen = np.zeros(capacity, np.int64)  # the step that last named each row
         self.clock = 0
@@ -71,7 +73,10 @@ class SeqMetaFront:
         types = set(map(type, seqs))
         if n == 0 or (types != {SeqMeta} and not all(issubclass(t, SeqMeta) for t in types)):
             # The pure path: the empty batch, or the TypeError naming what is not a SeqMeta.
-            return (prepare_sampler_inputs(seqs, seed_base=self.table.seed_base, **self.ledger_options),
+            config = self.config
+            return (prepare_sampler_inputs(seqs, max_draft_tokens=config.max_draft_tokens,
+                                           compaction_keep_tokens=config.compaction_keep_tokens,
+                                           seed_base=self.table.seed_base, draft_pool=config.draft_pool),
                     self.table.stop_ids[:0])
         if n > self.table.capacity:
             self._reset(2 * n)
@@ -91,14 +96,16 @@ class SeqMetaFront:
         seqlen_q, seqlen_k, generated = (np.fromiter(map(get, seqs), np.int32, n) for get in _STEP_COUNTS)
         is_prompt = np.fromiter(map(_IS_PROMPT, seqs), bool, n)
         read_slot = write_slot = None
-        if self.ledger_options["max_draft_tokens"]:
+        config = self.config
+        if config.max_draft_tokens:
             read_slot, write_slot = (np.fromiter(map(get, seqs), np.int32, n) for get in _SLOTS)
         prompt_len = np.fromiter(map(_PROMPT_LEN, seqs), np.int32, n) if is_prompt.any() else None
         table.set_step_columns(rows, num_generated=generated, mtp_write_slot=write_slot, prompt_len=prompt_len)
         forced = list(map(_FORCED_TOKEN, seqs))
         forced_tokens = None if forced.count(None) == n else np.array([-1 if t is None else t for t in forced], np.int64)
-        inputs = table.ledger(rows, is_prompt, seqlen_q, seqlen_k, read_slot, forced_tokens=forced_tokens,
-                              prompt_tokens=LazyLookup(attrgetter("prompt_tokens"), seqs), **self.ledger_options)
+        inputs = table.ledger(rows, is_prompt, seqlen_q, seqlen_k, read_slot, max_draft_tokens=config.max_draft_tokens,
+                              compaction_keep_tokens=config.compaction_keep_tokens, draft_pool=config.draft_pool,
+                              prompt_tokens=LazyLookup(attrgetter("prompt_tokens"), seqs), forced_tokens=forced_tokens)
         self._last_ids, self._last_params, self._last_rows = ids, params, rows
         return inputs, table.stop_ids_of(rows)
 

@@ -33,20 +33,20 @@ import dataclasses
 import functools
 import time
 import warnings
-from typing import Sequence
+from typing import Hashable, Sequence
 
 import numpy as np
 import torch
 
 from engine.host.control_slots import NoControls
 from engine.host.ledger import SamplerInputs
-from engine.host.params import SeqMeta
+from engine.host.params import SamplingParams, SeqMeta
 from engine.host.step_fields import STEP_FIELDS
 from engine.host.stop_ids import StopIds
 from engine.sampling.token_bitmask import bitmask_words
 from engine.step.body import StepBody
 from engine.step.checkpoint import EngineCheckpoint, copy_counters, restore_counters
-from engine.step.collect import collect
+from engine.step.collect import CollectedRows, collect
 from engine.step.config import EngineConfig, EngineStats
 from engine.step.controls import SamplingControls
 from engine.step.drafts import StepDrafts
@@ -124,15 +124,38 @@ class StepEngine:
         }
         self.prompt_logprobs = PromptLogprobAccumulator()
         self.stats = EngineStats(logits_kernel="plain" if self.logits_kernel is None else self.logits_kernel.name)
-        # step_arrays(inputs, stop_ids, *, draft_tokens, ...): everything a step stages, its drafts checked.
-        self.step_arrays = StepDrafts(self.vocab_size, config).step_arrays
-        # The ids suppressed while a request is short of min_tokens, [max_stop_ids] int64 -1 padded:
-        # stop_ids_for(request_id, params) for one request, stop_id_matrix(seqs) [n, max_stop_ids].
-        stop_ids = StopIds(config.max_stop_ids, self.vocab_size, config.eos_token_id)
-        self.stop_ids_for, self.stop_id_matrix = stop_ids.for_request, stop_ids.matrix
+        self.drafts = StepDrafts(self.vocab_size, config)
+        # The ids suppressed while a request is short of min_tokens (EOS and its stop ids).
+        self.stop_rule = StopIds(config.max_stop_ids, self.vocab_size, config.eos_token_id)
         # step(hidden, seqs): SeqMeta lists over a persistent table keyed by request id.
-        self.seq_front = SeqMetaFront(self, capacity=2 * config.max_num_reqs)
+        self.seq_front = SeqMetaFront(config, self.stop_rule, self.control_hook, capacity=2 * config.max_num_reqs)
         self._warned_uncaptured = False
+
+    # -- what a request and a step bring ----------------------------------------
+
+    def stop_ids_for(self, request_id: Hashable, params: SamplingParams) -> np.ndarray:
+        """[max_stop_ids] int64, -1 padded: EOS (unless ignore_eos) and the request's stop
+        ids. **Raises** ValueError naming the request: too many ids, or one outside the vocabulary."""
+        return self.stop_rule.for_request(request_id, params)
+
+    def stop_id_matrix(self, seqs: Sequence[SeqMeta]) -> np.ndarray:
+        """[n, max_stop_ids] int64: `stop_ids_for` of each request of the batch."""
+        return self.stop_rule.matrix(seqs)
+
+    def step_arrays(
+        self,
+        inputs: SamplerInputs,
+        stop_ids: np.ndarray,
+        *,
+        draft_tokens: Sequence[Sequence[int] | None] | np.ndarray | None = None,
+        draft_logprobs: Sequence[np.ndarray | torch.Tensor | None] | None = None,
+        next_drafts: Sequence[Sequence[int] | None] | None = None,
+        next_draft_logprobs: Sequence[Sequence[float] | None] | None = None,
+    ) -> StepArrays:
+        """Everything the step of `inputs` stages, its drafts checked (`StepDrafts.step_arrays`;
+        the draft arguments are those of `step`). **Raises** ValueError naming the request and field."""
+        return self.drafts.step_arrays(inputs, stop_ids, draft_tokens=draft_tokens, draft_logprobs=draft_logprobs,
+                                       next_drafts=next_drafts, next_draft_logprobs=next_draft_logprobs)
 
     # -- undoing a step ---------------------------------------------------------
 
@@ -310,8 +333,8 @@ class StepEngine:
         if bucket is not None:
             self.stats.bucket_histogram[bucket] = self.stats.bucket_histogram.get(bucket, 0) + 1
         self.stats.steps += 1
-        result = {key: np.concatenate([r[key] for r in results]) for key in results[0]}
-        errors = row_errors(inputs, result["error"])
+        result = CollectedRows.concatenate(results)
+        errors = row_errors(inputs, result.error)
         prompt = None
         if bool((inputs.is_prompt & (inputs.num_prompt_logprobs >= 0)).any()):
             with stage("prompt logprobs"):
