@@ -167,7 +167,7 @@ class DecodeLoop:
                 f"request {request_id!r}: prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) needs a "
                 f"context of {needed} but the model's max_context is {self.model.max_context}"
             )
-        stop_ids = self.engine.stop_ids_for(request_id, params)  # raises for too many or out-of-vocabulary ids
+        stop_ids = self.engine.stop_rule.for_request(request_id, params)  # raises for too many or out-of-vocabulary ids
         if params.min_tokens and len(np.unique(stop_ids[stop_ids >= 0])) == self.model.vocab_size:
             # Every id is suppressed until min_tokens: the first step would have nothing to sample.
             raise ValueError(

@@ -159,7 +159,7 @@ class PersistentBatch:
     ) -> BatchStep:
         """The step of the requests at table rows `rows` (batch order), each
         with `seqlen_q` query tokens and context length `seqlen_k` after the
-        step. The draft arguments are those of `StepEngine.step_arrays`.
+        step. The draft arguments are those of `StepDrafts.step_arrays`.
         **Raises** ValueError naming the request, the field and the value."""
         table = self.table
         rows = np.asarray(rows)
@@ -181,7 +181,7 @@ class PersistentBatch:
         config = self.engine.config
         inputs = table.ledger(rows, is_prompt, q, k, read, max_draft_tokens=config.max_draft_tokens,
                               compaction_keep_tokens=config.compaction_keep_tokens, draft_pool=config.draft_pool)
-        arrays = self.engine.step_arrays(inputs, table.stop_ids_of(rows), draft_tokens=draft_tokens,
+        arrays = self.engine.drafts.step_arrays(inputs, table.stop_ids_of(rows), draft_tokens=draft_tokens,
                                          draft_logprobs=draft_logprobs, next_drafts=next_drafts,
                                          next_draft_logprobs=next_draft_logprobs)
         arrays.control_slots = table.control_slots_of(rows, inputs)

@@ -33,14 +33,14 @@ import dataclasses
 import functools
 import time
 import warnings
-from typing import Hashable, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from engine.host.control_slots import NoControls
 from engine.host.ledger import SamplerInputs
-from engine.host.params import SamplingParams, SeqMeta
+from engine.host.params import SeqMeta
 from engine.host.step_fields import STEP_FIELDS
 from engine.host.stop_ids import StopIds
 from engine.sampling.token_bitmask import bitmask_words
@@ -124,38 +124,14 @@ class StepEngine:
         }
         self.prompt_logprobs = PromptLogprobAccumulator()
         self.stats = EngineStats(logits_kernel="plain" if self.logits_kernel is None else self.logits_kernel.name)
+        # drafts.step_arrays(inputs, stop_ids, *, draft_tokens, ...): everything a step stages, its drafts checked.
         self.drafts = StepDrafts(self.vocab_size, config)
-        # The ids suppressed while a request is short of min_tokens (EOS and its stop ids).
+        # The ids suppressed while a request is short of min_tokens, [max_stop_ids] int64 -1 padded:
+        # stop_rule.for_request(request_id, params) for one request, stop_rule.matrix(seqs) [n, max_stop_ids].
         self.stop_rule = StopIds(config.max_stop_ids, self.vocab_size, config.eos_token_id)
         # step(hidden, seqs): SeqMeta lists over a persistent table keyed by request id.
         self.seq_front = SeqMetaFront(config, self.stop_rule, self.control_hook, capacity=2 * config.max_num_reqs)
         self._warned_uncaptured = False
-
-    # -- what a request and a step bring ----------------------------------------
-
-    def stop_ids_for(self, request_id: Hashable, params: SamplingParams) -> np.ndarray:
-        """[max_stop_ids] int64, -1 padded: EOS (unless ignore_eos) and the request's stop
-        ids. **Raises** ValueError naming the request: too many ids, or one outside the vocabulary."""
-        return self.stop_rule.for_request(request_id, params)
-
-    def stop_id_matrix(self, seqs: Sequence[SeqMeta]) -> np.ndarray:
-        """[n, max_stop_ids] int64: `stop_ids_for` of each request of the batch."""
-        return self.stop_rule.matrix(seqs)
-
-    def step_arrays(
-        self,
-        inputs: SamplerInputs,
-        stop_ids: np.ndarray,
-        *,
-        draft_tokens: Sequence[Sequence[int] | None] | np.ndarray | None = None,
-        draft_logprobs: Sequence[np.ndarray | torch.Tensor | None] | None = None,
-        next_drafts: Sequence[Sequence[int] | None] | None = None,
-        next_draft_logprobs: Sequence[Sequence[float] | None] | None = None,
-    ) -> StepArrays:
-        """Everything the step of `inputs` stages, its drafts checked (`StepDrafts.step_arrays`;
-        the draft arguments are those of `step`). **Raises** ValueError naming the request and field."""
-        return self.drafts.step_arrays(inputs, stop_ids, draft_tokens=draft_tokens, draft_logprobs=draft_logprobs,
-                                       next_drafts=next_drafts, next_draft_logprobs=next_draft_logprobs)
 
     # -- undoing a step ---------------------------------------------------------
 
@@ -230,7 +206,7 @@ class StepEngine:
         start = time.perf_counter()
         with stage("ledger"):
             inputs, stop_ids = self.seq_front.ledger(seqs)
-            arrays = self.step_arrays(
+            arrays = self.drafts.step_arrays(
                 inputs,
                 stop_ids,
                 draft_tokens=draft_tokens,
