@@ -1,4 +1,5 @@
-"""Device ops at the head of the sampling tail (docs/contract.md §3): pick rows, compute logits.
+"""Device ops at the head of the sampling tail (docs/contract.md §3): pick rows, compute logits;
+and `upload`, how a per-step host array reaches the device.
 
 Both are capture-safe: no host syncs, no boolean-mask indexing, no shapes that
 depend on tensor values. The same code runs on CPU and CUDA.
@@ -47,6 +48,15 @@ def gather(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None
     in_range = (index >= 0) & (index < rows)  # [n] bool
     torch.index_select(x, 0, index.clamp(0, rows - 1), out=out)
     return out.masked_fill_(~in_range.unsqueeze(1), 0)
+
+
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A per-step host tensor on `device`. To CUDA from pinned memory, non_blocking: a copy
+    from pageable memory makes the host wait for the stream to drain. The caching host
+    allocator keeps the pinned block until the copy has run, so nothing overwrites it."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(frozen=True, eq=False)

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from engine.invariance import bmm_tiles_invariant, choose_block_gemm, short_calls_from, warn_not_invariant
 from engine.models.protocol import ForwardBatch, check_forward_args
-from engine.ops import BlockGemm, block_gemm, one_row_linear, onednn_linear
+from engine.ops import BlockGemm, block_gemm, one_row_linear, onednn_linear, upload
 
 
 @dataclass(frozen=True)
@@ -515,14 +515,9 @@ class LlamaModel:
         return out[:total]
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        """A host index array of this step's plan on the model's device. On CUDA through
-        pinned memory and non_blocking: a copy from pageable memory makes the host wait for
-        the device to drain, once per array and step. The caching host allocator keeps the
-        pinned block until the copy has run, so nothing overwrites it under the copy."""
-        host = torch.from_numpy(np.ascontiguousarray(array))
-        if self.device.type != "cuda":
-            return host.to(self.device)
-        return host.pin_memory().to(self.device, non_blocking=True)
+        """A host index array of this step's plan on the model's device (`engine.ops.upload`:
+        on CUDA through pinned memory, once per array and step)."""
+        return upload(torch.from_numpy(np.ascontiguousarray(array)), self.device)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if not self.batch_invariant:  # one call; in fp32 the bits of Hugging Face's formula

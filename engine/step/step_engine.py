@@ -43,6 +43,7 @@ from engine.host.ledger import SamplerInputs
 from engine.host.params import SeqMeta
 from engine.host.step_fields import STEP_FIELDS
 from engine.host.stop_ids import StopIds
+from engine.ops import upload
 from engine.sampling.token_bitmask import bitmask_words
 from engine.step.body import StepBody
 from engine.step.checkpoint import EngineCheckpoint, copy_counters, restore_counters
@@ -352,25 +353,16 @@ class StepEngine:
             if not is_same_view(hidden_states, b.source):
                 # Not zero-copy: bring only the sample rows into the static
                 # source and point the gather at them.
-                index = _upload(torch.as_tensor(sample_rows, dtype=torch.int64), hidden_states.device)
+                index = upload(torch.as_tensor(sample_rows, dtype=torch.int64), hidden_states.device)
                 b.source[: len(sample_rows)].copy_(hidden_states[index])
                 sample_rows = np.arange(len(sample_rows), dtype=np.int64)
                 self.stats.source_copies += 1
             if arrays.draft_probs:
                 for row, q in arrays.draft_probs.items():
-                    b.draft_probs[row : row + len(q)].copy_(_upload(q, self.device))
+                    b.draft_probs[row : row + len(q)].copy_(upload(q, self.device))
             if arrays.token_bitmask is not None:
                 # Only steps that restrict a row pay for this copy (the masked graphs read it).
                 mask = arrays.token_bitmask
-                b.token_bitmask[: len(mask)].copy_(_upload(torch.from_numpy(mask), self.device))
+                b.token_bitmask[: len(mask)].copy_(upload(torch.from_numpy(mask), self.device))
             b.load(arrays if sample_rows is arrays.selected_token_indices
                    else dataclasses.replace(arrays, selected_token_indices=sample_rows), bucket)
-
-
-def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A per-step host tensor on `device`. To CUDA from pinned memory, non_blocking: a copy
-    from pageable memory makes the host wait for the stream to drain. The caching host
-    allocator keeps the pinned block until the copy has run, so nothing overwrites it."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
