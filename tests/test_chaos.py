@@ -25,7 +25,8 @@ import pytest
 from engine import EngineConfig, SamplingParams
 from engine.loop.config import LoopConfig
 from engine.loop.decode_loop import DecodeLoop
-from engine.models.llama import LlamaConfig, LlamaModel
+from engine.models.llama import LlamaModel
+from engine.models.llama_weights import LlamaConfig
 from tests.test_decode_loop import assert_no_trace, completions, holds_nothing, loop_state
 
 CONFIG = LlamaConfig.tiny()

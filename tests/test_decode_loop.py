@@ -18,7 +18,8 @@ from engine.loop.config import LoopConfig
 from engine.loop.decode_loop import DecodeLoop, generate
 from engine.loop.drafter import propose_ngram_drafts
 from engine.loop.requests import StepEvent
-from engine.models.llama import LlamaConfig, LlamaModel, random_weights
+from engine.models.llama import LlamaModel
+from engine.models.llama_weights import LlamaConfig, random_weights
 from engine.models.protocol import ForwardBatch
 
 CONFIG = LlamaConfig.tiny()

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine, invariance, ops
-from engine.models.llama import LlamaConfig, LlamaModel
+from engine.models.llama import LlamaModel
+from engine.models.llama_weights import LlamaConfig
 from engine.models.protocol import ForwardBatch
 from engine.ops import BLOCK_KERNELS, BlockGemm, block_gemm, get_logits
 

@@ -241,7 +241,8 @@ def test_a_failed_loop_step_rolls_the_constraints_back():
     its tokens were recorded is undone and redone; the completions equal a clean run."""
     from engine.loop.config import LoopConfig
     from engine.loop.decode_loop import DecodeLoop
-    from engine.models.llama import LlamaConfig, LlamaModel
+    from engine.models.llama import LlamaModel
+    from engine.models.llama_weights import LlamaConfig
 
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=12,
                             bad_words=tuple((t,) for t in range(0, 256, 2)) + ((5, 7), (9, 11, 13)))

@@ -117,7 +117,8 @@ def tiny_model(seed: int, device: torch.device, num_slots: int) -> tuple[LlamaMo
     logits: sampled requests differ), the printable-ASCII rows and `<|im_end|>` to 0.1 and the
     rest to 0.03: the answers are noise, but mostly noise a terminal shows.
     """
-    from engine.models.llama import LlamaConfig, LlamaModel, random_weights
+    from engine.models.llama import LlamaModel
+    from engine.models.llama_weights import LlamaConfig, random_weights
     from engine.models.tokenizer import ByteChatMLTokenizer
 
     tokenizer = ByteChatMLTokenizer()
