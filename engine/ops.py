@@ -10,6 +10,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -50,10 +51,13 @@ def gather(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None
     return out.masked_fill_(~in_range.unsqueeze(1), 0)
 
 
-def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A per-step host tensor on `device`. To CUDA from pinned memory, non_blocking: a copy
-    from pageable memory makes the host wait for the stream to drain. The caching host
-    allocator keeps the pinned block until the copy has run, so nothing overwrites it."""
+def upload(host: torch.Tensor | np.ndarray, device: torch.device) -> torch.Tensor:
+    """A per-step host tensor (or numpy array, made contiguous) on `device`. To CUDA from
+    pinned memory, non_blocking: a copy from pageable memory makes the host wait for the
+    stream to drain. The caching host allocator keeps the pinned block until the copy has
+    run, so nothing overwrites it."""
+    if isinstance(host, np.ndarray):
+        host = torch.from_numpy(np.ascontiguousarray(host))
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
