@@ -136,7 +136,7 @@ def assert_accounts(loop: DecodeLoop) -> None:
     """Between steps, what is held is held by a running request or a retained cache."""
     running = len(loop.running)
     assert len(loop.batch) == running
-    assert len(loop.model.kv.free_slots) == loop.model.num_slots - running - len(loop.retained)
+    assert len(loop.model.kv.slots.free) == loop.model.num_slots - running - len(loop.retained)
     assert loop.batch.draft_slots is None  # the loop's drafts go in as draft_tokens: no pool slots to hold
 
 

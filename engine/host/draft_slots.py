@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.host.slot_pool import SlotPool
+
 
 class DraftSlots:
     """Slot numbers of the draft-info pool; slot 0 is padding and never handed out.
@@ -19,20 +21,20 @@ class DraftSlots:
             raise ValueError(f"num_slots={num_slots}: need slot 0 (padding) and at least one real slot")
         self.num_slots = num_slots
         self.fresh = np.zeros(num_slots, dtype=bool)
-        self._free = list(range(num_slots - 1, 0, -1))
+        self.slots = SlotPool(num_slots, first=1)
 
     def allocate(self) -> int:
-        if not self._free:
+        slot = self.slots.take()
+        if slot is None:
             raise RuntimeError(f"draft-info pool exhausted: all {self.num_slots - 1} slots are in use")
-        slot = self._free.pop()
         self.fresh[slot] = False
         return slot
 
     def release(self, slot: int) -> None:
-        if not 1 <= slot < self.num_slots or slot in self._free:
+        if not self.slots.holds(slot):
             raise ValueError(f"slot={slot}: not an allocated draft-info slot")
         self.fresh[slot] = False
-        self._free.append(slot)
+        self.slots.give_back(slot)
 
     def read_slots(self, write_slots: np.ndarray, is_decode: np.ndarray) -> np.ndarray:
         """Per request: its write slot if it holds fresh draft info and the

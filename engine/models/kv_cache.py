@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine.host.slot_pool import SlotPool
+
 
 class KVCache:
     """Keys and values of `num_slots` requests of up to `max_context` positions each
@@ -25,29 +27,26 @@ class KVCache:
         # Uninitialised on purpose: see the module docstring.
         self.k_cache = [torch.empty(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.v_cache = [torch.empty(shape, device=device, dtype=dtype) for _ in range(num_layers)]
-        self.free_slots = list(range(num_slots - 1, -1, -1))
-        self._slot_in_use = np.zeros(num_slots, dtype=bool)
+        self.slots = SlotPool(num_slots)
         # Positions below this hold finite values (written, copied or zeroed); see `make_finite`.
         self._finite_upto = np.zeros(num_slots, dtype=np.int64)
 
     def allocate(self) -> int:
         """A free slot (the lowest), now in use. **Raises** RuntimeError when none is free."""
-        if not self.free_slots:
+        slot = self.slots.take()
+        if slot is None:
             raise RuntimeError(f"all {self.num_slots} KV-cache slots are in use")
-        slot = self.free_slots.pop()
-        self._slot_in_use[slot] = True
         return slot
 
     def is_allocated(self, slot: int) -> bool:
-        return 0 <= slot < self.num_slots and bool(self._slot_in_use[slot])
+        return self.slots.holds(slot)
 
     def free(self, slot: int) -> None:
         """Give `slot` back; its contents are garbage to its next owner.
         **Raises** ValueError when it is not allocated."""
         if not self.is_allocated(slot):
             raise ValueError(f"KV-cache slot {slot} is not allocated")
-        self._slot_in_use[slot] = False
-        self.free_slots.append(slot)
+        self.slots.give_back(slot)
 
     def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
         """Copy the keys and values of cache positions `[0, length)` from one slot to another.
