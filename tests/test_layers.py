@@ -12,6 +12,7 @@ loop, and a `_private` name imported from another module.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,7 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+@functools.lru_cache(maxsize=None)
 def modules() -> dict[str, Path]:
     found = {}
     for package in PACKAGES:
@@ -69,6 +71,7 @@ def modules() -> dict[str, Path]:
     return found
 
 
+@functools.lru_cache(maxsize=None)
 def engine_face_names() -> dict[str, str]:
     """engine/__init__.py's names -> the module each comes from."""
     tree = ast.parse((ROOT / "engine" / "__init__.py").read_text())
@@ -113,6 +116,7 @@ def imports_of(path: Path, name: str, known: dict[str, Path]) -> list[tuple[int,
     return found
 
 
+@functools.lru_cache(maxsize=None)
 def edges() -> list[tuple[str, int, str, list[str]]]:
     known = modules()
     return [(name, line, target, names) for name, path in known.items()
