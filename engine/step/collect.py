@@ -35,9 +35,9 @@ class CollectedRows:
     logprob: np.ndarray  # [rows] f32: its logprob
     rank: np.ndarray  # [rows] int64
     error: np.ndarray  # [rows] int64 `RowError`
-    num_accepted: np.ndarray  # [n] int64: drafts accepted per request
     top_ids: np.ndarray | None = None  # [rows, N] int64; None: no request asked for top logprobs
     top_logprobs: np.ndarray | None = None  # [rows, N] f32
+    num_accepted: np.ndarray | None = None  # [n] int64: drafts accepted per request (`collect` sets it)
 
     @classmethod
     def concatenate(cls, parts: Sequence[CollectedRows]) -> CollectedRows:
@@ -75,9 +75,9 @@ def collect(buffers: StepBuffers, config: EngineConfig, bucket: int, arrays: Ste
             if controls is not None:
                 controls.recount(b, config, bucket)  # the graph counted the flagged rows' first draws
     with stage("output copy"):
+        result = _host_results(b.outputs(rows), want_top=want_top)
         k = config.max_draft_tokens
-        num_accepted = b.num_accepted[:n].to("cpu", copy=True).numpy() if k else np.zeros(n, np.int64)
-        result = _host_results(b.outputs(rows), num_accepted, want_top=want_top)
+        result.num_accepted = b.num_accepted[:n].to("cpu", copy=True).numpy() if k else np.zeros(n, np.int64)
         if k and config.verify_mode == "rejection":
             emitted = b.emitted[:rows].to("cpu", copy=True).numpy()
             # A failed row emits nothing: no residual draw to rescore.
@@ -98,7 +98,7 @@ def _rescore(logits: torch.Tensor, tokens: np.ndarray, result: CollectedRows, ro
     result.rank[rows] = rank.cpu().numpy()
 
 
-def _host_results(out: SampleOutput, num_accepted: np.ndarray, *, want_top: bool) -> CollectedRows:
+def _host_results(out: SampleOutput, *, want_top: bool) -> CollectedRows:
     """Copy the real rows of the outputs to the host. A copy also on CPU, where
     `.cpu()` would return the static buffer itself and the next step would
     overwrite the results under the caller's feet."""
@@ -107,5 +107,5 @@ def _host_results(out: SampleOutput, num_accepted: np.ndarray, *, want_top: bool
         return tensor.to("cpu", copy=True).numpy()
 
     return CollectedRows(tokens=host(out.tokens), logprob=host(out.logprob), rank=host(out.rank), error=host(out.error),
-                         num_accepted=num_accepted, top_ids=host(out.top_ids) if want_top else None,
+                         top_ids=host(out.top_ids) if want_top else None,
                          top_logprobs=host(out.top_logprobs) if want_top else None)
