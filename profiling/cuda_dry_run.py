@@ -49,7 +49,8 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
 
-from engine.models.llama import LayerWeights, LlamaConfig, LlamaModel, LlamaWeights
+from engine.models.llama import LlamaModel
+from engine.models.llama_weights import LayerWeights, LlamaConfig, LlamaWeights
 from engine.models.protocol import ForwardBatch
 from engine.host.params import SamplingParams, SeqMeta
 from engine.parallel.sharded_engine import ParallelConfig, ShardedStepEngine

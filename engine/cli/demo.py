@@ -28,13 +28,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from engine.cli.prompts import CHAT_PROMPTS
+from engine.cli.telemetry import Telemetry, TelemetrySummary
 from engine.loop.config import LoopConfig
 from engine.loop.decode_loop import DecodeLoop
 from engine.loop.requests import Completion
 from engine.host.params import SamplingParams
 from engine.step.config import EngineConfig
-from profiling import ranges
-from profiling.telemetry import Telemetry, TelemetrySummary
+from engine.trace import record_stages
 
 if TYPE_CHECKING:
     from engine.models.llama import LlamaModel
@@ -46,25 +47,6 @@ MAX_SEED = 2**32
 
 class UsageError(ValueError):
     """A bad command line: reported as one line, without a traceback."""
-
-CHAT_PROMPTS = (
-    "What is the capital of France? Answer in one sentence.",
-    "Write a haiku about the sea.",
-    "Explain what a CPU cache is to a ten-year-old.",
-    "List three fruits that are red.",
-    "What is 12 times 7?",
-    "Give me a short tip for learning to cook.",
-    "Why is the sky blue? Keep it brief.",
-    "Name two planets in our solar system.",
-    "Translate 'good morning' into Spanish.",
-    "Suggest a name for a friendly robot.",
-    "What does a bee make?",
-    "Describe a rainy day in two sentences.",
-    "How many days are in a leap year?",
-    "Write one sentence about a cat who loves books.",
-    "What is the opposite of 'cold'?",
-    "Give a one-line definition of gravity.",
-)
 
 
 def workload(num_requests: int, max_tokens: int, seed: int) -> list[tuple[str, str, SamplingParams, int]]:
@@ -135,7 +117,8 @@ def tiny_model(seed: int, device: torch.device, num_slots: int) -> tuple[LlamaMo
     logits: sampled requests differ), the printable-ASCII rows and `<|im_end|>` to 0.1 and the
     rest to 0.03: the answers are noise, but mostly noise a terminal shows.
     """
-    from engine.models.llama import LlamaConfig, LlamaModel, random_weights
+    from engine.models.llama import LlamaModel
+    from engine.models.llama_weights import LlamaConfig, random_weights
     from engine.models.tokenizer import ByteChatMLTokenizer
 
     tokenizer = ByteChatMLTokenizer()
@@ -428,7 +411,7 @@ def run(args: argparse.Namespace) -> int:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         trace = torch.profiler.profile(activities=activities)
     else:
-        trace = ranges.record_stages() if args.trace else contextlib.nullcontext()
+        trace = record_stages() if args.trace else contextlib.nullcontext()
     with trace as recorder:
         result = run_workload(model, tokenizer, args, requests, use_graphs=not args.no_graphs, progress=not args.json)
     if args.trace:

@@ -38,18 +38,18 @@ import numpy as np
 import torch
 
 from engine.host.params import SamplingParams
-from engine.host.persistent_batch import BatchStep, PersistentBatch
 from engine.loop.config import LoopConfig, engine_config_for
 from engine.loop.requests import (Completion, RunningRequest, StepEvent, check_request_id, checked_prompt,
                                   sibling_seed)
 from engine.loop.scheduler import ScheduledRequest, choose_shared_prefix, common_prefix_length, schedule
 from engine.loop.stop_strings import OutputText, StopMatch
 from engine.models.protocol import CausalLM, ChatTokenizer, ForwardBatch, PrefixCopy
+from engine.step.batch import BatchStep, PersistentBatch
 from engine.step.checkpoint import EngineCheckpoint
 from engine.step.config import EngineConfig
 from engine.step.outputs import StepOutput
 from engine.step.step_engine import StepEngine
-from profiling.ranges import stage
+from engine.trace import stage
 
 
 @dataclass
@@ -167,7 +167,7 @@ class DecodeLoop:
                 f"request {request_id!r}: prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) needs a "
                 f"context of {needed} but the model's max_context is {self.model.max_context}"
             )
-        stop_ids = self.engine.stop_ids_for(request_id, params)  # raises for too many or out-of-vocabulary ids
+        stop_ids = self.engine.stop_rule.for_request(request_id, params)  # raises for too many or out-of-vocabulary ids
         if params.min_tokens and len(np.unique(stop_ids[stop_ids >= 0])) == self.model.vocab_size:
             # Every id is suppressed until min_tokens: the first step would have nothing to sample.
             raise ValueError(

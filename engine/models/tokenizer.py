@@ -98,6 +98,16 @@ class ChatMLTokenizer(ChatMLFormat):
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def grammar_vocabulary(self, vocab_size: int) -> tuple[list[str], str]:
+        """`engine.host.token_constraints.GrammarTokenizer`: the encoded tokens ("Ġword") of the
+        byte-level BPE; special tokens and ids past the tokenizer get ""."""
+        encoded = [""] * vocab_size
+        special = {i for i, added in self.tokenizer.get_added_tokens_decoder().items() if added.special}
+        for token, i in self.tokenizer.get_vocab(with_added_tokens=True).items():
+            if i < vocab_size and i not in special:
+                encoded[i] = token
+        return encoded, "BYTE_LEVEL"
+
     def to_json(self) -> str:
         return json.dumps({"tokenizer": self.tokenizer.to_str(), "system_prompt": self.system_prompt})
 
@@ -127,6 +137,14 @@ class ByteChatMLTokenizer(ChatMLFormat):
         for part in re.split("(" + "|".join(map(re.escape, self.SPECIALS)) + ")", text):
             ids.extend([self.token_id(part)] if part in self.SPECIALS else part.encode())
         return ids
+
+    def grammar_vocabulary(self, vocab_size: int) -> tuple[list[str | bytes], str]:
+        """`engine.host.token_constraints.GrammarTokenizer`: ids 0-255 are raw bytes; the
+        special tokens and ids past them get ""."""
+        encoded: list[str | bytes] = [""] * vocab_size
+        for i in range(min(256, vocab_size)):
+            encoded[i] = bytes([i])
+        return encoded, "RAW"
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         out = bytearray()

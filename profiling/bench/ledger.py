@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from engine.host.params import SamplingParams, SeqMeta
-from engine.host.persistent_batch import PersistentBatch
+from engine.step.batch import PersistentBatch
 from engine.step.config import EngineConfig
 from engine.step.step_engine import StepEngine
 from profiling.bench._timing import print_table, ratio
