@@ -49,6 +49,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -347,6 +348,39 @@ def table_lines(costs: Sequence[GraphCost], node_us: float = NODE_US, bandwidth_
         if detail:
             for op, n, nbytes, us in by_op(c.kernels, node_us, bandwidth_tbs)[:8]:
                 yield f"{'':<18}   {op:<40} {n:>4} kernels {nbytes / 1e6:>9.1f} MB {us:>9.1f} us"
+
+
+def calibration(costs: Sequence[GraphCost], node_us: float = NODE_US,
+                bandwidth_tbs: float = BANDWIDTH_TBS) -> dict[str, float] | None:
+    """From the graphs with a measured replay: the median, min and max of measured / modelled,
+    and a least-squares fit measured ≈ kernels * node_us + bytes / bandwidth (one line through
+    every graph: a rough calibration, since the model takes a max per kernel). None: no graph
+    was timed."""
+    timed = [c for c in costs if c.measured_us is not None]
+    if not timed:
+        return None
+    ratios = sorted(c.measured_us / c.modelled_us(node_us, bandwidth_tbs) for c in timed)
+    out = {"graphs_timed": len(timed), "median_ratio": ratios[len(ratios) // 2], "min_ratio": ratios[0],
+           "max_ratio": ratios[-1]}
+    if len(timed) >= 2:
+        terms = np.array([[len(c.kernels), c.bytes / 1e6] for c in timed], dtype=np.float64)  # kernels, MB
+        measured = np.array([c.measured_us for c in timed], dtype=np.float64)
+        (per_kernel, per_mb), *_ = np.linalg.lstsq(terms, measured, rcond=None)
+        out["fit_node_us"] = float(per_kernel)
+        if per_mb > 0:
+            out["fit_bandwidth_tbs"] = float(1.0 / per_mb)  # MB per µs = TB/s
+    return out
+
+
+def calibration_lines(calibrated: dict[str, float] | None) -> Iterator[str]:
+    if calibrated is None:
+        return
+    yield (f"measured / modelled over {calibrated['graphs_timed']} graphs: median {calibrated['median_ratio']:.2f}x "
+           f"(min {calibrated['min_ratio']:.2f}x, max {calibrated['max_ratio']:.2f}x)")
+    if "fit_node_us" in calibrated:
+        bandwidth = calibrated.get("fit_bandwidth_tbs")
+        yield (f"least-squares fit: measured us = kernels x {calibrated['fit_node_us']:.2f} us + bytes / "
+               + (f"{bandwidth:.2f} TB/s" if bandwidth else "(no positive bandwidth term)"))
 
 
 def replay_us(replayer: Any, bucket: int, replays: int, runs: int = 3) -> float:

@@ -73,7 +73,8 @@ from engine.step.step_engine import StepEngine
 from graphs.buckets import BucketTable
 from graphs.capture_safety import CaptureSafetyError, capture_safety_check
 from graphs.replay import CaptureReport, GraphReplayer, simulated_cuda_capture
-from profiling.cost_model import BANDWIDTH_TBS, NODE_US, GraphCost, KernelCounter, replay_us, table_lines
+from profiling.cost_model import (BANDWIDTH_TBS, NODE_US, GraphCost, KernelCounter, calibration, calibration_lines,
+                                  replay_us, table_lines)
 from profiling.fake_cuda import FakeCuda, project_path
 
 
@@ -408,6 +409,14 @@ def run(cfg: DryRunConfig, *, real_cuda: bool = False, cost: bool = False, repla
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+def _bucket_list(text: str) -> list[int]:
+    """--buckets 1,8,64."""
+    try:
+        return [int(bucket) for bucket in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected bucket sizes separated by commas, e.g. 1,8,64") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m profiling.cuda_dry_run", description=__doc__.split("\n")[0])
     parser.add_argument("--hidden", type=int, default=DryRunConfig.hidden)
@@ -424,20 +433,21 @@ def main(argv: list[str] | None = None) -> int:
                       help="instead of the checks: kernels, bytes and a modelled H200 replay time of every "
                            "graph set and bucket (with --real-cuda, also each graph's measured replay)")
     cost.add_argument("--json", action="store_true", help="with --cost: one JSON object on stdout")
+    cost.add_argument("--json-out", metavar="PATH", help="with --cost: also write the JSON object to PATH")
     cost.add_argument("--cost-detail", action="store_true", help="with --cost: kernels, bytes and time per op")
     cost.add_argument("--node-us", type=float, default=NODE_US, help="µs per kernel node of a graph (default %(default)s)")
     cost.add_argument("--bandwidth-tbs", type=float, default=BANDWIDTH_TBS,
                       help="device memory bandwidth in TB/s (default %(default)s)")
     cost.add_argument("--all-graph-sets", action="store_true",
                       help="with --cost: every graph set of each engine (StepEngine.capture's), not only the checked ones")
-    cost.add_argument("--buckets", type=lambda text: [int(b) for b in text.split(",")], default=None,
+    cost.add_argument("--buckets", type=_bucket_list, default=None,
                       help="with --cost: only these buckets, e.g. 1,8,64 (default: all)")
     cost.add_argument("--replays", type=int, default=20, help="with --real-cuda --cost: replays per timed run")
     args = parser.parse_args(argv)
     if args.real_cuda and not torch.cuda.is_available():
         parser.error("--real-cuda: no CUDA device here")
-    if (args.json or args.cost_detail or args.all_graph_sets or args.buckets) and not args.cost:
-        parser.error("--json, --cost-detail, --all-graph-sets and --buckets go with --cost")
+    if (args.json or args.json_out or args.cost_detail or args.all_graph_sets or args.buckets) and not args.cost:
+        parser.error("--json, --json-out, --cost-detail, --all-graph-sets and --buckets go with --cost")
     if args.node_us < 0 or args.bandwidth_tbs <= 0 or args.replays < 1:
         parser.error(f"--node-us {args.node_us} must be >= 0, --bandwidth-tbs {args.bandwidth_tbs} > 0, "
                      f"--replays {args.replays} >= 1")
@@ -457,19 +467,27 @@ def main(argv: list[str] | None = None) -> int:
     except DryRunFailure as err:
         print(f"FAILED: {err}", file=sys.stderr)
         return 1
-    if args.json:
-        print(json.dumps({
+    if args.cost:
+        calibrated = calibration(report.costs, args.node_us, args.bandwidth_tbs)
+        document = json.dumps({
             "device": f"{device} cuda" + (f" ({torch.cuda.get_device_name()})" if args.real_cuda else ""),
             "hidden": cfg.hidden, "vocab": cfg.vocab, "dtype": args.dtype, "max_num_reqs": cfg.max_num_reqs,
             "drafts": cfg.max_draft_tokens, "tp": cfg.tp, "node_us": args.node_us, "bandwidth_tbs": args.bandwidth_tbs,
             "seconds": round(report.seconds, 1),
             "graphs": [c.as_dict(args.node_us, args.bandwidth_tbs, detail=args.cost_detail) for c in report.costs],
-        }))
-        return 0
-    if args.cost:
+            **({"calibration": calibrated} if calibrated is not None else {}),
+        })
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                f.write(document + "\n")
+        if args.json:
+            print(document)
+            return 0
         print(f"modelled replay: sum over kernels of max({args.node_us} us, bytes / {args.bandwidth_tbs} TB/s); "
               "floor: one weight read + the [rows, V] f32 logits written and read once")
         for line in table_lines(report.costs, args.node_us, args.bandwidth_tbs, detail=args.cost_detail):
+            print(line)
+        for line in calibration_lines(calibrated):
             print(line)
         print(f"cost run finished in {report.seconds:.1f} s")
         return 0

@@ -12,7 +12,11 @@ not by the code under test. Then the CLI's JSON, end to end at small shapes.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +24,8 @@ import triton
 import triton.language as tl
 from torch.library import custom_op, triton_op, wrap_triton
 
-from profiling.cost_model import GraphCost, Kernel, KernelCounter, table_lines, touched_bytes
+from profiling.cost_model import (GraphCost, Kernel, KernelCounter, calibration, calibration_lines, table_lines,
+                                  touched_bytes)
 from profiling.cuda_dry_run import main
 from profiling.fake_cuda import FakeCuda
 
@@ -128,12 +133,31 @@ def test_touched_bytes_of_strided_views() -> None:
     assert touched_bytes(torch.empty(10).as_strided((4, 5), (1, 1))) == 8 * 4
 
 
-def test_cli_json_has_every_graph_and_field(capsys: pytest.CaptureFixture[str]) -> None:
+def test_calibration_recovers_the_node_time_and_bandwidth_of_measured_graphs() -> None:
+    """Graphs whose measured replay is exactly kernels x 2 µs + bytes at 0.5 TB/s."""
+    costs = []
+    for n, mb in ((10, 1.0), (40, 3.0), (25, 50.0), (300, 20.0)):
+        kernels = [Kernel("aten.add.Tensor", int(mb * 1e6) // n, 0)] * n
+        cost = GraphCost("s", "g", 1, 1, 1, 1, kernels)
+        cost.measured_us = 2.0 * n + cost.bytes / 0.5e6
+        costs.append(cost)
+    fit = calibration(costs, node_us=1.0, bandwidth_tbs=1.0)
+    assert fit is not None and fit["graphs_timed"] == 4
+    assert fit["fit_node_us"] == pytest.approx(2.0) and fit["fit_bandwidth_tbs"] == pytest.approx(0.5)
+    assert fit["min_ratio"] <= fit["median_ratio"] <= fit["max_ratio"]
+    assert "0.50 TB/s" in "\n".join(calibration_lines(fit))
+    assert calibration([GraphCost("s", "g", 1, 1, 1, 1)]) is None  # nothing timed: no calibration
+
+
+def test_cli_json_has_every_graph_and_field(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     # At 1e-6 TB/s and no node time a graph's modelled µs are its bytes, and the floor µs its floor bytes.
     argv = ["--cost", "--json", "--cost-detail", "--hidden", "64", "--vocab", "2048", "--max-num-reqs", "2",
-            "--drafts", "1", "--buckets", "2", "--node-us", "0", "--bandwidth-tbs", "1e-6"]
+            "--drafts", "1", "--buckets", "2", "--node-us", "0", "--bandwidth-tbs", "1e-6",
+            "--json-out", str(tmp_path / "cost.json")]
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)  # one JSON object, nothing else on stdout
+    assert json.loads((tmp_path / "cost.json").read_text()) == report
+    assert "calibration" not in report  # nothing measured on the fake device
     graphs = report["graphs"]
     assert {(g["scenario"], g["graph_set"]) for g in graphs} >= {
         ("engine", "plain"), ("engine", "greedy"), ("drafts strict", "controls"), ("drafts rejection", "plain"),
@@ -160,6 +184,9 @@ def test_cli_refuses_cost_flags_without_cost(capsys: pytest.CaptureFixture[str])
     with pytest.raises(SystemExit):
         main(["--cost", "--buckets", "3", "--max-num-reqs", "2"])
     assert "--buckets [3]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--cost", "--buckets", "1;8"])
+    assert "expected bucket sizes separated by commas" in capsys.readouterr().err
 
 
 def test_replay_timing_reports_the_median_per_replay(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -193,3 +220,57 @@ def test_replay_timing_reports_the_median_per_replay(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(cost_model.torch.cuda, "synchronize", lambda: None)
     assert cost_model.replay_us(Replayer(), 8, replays=10) == pytest.approx(300.0)
     assert Replayer.replays == 3 + 3 * 10
+
+
+GPU_CHECK = Path(__file__).resolve().parent.parent / "profiling" / "gpu_check.sh"
+
+
+def test_gpu_check_parses_and_its_dry_run_lists_the_cost_step(tmp_path: Path) -> None:
+    """`gpu_check.sh --dry` with a stand-in Python that records its arguments: every
+    step is printed, none runs, and the cost step's fake twin is called with the flags
+    the GPU step uses."""
+    assert subprocess.run(["bash", "-n", str(GPU_CHECK)]).returncode == 0
+    calls = tmp_path / "calls"
+    stub = tmp_path / "python"
+    stub.write_text(f'#!/usr/bin/env bash\necho "$*" >> {calls}\n')
+    stub.chmod(0o755)
+    done = subprocess.run(["bash", str(GPU_CHECK), "--dry"], env={**os.environ, "OUT": str(tmp_path), "PYTHON": str(stub)},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    log = (tmp_path / "gpu_check.log").read_text()
+    steps = [line for line in log.splitlines() if line.startswith("$ ")]
+    assert len(steps) == 9 and "SKIPPED" not in log, log
+    json_out = f"--json-out {tmp_path}/cost_gpu.json"
+    assert any("-m profiling.cuda_dry_run --cost" in s and json_out in s and s.rstrip().endswith("--real-cuda")
+               for s in steps), steps
+    ran = calls.read_text().splitlines()  # the dry run's own calls: the demo's weight probe, the cost twin
+    assert [c for c in ran if "--cost" in c] == [
+        f"-m profiling.cuda_dry_run --cost {json_out} --hidden 64 --vocab 2048 --max-num-reqs 2 --drafts 1 --buckets 2"]
+    assert subprocess.run(["bash", str(GPU_CHECK), "--wet"], capture_output=True).returncode == 2
+
+
+def test_gpu_check_budget_runs_each_step_or_skips_it(tmp_path: Path) -> None:
+    """Not dry, with stand-ins for Python and nvidia-smi that fail: each step runs and reports
+    its time and exit status (the run goes on) within the budget; past it every step is skipped."""
+    stub = tmp_path / "python"
+    stub.write_text("#!/usr/bin/env bash\nexit 3\n")
+    stub.chmod(0o755)
+    (tmp_path / "nvidia-smi").symlink_to(stub)
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": str(stub), "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+    for budget, ran in (("450", 9), ("19", 0)):
+        done = subprocess.run(["bash", str(GPU_CHECK)], env={**env, "GPU_CHECK_BUDGET_S": budget},
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        log = (tmp_path / "gpu_check.log").read_text()
+        assert log.count("[step took ") == log.count(", rc 3]") == ran and log.count("SKIPPED") == 9 - ran, log
+
+
+@pytest.mark.skipif(not os.environ.get("ENGINE_LONG_TESTS"), reason="ENGINE_LONG_TESTS=1: runs the cost CLI (~15 s)")
+def test_gpu_check_dry_run_writes_the_cost_json(tmp_path: Path) -> None:
+    root = GPU_CHECK.parent.parent
+    done = subprocess.run(["bash", str(GPU_CHECK), "--dry"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable,
+                               "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    assert done.returncode == 0, done.stderr
+    graphs = json.loads((tmp_path / "cost_gpu.json").read_text())["graphs"]
+    assert len(graphs) == 13 and all(g["kernels"] > 0 and g["floor_us"] > 0 for g in graphs)
