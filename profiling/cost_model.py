@@ -13,12 +13,14 @@ What counts as a kernel (`launches`):
   e.g. `engine.sample.default`) is one kernel. The ops its own implementation
   (or fake implementation) dispatches are not seen: a dispatch mode is off the
   stack while it handles an op, so nothing inside a custom op reaches it;
+- an op none of whose tensors is on the device is host work: no kernel;
 - an aten or prims op launches a kernel unless it is a view (`func.is_view`),
   an allocation or a metadata change (`NO_KERNEL`: empty, empty_strided,
   empty_like, resize_, set_, in-place views...), or a query that returns no
-  tensor and writes none (size, stride, device, is_contiguous...). Inside a
-  captured graph an allocation is a pool offset: no node; a fill (`zeros`,
-  `full`, `fill_`, `zero_`) is one.
+  tensor and writes none (size, stride, device, is_contiguous...; but
+  `_assert_async`, a device-side check, is a kernel). Inside a captured graph
+  an allocation is a pool offset: no node; a fill (`zeros`, `full`, `fill_`,
+  `zero_`) is one.
 
 The bytes of a kernel (`kernel_bytes`), device tensors only (a 0-dim host tensor
 is a kernel argument, not a memory read):
@@ -67,6 +69,8 @@ NO_KERNEL = frozenset({
     "resize_", "resize_as_", "set_", "_unsafe_view", "lift_fresh", "as_strided_", "detach_",
     "squeeze_", "unsqueeze_", "transpose_", "t_", "swapdims_", "_reshape_alias",
 })
+# Ops that launch a kernel though they return no tensor and write none: a device-side check.
+DEVICE_CHECKS = frozenset({"_assert_async"})
 # In-place ops that overwrite `self` without reading it.
 WRITE_ONLY_SELF = frozenset({
     "copy_", "fill_", "zero_", "uniform_", "normal_", "exponential_", "random_", "bernoulli_",
@@ -141,12 +145,21 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
-def launches(func: Any, result: Any) -> bool:
-    """Whether dispatching `func` (an OpOverload) with this `result` launches a kernel."""
+def _on_device(tensor: torch.Tensor) -> bool:
+    return tensor.device.type != "cpu"
+
+
+def launches(func: Any, args: Sequence[Any], kwargs: dict[str, Any], result: Any) -> bool:
+    """Whether dispatching `func` (an OpOverload) over these arguments, with this `result`,
+    launches a kernel on the device."""
     op = _op(func)
-    if op.custom:
-        return True
-    return not op.no_kernel and (op.writes or bool(_tensors(result)))
+    if op.no_kernel:
+        return False
+    results = _tensors(result)
+    if not (op.custom or op.name in DEVICE_CHECKS or op.writes or results):
+        return False  # a query: size, stride, device...
+    # Host work (every tensor on the host) is no node of a device graph.
+    return any(_on_device(t) for t in results) or any(_on_device(t) for t in _tensors((args, kwargs)))
 
 
 def touched_elements(tensor: torch.Tensor) -> int:
@@ -171,10 +184,6 @@ def storage_key(tensor: torch.Tensor) -> int:
 
 def _view_key(tensor: torch.Tensor) -> tuple:
     return storage_key(tensor), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype
-
-
-def _on_device(tensor: torch.Tensor) -> bool:
-    return tensor.device.type != "cpu"
 
 
 def _indexed_elements(name: str, bound: dict[str, Any]) -> int:
@@ -268,7 +277,7 @@ class KernelCounter(TorchDispatchMode):
         # While this runs the mode is off the stack: what `func` dispatches inside
         # (a custom op's implementation) never reaches it.
         result = func(*args, **kwargs)
-        if launches(func, result):
+        if launches(func, args, kwargs, result):
             self.kernels.append(kernel_bytes(func, args, kwargs, result, self.weights))
         return result
 
