@@ -25,7 +25,8 @@ import pytest
 from engine import EngineConfig, SamplingParams
 from engine.loop.config import LoopConfig
 from engine.loop.decode_loop import DecodeLoop
-from engine.models.llama import LlamaConfig, LlamaModel
+from engine.models.llama import LlamaModel
+from engine.models.llama_weights import LlamaConfig
 from tests.test_decode_loop import assert_no_trace, completions, holds_nothing, loop_state
 
 CONFIG = LlamaConfig.tiny()
@@ -135,7 +136,7 @@ def assert_accounts(loop: DecodeLoop) -> None:
     """Between steps, what is held is held by a running request or a retained cache."""
     running = len(loop.running)
     assert len(loop.batch) == running
-    assert len(loop.model._free_slots) == loop.model.num_slots - running - len(loop.retained)
+    assert len(loop.model.kv.slots.free) == loop.model.num_slots - running - len(loop.retained)
     assert loop.batch.draft_slots is None  # the loop's drafts go in as draft_tokens: no pool slots to hold
 
 

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from engine import EngineConfig, SamplingParams, StepEngine
 from engine.sampling.sampler import SamplerConfig
 from engine.host.params import SeqMeta
-from engine.host.persistent_batch import PersistentBatch
 from engine.loop.config import LoopConfig
 from engine.loop.decode_loop import DecodeLoop
+from engine.step.batch import PersistentBatch
 from tests.controls_reference import controlled_row
 from tests.numpy_sampler_reference import RowSpec, sample_row
 from tests.test_decode_loop import CONFIG, prompts_and_params, tiny_model

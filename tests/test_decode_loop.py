@@ -19,7 +19,8 @@ from engine.loop.decode_loop import DecodeLoop
 from engine.loop.generate import generate
 from engine.loop.drafter import propose_ngram_drafts
 from engine.loop.requests import StepEvent
-from engine.models.llama import LlamaConfig, LlamaModel, random_weights
+from engine.models.llama import LlamaModel
+from engine.models.llama_weights import LlamaConfig, random_weights
 from engine.models.protocol import ForwardBatch
 
 CONFIG = LlamaConfig.tiny()
@@ -251,14 +252,14 @@ def test_a_follow_up_turn_reuses_the_finished_conversation_cache():
     assert off.stats.shared_prefix_tokens == 0
     # turn 2 copies turn 1's prompt and 11 of its 12 tokens (the last one was never fed back)
     assert loop.stats.shared_prefix_tokens == 30 + 11
-    assert not loop.retained and len(loop.model._free_slots) == loop.model.num_slots  # run() gave them back
+    assert not loop.retained and len(loop.model.kv.slots.free) == loop.model.num_slots  # run() gave them back
 
 
 def test_retained_caches_give_their_slots_up_when_the_model_runs_out():
     shared, loop = _multi_turn(True, num_slots=2)  # turn 1's cache is evicted by the others
     computed, _ = _multi_turn(False, num_slots=2)
     assert shared == computed
-    assert len(loop.model._free_slots) == 2
+    assert len(loop.model.kv.slots.free) == 2
 
 
 # -- hostile submissions, abort, idle clocks, atomic steps, failed rows (issue 11) -------
@@ -277,7 +278,7 @@ def loop_state(loop: DecodeLoop) -> dict:
         finished={rid: (c.finish_reason, list(c.tokens)) for rid, c in loop.finished.items()},
         known=set(loop._known),
         retained=[(slot, held.tolist()) for slot, held in loop.retained.items()],
-        free_kv_slots=list(loop.model._free_slots),
+        free_kv_slots=list(loop.model.kv.slots.free),
         table=(dict(loop.batch.table.row_of), loop.batch.table.cols.num_generated.tolist(), list(loop.batch.table._free)),
         stop_ids=loop.batch.table.stop_ids.tolist(),
         stats=counters(loop.stats),
@@ -302,7 +303,7 @@ def counters(stats) -> dict:
 
 def holds_nothing(loop: DecodeLoop) -> None:
     assert len(loop.batch) == 0 and not loop.running and not loop.retained
-    assert sorted(loop.model._free_slots) == list(range(loop.model.num_slots))
+    assert sorted(loop.model.kv.slots.free) == list(range(loop.model.num_slots))
     assert loop.engine.prompt_logprobs.pending == ()
     assert (loop.batch.table.stop_ids == -1).all()
 
@@ -401,10 +402,10 @@ def test_abort_queued_and_running_requests_frees_what_they_hold_and_bystanders_r
     assert loop.engine.prompt_logprobs.pending == (1,)  # request 1 is between prompt chunks
     loop.step()
     loop.step()
-    free_kv = len(loop.model._free_slots)
+    free_kv = len(loop.model.kv.slots.free)
     aborted = {1: loop.abort(1), 4: loop.abort(4)}  # running mid-prefill; queued
     assert loop.engine.prompt_logprobs.pending == ()
-    assert len(loop.model._free_slots) == free_kv + 1 and len(loop.batch) == 3
+    assert len(loop.model.kv.slots.free) == free_kv + 1 and len(loop.batch) == 3
     loop.step()
     loop.step()
     aborted[2] = loop.abort(2)  # running mid-decode
@@ -607,7 +608,7 @@ def test_a_failed_row_finishes_its_request_with_an_error_and_frees_what_it_held(
     failed = loop.finished[2]
     assert failed.finish_reason == "error" and failed.error == "request 2: non-finite logits"
     assert failed.tokens == reference[2][0][: len(failed.tokens)] and len(failed.tokens) >= 2
-    assert len(loop.batch) == 3 and len(loop.model._free_slots) == 5
+    assert len(loop.batch) == 3 and len(loop.model.kv.slots.free) == 5
     done = loop.run()
     holds_nothing(loop)
     assert [completions(done)[i][1:] for i in (0, 1, 3)] == [reference[i] for i in (0, 1, 3)]

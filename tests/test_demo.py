@@ -221,7 +221,7 @@ def test_json_has_numbers_snake_case_keys_and_named_logprob_fields(capsys):
 
 
 def test_trace_records_stage_ranges_only_unless_trace_ops(capsys, tmp_path):
-    from profiling.ranges import STAGES
+    from engine.trace import STAGES
 
     argv = ["--model", "tiny", "--requests", "2", "--max-tokens", "3", "--max-num-reqs", "1", "--drafts", "0",
             "--json", "--device", "cpu"]

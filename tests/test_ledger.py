@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import SamplingParams, SeqMeta, prepare_sampler_inputs
+from engine.host.draft_slots import DraftSlots
 from engine.host.ledger import LedgerInvariantError, _check_invariants
-from engine.host.persistent_batch import DraftSlots, RequestTable
+from engine.host.request_table import RequestTable
 from tests.ledger_reference import reference_ledger
 
 MAX_DRAFTS = 3

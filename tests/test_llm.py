@@ -254,7 +254,8 @@ def test_a_vocabulary_smaller_than_the_top_n_is_refused_when_the_engine_is_built
 
 
 def test_a_kv_cache_past_the_machines_memory_is_refused_naming_num_slots():
-    from engine.models.llama import LlamaConfig, LlamaModel, random_weights
+    from engine.models.llama import LlamaModel
+    from engine.models.llama_weights import LlamaConfig, random_weights
 
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                          num_kv_heads=2, head_dim=8, max_position=1024, eos_token_id=1)

@@ -14,7 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.models.llama import LlamaConfig, LlamaModel, LlamaWeights
+from engine.models.llama import LlamaModel
+from engine.models.llama_weights import LlamaConfig, LlamaWeights
 from engine.models.protocol import CausalLM, ForwardBatch
 
 CONFIG = LlamaConfig.tiny()

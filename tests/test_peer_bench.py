@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.models.llama import LlamaConfig, LlamaModel, LlamaWeights, fuse_layer
+from engine.models.llama import LlamaModel
+from engine.models.llama_weights import LlamaConfig, LlamaWeights, fuse_layer
 from engine.models.protocol import ForwardBatch
 from engine.models.tokenizer import ChatMLTokenizer, bpe_tokenizer
 from profiling.bench import e2e, peer

@@ -16,12 +16,12 @@ import torch
 
 from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine, prepare_sampler_inputs
 from engine.cli.explain import explain
-from engine.host.columns import Columns, derive_seed
+from engine.host.columns import REQUEST_COLUMNS, Columns, derive_seed
 from engine.host.ledger import SamplerInputs
 from engine.host.step_fields import PARAM_FIELDS, STEP_FIELDS, StepField
+from engine.sampling.row_params import RowParams
 from engine.step.staging import StepArrays
-from graphs.static_buffers import StepBuffers
-from graphs.step_fields import RowParams
+from engine.step.static_buffers import StepBuffers, StepInputs
 
 MAX_REQS, MAX_DRAFTS, MAX_STOP = 4, 2, 3
 VOCAB, HIDDEN = 48, 8
@@ -125,6 +125,22 @@ def test_request_columns_and_ledger_parameter_arrays_come_from_the_declaration()
         assert (getattr(empty, f.name) == f.padding).all(), f.name  # padding requests
     assert {f.name for f in PARAM_FIELDS} <= {f.name for f in dataclasses.fields(SamplerInputs)}
     assert [f.name for f in dataclasses.fields(StepArrays)] == [f.name for f in STEP_FIELDS] + ["draft_probs", "token_bitmask"]
+
+
+def test_the_written_out_types_hold_the_declared_fields():
+    """The types a declared field reaches are written out as classes (go-to-definition
+    finds `inputs.temperatures`); each holds exactly the declaration's fields, in its
+    order: the ledger's parameter arrays, the request columns' views, the staged host
+    arrays and the device views."""
+    params = [f.name for f in PARAM_FIELDS]
+    assert [f.name for f in dataclasses.fields(SamplerInputs)][: len(params)] == params
+    views = [name for name, value in vars(Columns).items() if isinstance(value, property)]
+    assert views == [c.name for c in REQUEST_COLUMNS]
+    names = [f.name for f in STEP_FIELDS]
+    assert [f.name for f in dataclasses.fields(StepArrays)][: len(names)] == names
+    assert [f.name for f in dataclasses.fields(StepInputs)] == names
+    b = _allocate(STEP_FIELDS)
+    assert type(b.inputs) is StepInputs and set(vars(b.inputs)) == set(names)
 
 
 @pytest.mark.parametrize("device", DEVICES)

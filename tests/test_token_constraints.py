@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine
-from engine.host.persistent_batch import PersistentBatch
 from engine.host.token_constraints import TokenConstraints
 from engine.models.tokenizer import ByteChatMLTokenizer
+from engine.step.batch import PersistentBatch
 
 BYTE_VOCAB, BYTE_EOS = 264, 257  # the byte tokenizer's 258 ids, padded like a model's vocabulary
 WORDS = -(-BYTE_VOCAB // 32)
@@ -184,6 +184,11 @@ def test_errors_at_submission_name_the_request_and_the_field_and_change_nothing(
     with pytest.raises(ValueError, match=r"request 'b': params.bad_words\[1\]=\(2, 64\): token 64 is outside the vocabulary"):
         batch.add("b", [3], SamplingParams(bad_words=((5,), (2, 64))))
     assert len(batch) == 0 and not batch._constrained.any()
+    decoding_only = PersistentBatch(small_engine(), tokenizer=object())  # no grammar_vocabulary
+    with pytest.raises(ValueError, match=r"request 'a': params.regex: .*needs a tokenizer with grammar_vocabulary\(\) "
+                                         r"\(GrammarTokenizer\), got a object"):
+        decoding_only.add("a", [3], SamplingParams(regex="ab"))
+    assert len(decoding_only) == 0
     bytes_batch = PersistentBatch(small_engine(), tokenizer=ByteChatMLTokenizer())
     for kind, text, says in (("regex", "a(", "parenthesis"), ("json_schema", '{"type": "nope"}', "nope"),
                              ("grammar", "root ::= foo", "foo")):
@@ -236,7 +241,8 @@ def test_a_failed_loop_step_rolls_the_constraints_back():
     its tokens were recorded is undone and redone; the completions equal a clean run."""
     from engine.loop.config import LoopConfig
     from engine.loop.decode_loop import DecodeLoop
-    from engine.models.llama import LlamaConfig, LlamaModel
+    from engine.models.llama import LlamaModel
+    from engine.models.llama_weights import LlamaConfig
 
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=12,
                             bad_words=tuple((t,) for t in range(0, 256, 2)) + ((5, 7), (9, 11, 13)))

@@ -32,6 +32,8 @@ import torch
 
 from engine.cli.demo_report import (RunResult, RunTimes, completion_json, shown_text, summary, summary_rows, table,
                                     verbose_rows)
+from engine.cli.prompts import CHAT_PROMPTS
+from engine.cli.telemetry import Telemetry
 from engine.cli.usage import OneLineParser, UsageError, quiet_on_closed_pipe
 from engine.host.params import SamplingParams
 from engine.llm.loading import Loaded, check_model_name, load
@@ -39,8 +41,7 @@ from engine.loop.config import LoopConfig
 from engine.loop.decode_loop import DecodeLoop
 from engine.loop.requests import StepEvent
 from engine.step.config import EngineConfig
-from profiling import ranges
-from profiling.telemetry import Telemetry
+from engine.trace import record_stages
 
 __all__ = ["main", "shown_text", "workload", "control_requests"]
 
@@ -49,27 +50,6 @@ MAX_SEED = 2**32
 # Each running request holds a KV-cache slot of MAX_CONTEXT positions: past this, the demo is a typo.
 MAX_NUM_REQS = 256
 MAX_CONTEXT = 1024
-
-
-
-CHAT_PROMPTS = (
-    "What is the capital of France? Answer in one sentence.",
-    "Write a haiku about the sea.",
-    "Explain what a CPU cache is to a ten-year-old.",
-    "List three fruits that are red.",
-    "What is 12 times 7?",
-    "Give me a short tip for learning to cook.",
-    "Why is the sky blue? Keep it brief.",
-    "Name two planets in our solar system.",
-    "Translate 'good morning' into Spanish.",
-    "Suggest a name for a friendly robot.",
-    "What does a bee make?",
-    "Describe a rainy day in two sentences.",
-    "How many days are in a leap year?",
-    "Write one sentence about a cat who loves books.",
-    "What is the opposite of 'cold'?",
-    "Give a one-line definition of gravity.",
-)
 
 
 def workload(num_requests: int, max_tokens: int, seed: int) -> list[tuple[str, str, SamplingParams, int]]:
@@ -333,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         trace = torch.profiler.profile(activities=activities)
     else:
-        trace = ranges.record_stages() if args.trace else contextlib.nullcontext()
+        trace = record_stages() if args.trace else contextlib.nullcontext()
     with trace as recorder:
         result, explained = run_workload(loaded, args, requests, use_graphs=not args.no_graphs, progress=not args.json)
     if args.trace:

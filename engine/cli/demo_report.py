@@ -10,9 +10,9 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Hashable
 
+from engine.cli.telemetry import TelemetrySummary
 from engine.loop.decode_loop import DecodeLoop
 from engine.loop.requests import Completion
-from profiling.telemetry import TelemetrySummary
 
 
 @dataclass

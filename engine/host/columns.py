@@ -69,6 +69,11 @@ _PLACED: tuple[tuple[int, int, Column], ...] = tuple(
 _LOCATION: dict[str, tuple[int, int]] = {col.name: (g, j) for g, j, col in _PLACED}
 
 
+def _column_view(name: str) -> property:
+    g, j = _LOCATION[name]
+    return property(lambda self: self.groups[g][:, j], doc=f"the {name} column of every row (a view)")
+
+
 class Columns:
     """Per-request columns for `n` requests: one [n, width] array per dtype.
 
@@ -77,6 +82,19 @@ class Columns:
     """
 
     __slots__ = ("groups",)
+
+    # One view per declared column, in REQUEST_COLUMNS' order (tests/test_step_fields.py holds them equal).
+    prompt_len = _column_view("prompt_len")
+    num_generated = _column_view("num_generated")
+    min_tokens = _column_view("min_tokens")
+    num_logprobs = _column_view("num_logprobs")
+    num_prompt_logprobs = _column_view("num_prompt_logprobs")
+    mtp_write_slot = _column_view("mtp_write_slot")
+    temperatures = _column_view("temperatures")
+    top_ks = _column_view("top_ks")
+    top_ps = _column_view("top_ps")
+    min_ps = _column_view("min_ps")
+    seeds = _column_view("seeds")
 
     def __init__(self, groups: tuple[np.ndarray, ...]):
         self.groups = groups
@@ -113,7 +131,8 @@ class Columns:
 
     def __len__(self) -> int:
         return self.groups[0].shape[0]
-
+def _record_view(name: str) -> property:
+    return property(lambda self: self.records[name], doc=f"the {name} field of every record (a view)")
 
 
 class RecordColumns:
@@ -124,6 +143,19 @@ class RecordColumns:
 
     __slots__ = ("records",)
 
+    # One view per declared column, in REQUEST_COLUMNS' order (tests/test_step_fields.py holds them equal).
+    prompt_len = _record_view("prompt_len")
+    num_generated = _record_view("num_generated")
+    min_tokens = _record_view("min_tokens")
+    num_logprobs = _record_view("num_logprobs")
+    num_prompt_logprobs = _record_view("num_prompt_logprobs")
+    mtp_write_slot = _record_view("mtp_write_slot")
+    temperatures = _record_view("temperatures")
+    top_ks = _record_view("top_ks")
+    top_ps = _record_view("top_ps")
+    min_ps = _record_view("min_ps")
+    seeds = _record_view("seeds")
+
     def __init__(self, records: np.ndarray, request_ids: Sequence[Hashable], seed_base: int = 0):
         self.records = records
         unseeded = np.flatnonzero(~records["has_seed"])
@@ -132,20 +164,5 @@ class RecordColumns:
             for i in unseeded.tolist():
                 seeds[i] = derive_seed(request_ids[i], seed_base)
 
-    def __getattr__(self, name: str) -> np.ndarray:
-        if name not in _LOCATION:
-            raise AttributeError(name)
-        return self.records[name]
-
     def __len__(self) -> int:
         return len(self.records)
-
-
-def _column_view(g: int, j: int) -> property:
-    return property(lambda self: self.groups[g][:, j], doc=f"column {j} of dtype group {g} (a view)")
-
-
-# One read-only property per declared column (`cols.temperatures`), made here
-# so a new column needs no edit in this class.
-for _name, (_g, _j) in _LOCATION.items():
-    setattr(Columns, _name, _column_view(_g, _j))

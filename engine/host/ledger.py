@@ -15,7 +15,7 @@ Cursors, in array form:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, make_dataclass
+from dataclasses import dataclass, fields
 from operator import attrgetter
 from typing import Hashable, Sequence
 
@@ -93,18 +93,20 @@ class _PromptTokens:
         return len(self._seqs)
 
 
-# The sampling parameters, one [n] array per request column of the step-field
-# declaration (temperatures float32, top_ks int32, top_ps, min_ps, seeds uint64).
-_ParameterArrays = make_dataclass("_ParameterArrays", [(f.name, np.ndarray) for f in PARAM_FIELDS])
-
-
 @dataclass
-class SamplerInputs(_ParameterArrays):
+class SamplerInputs:
     """The ledger's outputs (docs/contract.md §1 table) plus the per-request layout the
     engine needs to cut results back into requests. Host numpy arrays. The
     parameter arrays (`temperatures`, `top_ks`, `top_ps`, `min_ps`, `seeds`)
     are the request columns of the step-field declaration, passed through."""
 
+    # The sampling parameters: PARAM_FIELDS of the declaration, in its order
+    # (tests/test_step_fields.py holds them equal).
+    temperatures: np.ndarray  # [n] float32
+    top_ks: np.ndarray  # [n] int32
+    top_ps: np.ndarray  # [n] float32
+    min_ps: np.ndarray  # [n] float32
+    seeds: np.ndarray  # [n] uint64
     selected_token_indices: np.ndarray  # [sample_rows] int32: model-output row of each sample row
     selected_prompt_indices: np.ndarray | None  # [prompt_rows] int32
     prompt_token_targets: np.ndarray | None  # [prompt_rows] int32
@@ -429,7 +431,7 @@ def prepare_sampler_inputs(
     between calls.
 
     The engine keeps per-request state in a persistent `RequestTable`
-    (engine/host/persistent_batch.py) and runs the same vectorised walk.
+    (engine/host/request_table.py) and runs the same vectorised walk.
     `seed_base` salts the seeds given to requests that brought none;
     `draft_pool=False`: no draft-info pool, write slots may be 0 (see `validate_batch`).
     """

@@ -38,7 +38,6 @@ import numpy as np
 import torch
 
 from engine.host.params import SamplingParams
-from engine.host.persistent_batch import BatchStep, PersistentBatch
 from engine.loop.config import LoopConfig, engine_config_for
 from engine.loop.requests import (Completion, RunningRequest, StepEvent, check_request_id, fresh_seed,
                                   sibling_seed)
@@ -46,11 +45,12 @@ from engine.loop.scheduler import ScheduledRequest, choose_shared_prefix, common
 from engine.loop.stop_strings import OutputText, StopMatch
 from engine.loop.submission import Submission, check_submission
 from engine.models.protocol import CausalLM, ChatTokenizer, ForwardBatch, PrefixCopy
+from engine.step.batch import BatchStep, PersistentBatch
 from engine.step.checkpoint import EngineCheckpoint
 from engine.step.config import EngineConfig
 from engine.step.outputs import StepOutput
 from engine.step.step_engine import StepEngine
-from profiling.ranges import stage
+from engine.trace import stage
 
 
 @dataclass

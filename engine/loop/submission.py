@@ -8,7 +8,7 @@ from typing import Hashable, NamedTuple, Sequence
 import numpy as np
 
 from engine.host.params import SamplingParams
-from engine.host.persistent_batch import PersistentBatch
+from engine.step.batch import PersistentBatch
 from engine.loop.config import LoopConfig
 from engine.loop.requests import check_request_id, checked_prompt
 from engine.models.protocol import CausalLM, ChatTokenizer
@@ -71,7 +71,7 @@ def check_submission(
             f"context of {needed} but the model's max_context is {model.max_context}"
         )
     engine = batch.engine
-    stop_ids = engine.stop_ids_for(request_id, params)  # raises for too many or out-of-vocabulary ids
+    stop_ids = engine.stop_rule.for_request(request_id, params)  # raises for too many or out-of-vocabulary ids
     if params.min_tokens and len(np.unique(stop_ids[stop_ids >= 0])) == model.vocab_size:
         # Every id is suppressed until min_tokens: the first step would have nothing to sample.
         raise ValueError(

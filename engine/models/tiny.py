@@ -6,7 +6,8 @@ import dataclasses
 
 import torch
 
-from engine.models.llama import LlamaConfig, LlamaModel, random_weights
+from engine.models.llama import LlamaModel
+from engine.models.llama_weights import LlamaConfig, random_weights
 from engine.models.tokenizer import ByteChatMLTokenizer
 
 

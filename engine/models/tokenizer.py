@@ -52,6 +52,26 @@ def default_system_prompt(chat_template: str | None) -> str | None:
     return found.group(1) if found else None
 
 
+def byte_level_vocabulary(tokenizer: Tokenizer, vocab_size: int) -> tuple[list[str], str]:
+    """`engine.host.token_constraints.GrammarTokenizer.grammar_vocabulary` of a byte-level
+    BPE `tokenizers.Tokenizer` (GPT-2's scheme: SmolLM2, Llama 3, Qwen): its encoded tokens
+    ("Ġword"); special tokens and ids past the tokenizer get "". **Raises** ValueError for
+    another scheme, whose tokens xgrammar would read as other bytes than they stand for."""
+    # The decoder says how a token's string maps to bytes; ByteLevel is GPT-2's byte alphabet.
+    decoder = tokenizer.decoder
+    scheme = None if decoder is None else json.loads(decoder.__getstate__()).get("type")
+    if scheme != "ByteLevel":
+        raise ValueError(f"tokenizer: its decoder is {scheme}; structured output reads byte-level BPE "
+                         "vocabularies (decoder ByteLevel) here: serve this model without json_schema, regex "
+                         "or grammar, or give a byte-level BPE tokenizer")
+    encoded = [""] * vocab_size
+    special = {i for i, added in tokenizer.get_added_tokens_decoder().items() if added.special}
+    for token, i in tokenizer.get_vocab(with_added_tokens=True).items():
+        if i < vocab_size and i not in special:
+            encoded[i] = token
+    return encoded, "BYTE_LEVEL"
+
+
 Conversation = Sequence[dict[str, str]]  # [{"role": "user", "content": "..."}, ...]
 
 
@@ -185,6 +205,10 @@ class ChatMLTokenizer(ChatMLFormat):
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def grammar_vocabulary(self, vocab_size: int) -> tuple[list[str], str]:
+        """`engine.host.token_constraints.GrammarTokenizer`: see `byte_level_vocabulary`."""
+        return byte_level_vocabulary(self.tokenizer, vocab_size)
+
     def to_json(self) -> str:
         return json.dumps({"tokenizer": self.tokenizer.to_str(), "system_prompt": self.system_prompt})
 
@@ -215,6 +239,14 @@ class ByteChatMLTokenizer(ChatMLFormat):
             ids.extend([self.token_id(part)] if part in self.SPECIALS else part.encode())
         return ids
 
+    def grammar_vocabulary(self, vocab_size: int) -> tuple[list[str | bytes], str]:
+        """`engine.host.token_constraints.GrammarTokenizer`: ids 0-255 are raw bytes; the
+        special tokens and ids past them get ""."""
+        encoded: list[str | bytes] = [""] * vocab_size
+        for i in range(min(256, vocab_size)):
+            encoded[i] = bytes([i])
+        return encoded, "RAW"
+
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         out = bytearray()
         for t in token_ids:
@@ -243,9 +275,62 @@ class PlainTokenizer(HFProtocol):
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def grammar_vocabulary(self, vocab_size: int) -> tuple[list[str], str]:
+        """`engine.host.token_constraints.GrammarTokenizer`: see `byte_level_vocabulary`."""
+        return byte_level_vocabulary(self.tokenizer, vocab_size)
+
     def chat_text(self, messages: Conversation, add_generation_prompt: bool = True) -> str:
         raise ValueError("this tokenizers.Tokenizer has no chat template: give text or token ids, or a "
                          "transformers tokenizer (it carries the model's chat template)")
+
+
+class HFChatTokenizer(HFProtocol):
+    """Implements `ChatTokenizer` (and Hugging Face's protocol, by passing it through)
+    over a `transformers` tokenizer and its chat template.
+
+    Without a chat template the messages' contents are joined by newlines.
+    """
+
+    def __init__(self, tokenizer: object) -> None:
+        self.tokenizer = tokenizer
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def grammar_vocabulary(self, vocab_size: int) -> tuple[list[str], str]:
+        """`engine.host.token_constraints.GrammarTokenizer`, for structured output: a fast
+        (`tokenizers`-backed) transformers tokenizer's vocabulary, see `byte_level_vocabulary`.
+        **Raises** ValueError for a slow (Python) tokenizer."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise ValueError(f"tokenizer: a {type(self.tokenizer).__name__} has no backend_tokenizer; structured "
+                             "output needs a fast one (AutoTokenizer.from_pretrained(..., use_fast=True))")
+        return byte_level_vocabulary(backend, vocab_size)
+
+    def chat_text(self, messages: Conversation, add_generation_prompt: bool = True) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            return "\n".join(message["content"] for message in messages)
+        return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False)
+
+    def chat_prompt(self, messages: Conversation, add_generation_prompt: bool = True) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            return self.encode(self.chat_text(messages, add_generation_prompt))
+        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=True)
+        if not isinstance(ids, list):  # newer transformers return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
 
 
 def as_tokenizer(tokenizer: object, eos_token_id: int | None = None) -> HFProtocol:
@@ -259,8 +344,6 @@ def as_tokenizer(tokenizer: object, eos_token_id: int | None = None) -> HFProtoc
             return ChatMLTokenizer(tokenizer)
         return PlainTokenizer(tokenizer, eos_token_id)
     if callable(getattr(tokenizer, "apply_chat_template", None)) and callable(getattr(tokenizer, "encode", None)):
-        from engine.models.hf_adapter import HFChatTokenizer
-
         return HFChatTokenizer(tokenizer)
     raise ValueError(f"tokenizer={type(tokenizer).__name__}: must be one of the engine's tokenizers, a "
                      "transformers tokenizer (AutoTokenizer.from_pretrained) or a tokenizers.Tokenizer")

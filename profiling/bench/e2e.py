@@ -37,10 +37,10 @@ from pathlib import Path
 
 import torch
 
+from engine.cli.prompts import CHAT_PROMPTS
 from engine.loop.decode_loop import DecodeLoop, LoopConfig
-from engine.cli.demo import CHAT_PROMPTS
 from engine.models.gguf_loader import cache_dir, file_digest, load_gguf, load_smollm2, smollm2_gguf_path
-from engine.models.llama import LlamaConfig, LlamaWeights
+from engine.models.llama_weights import LlamaConfig, LlamaWeights
 from engine.models.tokenizer import ChatMLTokenizer
 from engine.host.params import SamplingParams
 from engine.step.config import EngineConfig

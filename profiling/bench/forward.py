@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
 
-    from engine.models.llama import LlamaConfig, LlamaModel
+    from engine.models.llama import LlamaModel
+    from engine.models.llama_weights import LlamaConfig
 
     max_batch = max(args.batches)
     if args.quick:

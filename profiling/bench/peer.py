@@ -53,8 +53,9 @@ import torch
 
 from engine.host.draw_uniforms import staged_draw_uniforms
 from engine.host.params import SamplingParams, SeqMeta
+from engine.sampling.row_params import RowParams
+from engine.sampling.sample_output import SampleOutput
 from engine.sampling.sampler import SamplerConfig, sample
-from graphs.step_fields import RowParams, SampleOutput
 from engine.step.config import EngineConfig
 from engine.step.lm_head import CPU_CHUNK_ROWS
 from engine.step.step_engine import StepEngine
