@@ -16,7 +16,7 @@ import torch
 
 from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine, prepare_sampler_inputs
 from engine.cli.explain import explain
-from engine.host.columns import REQUEST_COLUMNS, Columns, RecordColumns, derive_seed
+from engine.host.columns import REQUEST_COLUMNS, ColumnViews, Columns, RecordColumns, derive_seed
 from engine.host.ledger import SamplerInputs
 from engine.host.step_fields import PARAM_FIELDS, STEP_FIELDS, StepField
 from engine.sampling.row_params import RowParams
@@ -134,9 +134,9 @@ def test_the_written_out_types_hold_the_declared_fields():
     arrays and the device views."""
     params = [f.name for f in PARAM_FIELDS]
     assert [f.name for f in dataclasses.fields(SamplerInputs)][: len(params)] == params
-    for columns in (Columns, RecordColumns):
-        views = [name for name, value in vars(columns).items() if isinstance(value, property)]
-        assert views == [c.name for c in REQUEST_COLUMNS], columns.__name__
+    views = [name for name, value in vars(ColumnViews).items() if isinstance(value, property)]
+    assert views == [c.name for c in REQUEST_COLUMNS]
+    assert issubclass(Columns, ColumnViews) and issubclass(RecordColumns, ColumnViews)
     names = [f.name for f in STEP_FIELDS]
     assert [f.name for f in dataclasses.fields(StepArrays)][: len(names)] == names
     assert [f.name for f in dataclasses.fields(StepInputs)] == names

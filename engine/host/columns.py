@@ -70,18 +70,15 @@ _LOCATION: dict[str, tuple[int, int]] = {col.name: (g, j) for g, j, col in _PLAC
 
 
 def _column_view(name: str) -> property:
-    g, j = _LOCATION[name]
-    return property(lambda self: self.groups[g][:, j], doc=f"the {name} column of every row (a view)")
+    return property(lambda self: self.column(name), doc=f"the {name} column of every request (a view)")
 
 
-class Columns:
-    """Per-request columns for `n` requests: one [n, width] array per dtype.
+class ColumnViews:
+    """The request columns a ledger reads, one property per declared column: `cols.temperatures`
+    is a view, nothing copied. `Columns` keeps them in per-dtype groups (the persistent table);
+    `RecordColumns` reads them from a batch's packed SeqMeta records."""
 
-    `cols.temperatures` is a column view (no copy). `take(index)` gathers rows
-    of every group at once.
-    """
-
-    __slots__ = ("groups",)
+    __slots__ = ()
 
     # One view per declared column, in REQUEST_COLUMNS' order (tests/test_step_fields.py holds them equal).
     prompt_len = _column_view("prompt_len")
@@ -95,6 +92,20 @@ class Columns:
     top_ps = _column_view("top_ps")
     min_ps = _column_view("min_ps")
     seeds = _column_view("seeds")
+
+    def column(self, name: str) -> np.ndarray:
+        """[n] the declared column `name` of every request (a view)."""
+        raise NotImplementedError
+
+
+class Columns(ColumnViews):
+    """Per-request columns for `n` requests: one [n, width] array per dtype.
+
+    `cols.temperatures` is a column view (no copy). `take(index)` gathers rows
+    of every group at once.
+    """
+
+    __slots__ = ("groups",)
 
     def __init__(self, groups: tuple[np.ndarray, ...]):
         self.groups = groups
@@ -129,32 +140,21 @@ class Columns:
     def take(self, index: np.ndarray) -> Columns:
         return Columns(tuple(g[index] for g in self.groups))
 
+    def column(self, name: str) -> np.ndarray:
+        g, j = _LOCATION[name]
+        return self.groups[g][:, j]
+
     def __len__(self) -> int:
         return self.groups[0].shape[0]
-def _record_view(name: str) -> property:
-    return property(lambda self: self.records[name], doc=f"the {name} field of every record (a view)")
 
 
-class RecordColumns:
+class RecordColumns(ColumnViews):
     """The request columns of a batch read straight from its SeqMeta records (`SEQ_RECORD`,
     engine/host/params.py, writable): `cols.temperatures` is the records' field, a strided
     view, nothing copied. A request that brought no seed gets the derived one written into
     its record's copy. Read by `prepare_sampler_inputs`; the persistent table keeps `Columns`."""
 
     __slots__ = ("records",)
-
-    # One view per declared column, in REQUEST_COLUMNS' order (tests/test_step_fields.py holds them equal).
-    prompt_len = _record_view("prompt_len")
-    num_generated = _record_view("num_generated")
-    min_tokens = _record_view("min_tokens")
-    num_logprobs = _record_view("num_logprobs")
-    num_prompt_logprobs = _record_view("num_prompt_logprobs")
-    mtp_write_slot = _record_view("mtp_write_slot")
-    temperatures = _record_view("temperatures")
-    top_ks = _record_view("top_ks")
-    top_ps = _record_view("top_ps")
-    min_ps = _record_view("min_ps")
-    seeds = _record_view("seeds")
 
     def __init__(self, records: np.ndarray, request_ids: Sequence[Hashable], seed_base: int = 0):
         self.records = records
@@ -163,6 +163,9 @@ class RecordColumns:
             seeds = records["seeds"]
             for i in unseeded.tolist():
                 seeds[i] = derive_seed(request_ids[i], seed_base)
+
+    def column(self, name: str) -> np.ndarray:
+        return self.records[name]
 
     def __len__(self) -> int:
         return len(self.records)

@@ -21,7 +21,7 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from engine.host.columns import Columns, RecordColumns
+from engine.host.columns import ColumnViews, Columns, RecordColumns
 from engine.host.params import SEQ_RECORD, SeqMeta
 from engine.host.step_fields import PARAM_FIELDS
 
@@ -164,7 +164,7 @@ class SamplerInputs:
 
 def validate_batch(
     schedule: StepSchedule,
-    cols: Columns | RecordColumns,
+    cols: ColumnViews,
     *,
     max_draft_tokens: int,
     compaction_keep_tokens: int | None,
@@ -261,7 +261,7 @@ def draft_read_rows(
 
 def build_ledger(
     schedule: StepSchedule,
-    cols: Columns | RecordColumns,
+    cols: ColumnViews,
     *,
     max_draft_tokens: int = 0,
     compaction_keep_tokens: int | None = None,
@@ -373,7 +373,7 @@ def build_ledger(
 
 def _prompt_rows(
     schedule: StepSchedule,
-    cols: Columns | RecordColumns,
+    cols: ColumnViews,
     out_offsets: np.ndarray,
     is_last_chunk: np.ndarray,
     n: int,
