@@ -35,7 +35,8 @@ from engine.sampling.thresholds import (
     KEY_MAX, RowDistribution, order_keys, processed_scores, radix_threshold, suppressed_scores, token_masses,
 )
 from graphs.capture_safety import capture_safety_check
-from graphs.step_fields import RowParams, SampleOutput
+from engine.sampling.row_params import RowParams
+from engine.sampling.sample_output import SampleOutput
 from profiling.fake_cuda import FakeCuda
 from tests.kernel_interpreter import torch_math
 

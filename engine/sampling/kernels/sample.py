@@ -53,7 +53,8 @@ from engine.sampling.kernels.kept_set import (
 )
 from engine.sampling.kernels.top_n import ABSENT, key_ids, key_values, merge_top, rank_keys
 from engine.sampling.normaliser import BLOCK, mass_bits
-from graphs.step_fields import RowParams, SampleOutput
+from engine.sampling.row_params import RowParams
+from engine.sampling.sample_output import SampleOutput
 
 LOGPROBS_MODES = {None: 0, "raw": 1, "processed": 2}
 NUM_WARPS = 8
