@@ -145,7 +145,7 @@ def _first_rejection(lane, mine, step, accepted, has_draft):
     """(num_accepted, the lane of the rejected draft row or _NONE): the local step of the first
     non-accepted row (0 for a request without rows), and that row if it holds a draft."""
     first = tl.min(tl.where(mine & ~accepted, step, _NONE), axis=0)
-    rejected_lane = tl.min(tl.where(mine & (step == first) & has_draft & ~accepted, lane, _NONE), axis=0)
+    rejected_lane = tl.min(tl.where(mine & (step == first) & has_draft & ~accepted, lane.to(tl.int64), _NONE), axis=0)
     return tl.where(first == _NONE, 0, first), rejected_lane
 
 
