@@ -39,6 +39,7 @@ class KernelBuild:
     fn: object  # the @triton.jit function
     signature: dict[str, str]  # argument -> Triton type ("*fp32", "i32", "constexpr", ...)
     constexprs: dict[str, object] = field(default_factory=dict)
+    num_warps: int = 4  # as launched: registers per thread depend on it
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ def build(spec: KernelBuild) -> BuildReport:
     compiled = triton.compile(
         ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs),
         target=GPUTarget("cuda", 90, 32),
-        options={"enable_fp_fusion": FP_FUSION},
+        options={"enable_fp_fusion": FP_FUSION, "num_warps": spec.num_warps},
     )
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(compiled.asm["ptx"])
@@ -102,12 +103,14 @@ def build(spec: KernelBuild) -> BuildReport:
 
 
 def kernel_builds() -> list[KernelBuild]:
-    """Every `AOT_BUILDS` entry of the modules of `engine.sampling.kernels`."""
+    """Every `AOT_BUILDS` entry of the modules of `engine.sampling.kernels`: a `KernelBuild`,
+    or a dict of its fields (the library does not import profiling/)."""
     import engine.sampling.kernels as package
 
     builds: list[KernelBuild] = []
     for module in pkgutil.iter_modules(package.__path__):
-        builds.extend(getattr(importlib.import_module(f"{package.__name__}.{module.name}"), "AOT_BUILDS", ()))
+        for entry in getattr(importlib.import_module(f"{package.__name__}.{module.name}"), "AOT_BUILDS", ()):
+            builds.append(KernelBuild(**entry) if isinstance(entry, dict) else entry)
     return builds
 
 

@@ -58,6 +58,10 @@ class Step:
     one_hot: torch.Tensor  # [rows] int64, -1 none
     draft_probs: torch.Tensor  # [rows, V] f32
     has_q: torch.Tensor  # [rows] bool
+    mass_total: torch.Tensor = dataclasses.field(init=False)  # [rows] f64: the kept masses floor(w * 2**S), summed
+
+    def __post_init__(self) -> None:
+        self.mass_total = torch.floor(self.weights * 2.0**mass_bits(self.batch.vocab)).to(torch.float64).sum(-1)
 
 
 def random_step(batch: Batch, seed: int) -> Step:
@@ -97,17 +101,15 @@ def random_step(batch: Batch, seed: int) -> Step:
         torch.from_numpy(weights), torch.from_numpy(one_hot), torch.from_numpy(q), torch.from_numpy(has_q))
 
 
-def masses_total(step: Step) -> torch.Tensor:
-    """[rows] f64: the kept weights' masses floor(w * 2**S), S = 52 - bit_length(V - 1), summed."""
-    s = 52 - max(1, (step.batch.vocab - 1).bit_length())
-    return torch.floor(step.weights * 2.0**s).to(torch.float64).sum(-1)
+def mass_bits(vocab: int) -> int:
+    """S of the sampler's masses (engine/sampling/normaliser.py): V * 2**S <= 2**52."""
+    return 52 - max(1, (vocab - 1).bit_length())
 
 
 def target_p(step: Step) -> torch.Tensor:
     """[rows, V] f64: p as the sampler defines it, from the kept weights' masses; one-hot rows."""
-    s = 52 - max(1, (step.batch.vocab - 1).bit_length())
-    total = masses_total(step)[:, None]
-    p = torch.floor(step.weights * 2.0**s).to(torch.float64) / torch.where(total > 0, total, torch.ones_like(total))
+    total = step.mass_total[:, None]
+    p = torch.floor(step.weights * 2.0**mass_bits(step.batch.vocab)).to(torch.float64) / torch.where(total > 0, total, torch.ones_like(total))
     one_hot = (torch.arange(step.batch.vocab) == step.one_hot[:, None]).to(torch.float64)
     return torch.where((step.one_hot >= 0)[:, None], one_hot, p)
 
@@ -160,39 +162,51 @@ def torch_path(step: Step, mode: str, top_k_width: int | None) -> SimpleNamespac
                            pool_logprobs=buffers.pool_logprobs, counts=controls.counts, counted_index=controls.counted_index)
 
 
-def kernels(step: Step, mode: str, top_k_width: int | None, *, programs: int, block: int) -> SimpleNamespace:
-    """The kernels over the same step: the chunk kernel the mode needs, then `verify_step`."""
+def kernel_outputs(step: Step, mode: str, top_k_width: int | None, programs: int, block: int) -> SimpleNamespace:
+    """The buffers the kernels write (the static buffers of a step), filled with values they must overwrite."""
     b = step.batch
     rows, reqs, v = b.rows, b.num_reqs, b.vocab
-    pool = b.max_drafts > 0
     got = SimpleNamespace(num_accepted=torch.full((reqs,), -7, dtype=torch.int64),
                           emitted=torch.full((rows,), -7, dtype=torch.int64), pool_tokens=b.pool_tokens.clone(),
                           pool_logprobs=step.pool_logprobs.clone(), counts=step.counts.clone(),
                           counted_index=torch.full((rows,), -7, dtype=torch.int64))
+    if mode == "rejection":
+        got.residual_sums = torch.full((reqs, kernel.split_for(reqs, v, block, programs), 2), -7, dtype=torch.int64)
+    if top_k_width is not None:
+        got.rank_counts = torch.full((rows, kernel.split_for(rows, v, block, programs)), -7, dtype=torch.int32)
+    return got
+
+
+def launch(step: Step, mode: str, top_k_width: int | None, got: SimpleNamespace, block: int) -> None:
+    """The kernels over the step: the chunk kernel the mode needs, then `verify_step`."""
+    b = step.batch
+    pool = b.max_drafts > 0
     rejection = {}
     if mode == "rejection":
-        sums = torch.full((reqs, kernel.split_for(reqs, v, block, programs), 2), -7, dtype=torch.int64)
-        rejection = dict(weights=step.weights, mass_total=masses_total(step), one_hot_tokens=step.one_hot,
+        rejection = dict(weights=step.weights, mass_total=step.mass_total, one_hot_tokens=step.one_hot,
                          draft_probs=step.draft_probs, has_draft_probs=step.has_q, seeds=step.seeds,
                          sample_positions=step.positions)
-        torch.ops.engine.verify_residual_chunks(step.drafts, b.row_to_req, b.local_step, *rejection.values(), sums,
-                                                block)
-        rejection["residual_sums"] = sums
-    ranks = {}
+        torch.ops.engine.verify_residual_chunks(step.drafts, b.row_to_req, b.local_step, *rejection.values(),
+                                                got.residual_sums, block)
+        rejection["residual_sums"] = got.residual_sums
     if top_k_width is not None:
-        counts = torch.full((rows, kernel.split_for(rows, v, block, programs)), -7, dtype=torch.int32)
-        torch.ops.engine.verify_rank_chunks(b.logits, step.tokens, step.drafts, b.row_to_req, step.top_ks, counts, block)
-        ranks = dict(rank_counts=counts, top_ks=step.top_ks)
+        torch.ops.engine.verify_rank_chunks(b.logits, step.tokens, step.drafts, b.row_to_req, step.top_ks,
+                                            got.rank_counts, block)
     torch.ops.engine.verify_step(
         step.tokens, step.errors, step.drafts, b.row_to_req, b.local_step, got.num_accepted, got.emitted,
         **{name: rejection.get(name) for name in ("weights", "mass_total", "one_hot_tokens", "draft_probs",
                                                   "has_draft_probs", "seeds", "sample_positions", "residual_sums")},
-        rank_counts=ranks.get("rank_counts"), top_ks=ranks.get("top_ks"),
+        rank_counts=getattr(got, "rank_counts", None), top_ks=step.top_ks if top_k_width is not None else None,
         write_slots=step.write_slots if pool else None, next_tokens=step.next_tokens if pool else None,
         next_logprobs=step.next_logprobs if pool else None, pool_tokens=got.pool_tokens if pool else None,
         pool_logprobs=got.pool_logprobs if pool else None, control_slots=step.control_slots, counts=got.counts,
         counted_index=got.counted_index, mode=mode, max_drafts=b.max_drafts, rows_per_req=b.max_drafts + 1,
-        top_k_width=min(top_k_width or v, v), block=block)
+        top_k_width=min(top_k_width or b.vocab, b.vocab), block=block)
+
+
+def kernels(step: Step, mode: str, top_k_width: int | None, *, programs: int, block: int) -> SimpleNamespace:
+    got = kernel_outputs(step, mode, top_k_width, programs, block)
+    launch(step, mode, top_k_width, got, block)
     return got
 
 
@@ -230,3 +244,30 @@ def test_strict_kernels_equal_the_torch_path(batch: Batch, seed: int, top_k: int
 @given(batch=batches(max_drafts=(0,)), seed=st.integers(0, 2**32 - 1))
 def test_counts_without_drafts_equal_the_torch_path(batch: Batch, seed: int):
     check(random_step(batch, seed), "none", None, 1, 64)
+
+
+@settings(max_examples=1, deadline=None)
+@given(batch=batches(vocabs=(200,), max_drafts=(3,)), seed=st.integers(0, 2**32 - 1))
+def test_each_kernel_is_one_capture_safe_op_on_cpu_and_on_fake_cuda(batch: Batch, seed: int):
+    """Each op once under the capture-safety check, interpreted on the CPU and as a fake-CUDA
+    dry run (which launches nothing); the buffers they write keep their addresses."""
+    from graphs.capture_safety import capture_safety_check
+    from profiling.fake_cuda import FakeCuda
+
+    step = random_step(batch, seed)
+    for mode, top_k, chunk_op in (("rejection", None, "verify_residual_chunks"), ("strict", 3, "verify_rank_chunks")):
+        expected = {f"engine.{chunk_op}.default": 1, "engine.verify_step.default": 1}
+        got = kernel_outputs(step, mode, top_k, 8, 64)
+        with capture_safety_check(vars(got)) as stats:
+            launch(step, mode, top_k, got, 64)
+        assert stats.op_counts == expected
+        with FakeCuda() as fake:
+            on_device = SimpleNamespace(**{k: v.to("cuda") if isinstance(v, torch.Tensor) else v
+                                           for k, v in vars(step).items() if k != "batch"})
+            on_device.batch = dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to("cuda")
+                                                            for f in dataclasses.fields(batch)
+                                                            if isinstance(getattr(batch, f.name), torch.Tensor)})
+            device_got = SimpleNamespace(**{k: v.to("cuda") for k, v in vars(got).items()})
+            with capture_safety_check(vars(device_got), device="cuda", is_pinned=fake.is_pinned) as stats:
+                launch(on_device, mode, top_k, device_got, 64)
+        assert stats.op_counts == expected

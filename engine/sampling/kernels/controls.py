@@ -55,7 +55,7 @@ from torch.library import triton_op, wrap_triton
 
 from engine.sampling.kernels import FP_FUSION
 
-BLOCK = 2048  # tokens per iteration of a program (H200: 8 warps, 8 f32 per thread)
+BLOCK = 1024  # tokens per iteration of a program (H200: 8 warps, 4 f32 per thread)
 BIAS_BLOCK = 128  # logit-bias entries per iteration
 NUM_WARPS = 8
 PROGRAMS_PER_LAUNCH = 264  # about two programs per SM of an H200 (132 SMs)
@@ -77,7 +77,8 @@ def _resolved_draft(row, row_drafts_ptr, read_rows_ptr, pool_tokens_ptr):
 @triton.jit
 def _controlled(x, tokens, mask, bias, slot, restricted, pen_on, rp, fp, pp, drafts, use_bitmask, stops,
                 bitmask_row_ptr, counts_ptr, prompt_words_ptr, allowed_words_ptr, vocab, words,
-                ADD_BIAS: tl.constexpr, MAX_DRAFTS: tl.constexpr):
+                ADD_BIAS: tl.constexpr, MAX_DRAFTS: tl.constexpr, DRAFT_P2: tl.constexpr, NUM_STOPS: tl.constexpr,
+                STOP_P2: tl.constexpr):
     """The controls of `tokens` [N] int, raw logits `x` [N] f32, lanes `mask`. Returns (the
     output [N] f32, the score before the bitmask and the suppression [N] f32, the bitmask's verdict [N] i1).
 
@@ -92,8 +93,9 @@ def _controlled(x, tokens, mask, bias, slot, restricted, pen_on, rp, fp, pp, dra
         x = x + bias
     # Penalties: counts over the output, the drafts of earlier rows included; the prompt for repetition.
     count = tl.load(counts_ptr + slot * vocab + tokens, mask=tl.where(pen_on, mask, False), other=0)
-    if MAX_DRAFTS > 0:
-        count += tl.sum((tokens[:, None] == drafts[None, :]).to(tl.int32), axis=1)  # a draft of -1 matches none
+    lanes = tl.arange(0, DRAFT_P2)
+    for d in tl.static_range(MAX_DRAFTS):
+        count += (tokens == tl.sum(tl.where(lanes == d, drafts, 0), axis=0)).to(tl.int32)  # -1 matches none
     generated = count > 0
     word = tl.load(prompt_words_ptr + slot * words + (tokens >> 5), mask=tl.where(pen_on, mask, False), other=0)
     seen = generated | (((word >> (tokens & 31)) & 1) != 0)
@@ -105,15 +107,18 @@ def _controlled(x, tokens, mask, bias, slot, restricted, pen_on, rp, fp, pp, dra
     word = tl.load(bitmask_row_ptr + (tokens >> 5), mask=tl.where(use_bitmask, mask, False), other=-1)
     allowed = ((word >> (tokens & 31)) & 1) != 0
     y = tl.where(allowed, x, float("-inf"))
-    suppressed = tl.max((tokens[:, None] == stops[None, :]).to(tl.int32), axis=1) > 0
-    return tl.where(suppressed, float("-inf"), y), x, allowed
+    lanes = tl.arange(0, STOP_P2)
+    for s in tl.static_range(NUM_STOPS):
+        y = tl.where(tokens == tl.sum(tl.where(lanes == s, stops, 0), axis=0), float("-inf"), y)
+    return y, x, allowed
 
 
 @triton.jit
 def _control_range(logits_row_ptr, out_row_ptr, lo, hi, use_bitmask, bitmask_row_ptr, stops, slot, restricted,
                    pen_on, rp, fp, pp, drafts, counts_ptr, prompt_words_ptr, allowed_words_ptr,
                    bias_ids_ptr, bias_values_ptr, vocab, words, num_bias,
-                   BLOCK: tl.constexpr, BIAS_BLOCK: tl.constexpr, MAX_DRAFTS: tl.constexpr):
+                   BLOCK: tl.constexpr, BIAS_BLOCK: tl.constexpr, MAX_DRAFTS: tl.constexpr, DRAFT_P2: tl.constexpr,
+                   NUM_STOPS: tl.constexpr, STOP_P2: tl.constexpr):
     """Controlled tokens [lo, hi) of one row into `out`; returns 1 if the bitmask allows one with a finite score."""
     any_allowed = tl.zeros([], dtype=tl.int32)
     for start in range(lo, hi, BLOCK):
@@ -122,7 +127,7 @@ def _control_range(logits_row_ptr, out_row_ptr, lo, hi, use_bitmask, bitmask_row
         x = tl.load(logits_row_ptr + tokens, mask=inside, other=0.0)
         y, v, allowed = _controlled(x, tokens, inside, 0.0, slot, restricted, pen_on, rp, fp, pp, drafts, use_bitmask,
                                     stops, bitmask_row_ptr, counts_ptr, prompt_words_ptr, allowed_words_ptr, vocab,
-                                    words, False, MAX_DRAFTS)
+                                    words, False, MAX_DRAFTS, DRAFT_P2, NUM_STOPS, STOP_P2)
         # A bias never changes whether a score is finite (|bias| <= 100 vanishes next to an overflow).
         seen = inside & allowed & (v > float("-inf"))
         any_allowed = tl.maximum(any_allowed, tl.max(seen.to(tl.int32), axis=0))
@@ -141,7 +146,7 @@ def _control_range(logits_row_ptr, out_row_ptr, lo, hi, use_bitmask, bitmask_row
         x = tl.load(logits_row_ptr + ids, mask=mine, other=0.0)
         y, v, allowed = _controlled(x, ids, mine, value, slot, restricted, pen_on, rp, fp, pp, drafts, use_bitmask,
                                     stops, bitmask_row_ptr, counts_ptr, prompt_words_ptr, allowed_words_ptr, vocab,
-                                    words, True, MAX_DRAFTS)
+                                    words, True, MAX_DRAFTS, DRAFT_P2, NUM_STOPS, STOP_P2)
         tl.store(out_row_ptr + ids, y, mask=mine)
     return any_allowed
 
@@ -199,7 +204,7 @@ def _controls_kernel(
         any_allowed = _control_range(logits_row, out_row, lo, hi, masked, bitmask_row, stops, slot, restricted,
                                      pen_on, rp, fp, pp, drafts, counts_ptr, prompt_words_ptr, allowed_words_ptr,
                                      bias_ids, bias_values, vocab, words, num_bias,
-                                     BLOCK, BIAS_BLOCK, MAX_DRAFTS)
+                                     BLOCK, BIAS_BLOCK, MAX_DRAFTS, DRAFT_P2, NUM_STOPS, STOP_P2)
         if masked:
             # Every thread's stores before the arrival: the last program may overwrite them.
             tl.debug_barrier()
@@ -212,7 +217,7 @@ def _controls_kernel(
                     _control_range(logits_row, out_row, 0, vocab, ~masked, bitmask_row, stops, slot, restricted,
                                    pen_on, rp, fp, pp, drafts, counts_ptr, prompt_words_ptr, allowed_words_ptr,
                                    bias_ids, bias_values, vocab, words, num_bias,
-                                   BLOCK, BIAS_BLOCK, MAX_DRAFTS)
+                                   BLOCK, BIAS_BLOCK, MAX_DRAFTS, DRAFT_P2, NUM_STOPS, STOP_P2)
     if part == 0:
         tl.store(row_controlled_ptr + row, active)
         if not masked:
@@ -327,3 +332,26 @@ def apply_controls(
 def _(logits: torch.Tensor, out: torch.Tensor, *args, **kwargs) -> None:
     """Under fake tensors (the dry run) the op launches nothing; it only checks what it would read."""
     return None
+
+
+def _aot_builds() -> list[dict[str, object]]:
+    """What the CUDA step launches, for `profiling.kernel_build`: both real vocabularies, 8 stop
+    ids (`EngineConfig.max_stop_ids`), with 3 drafts and a bitmask with its row flags, and plainly."""
+    pointers = dict(logits_ptr="*fp32", out_ptr="*fp32", row_controlled_ptr="*i1", nothing_allowed_ptr="*i1",
+                    arrivals_ptr="*i32", counts_ptr="*i32", prompt_words_ptr="*i32", penalties_ptr="*fp32",
+                    bias_values_ptr="*fp32", allowed_words_ptr="*i32", restricted_ptr="*i1", eos_rows_ptr="*i1",
+                    bitmask_ptr="*i32", masked_rows_ptr="*i1")
+    signature = {name: "constexpr" if name.isupper() else pointers.get(name, "*i64" if name.endswith("_ptr") else "i32")
+                 for name in _controls_kernel.arg_names}
+    builds = []
+    for vocab in (129280, 49152):
+        for drafts, bitmask in ((3, True), (0, False)):
+            constexprs = dict(BLOCK=BLOCK, BIAS_BLOCK=BIAS_BLOCK, MAX_DRAFTS=drafts,
+                              DRAFT_P2=triton.next_power_of_2(max(drafts, 1)), NUM_STOPS=8, STOP_P2=8,
+                              HAS_BITMASK=bitmask, HAS_MASKED_ROWS=bitmask)
+            builds.append(dict(name=f"apply_controls V={vocab} drafts={drafts}{' bitmask' if bitmask else ''}",
+                               fn=_controls_kernel, signature=signature, constexprs=constexprs, num_warps=NUM_WARPS))
+    return builds
+
+
+AOT_BUILDS = _aot_builds()

@@ -48,7 +48,7 @@ from torch.library import triton_op, wrap_triton
 
 from engine.sampling.kernels import FP_FUSION
 
-BLOCK = 2048  # tokens per iteration
+BLOCK = 1024  # tokens per iteration (8 warps: 4 per thread)
 NUM_WARPS = 8
 PROGRAMS_PER_LAUNCH = 264  # about two programs per SM of an H200 (132 SMs)
 MODES = ("none", "strict", "rejection")  # verify_step: no drafts (counts and pool only), or how drafts are verified
@@ -477,3 +477,40 @@ def verify_step(
 @verify_step.register_fake
 def _(*args, **kwargs) -> None:
     return None  # the dry run launches nothing
+
+
+def _signature(fn: object, pointers: dict[str, str]) -> dict[str, str]:
+    """Every argument's Triton type: named pointers, other pointers int64, CAPS constexpr, the rest i32."""
+    return {name: "constexpr" if name.isupper() else pointers.get(name, "*i64" if name.endswith("_ptr") else "i32")
+            for name in fn.arg_names}
+
+
+def _aot_builds() -> list[dict[str, object]]:
+    """What the CUDA step launches, for `profiling.kernel_build`: both real vocabularies, 64
+    requests x 4 rows (256 row lanes) with each mode of `verify_step`, and 256 x 8 (2048 lanes)
+    for the kernels that keep the most per-lane state."""
+    probs = dict(weights_ptr="*fp32", total_ptr="*fp64", q_ptr="*fp32", has_q_ptr="*i1")
+    step_pointers = dict(probs, rank_counts_ptr="*i32", top_ks_ptr="*i32", next_logprobs_ptr="*fp32",
+                         pool_logprobs_ptr="*fp32", counts_ptr="*i32")
+    builds = []
+    for vocab in (129280, 49152):
+        mass_bits = 52 - (vocab - 1).bit_length()
+        builds.append(dict(name=f"verify_rank_chunks V={vocab}", fn=_rank_chunks_kernel,
+                           signature=_signature(_rank_chunks_kernel, dict(scores_ptr="*fp32", top_ks_ptr="*i32",
+                                                                          counts_ptr="*i32")),
+                           constexprs=dict(BLOCK=BLOCK), num_warps=NUM_WARPS))
+        for rows, drafts in ((256, 3), (2048, 7)):
+            builds.append(dict(name=f"verify_residual_chunks V={vocab} rows={rows}", fn=_residual_chunks_kernel,
+                               signature=_signature(_residual_chunks_kernel, probs),
+                               constexprs=dict(BLOCK=BLOCK, ROWS_P2=rows, MASS_BITS=mass_bits), num_warps=NUM_WARPS))
+            for mode in MODES if rows == 256 else ("rejection",):  # the other modes hold fewer lanes' state
+                constexprs = dict(MODE=mode, TOP_K_SPACE=mode == "strict", MAX_DRAFTS=drafts if mode != "none" else 0,
+                                  HAS_POOL=mode != "none", HAS_COUNTS=True, ROWS_P2=rows,
+                                  DRAFT_P2=triton.next_power_of_2(drafts), SPLIT_P2=8, BLOCK=BLOCK, MASS_BITS=mass_bits)
+                builds.append(dict(name=f"verify_step V={vocab} rows={rows} {mode}", fn=_verify_step_kernel,
+                                   signature=_signature(_verify_step_kernel, step_pointers), constexprs=constexprs,
+                                   num_warps=NUM_WARPS))
+    return builds
+
+
+AOT_BUILDS = _aot_builds()
