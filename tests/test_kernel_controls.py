@@ -136,12 +136,12 @@ def vllm_order(batch: Batch, c: Controls) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def op_args(batch: Batch, c: Controls, out: SimpleNamespace, masked_rows: torch.Tensor | None, programs: int,
-            block: int) -> list:
+            block: int, bias_block: int = 128) -> list:
     """`engine::apply_controls`'s arguments, in order."""
     return [batch.logits, out.scores, out.controlled, out.nothing, out.arrivals, out.resolved,
             batch.row_to_req, batch.local_step, c.control_slots, batch.row_drafts, batch.read_rows, batch.pool_tokens,
             c.counts, c.prompt_words, c.penalties, c.bias_ids, c.bias_values, c.allowed_words, c.restricted,
-            c.stop_ids, c.eos_rows, c.bitmask, masked_rows, batch.max_drafts, programs, block]
+            c.stop_ids, c.eos_rows, c.bitmask, masked_rows, batch.max_drafts, programs, block, bias_block]
 
 
 def outputs(rows: int, vocab: int) -> SimpleNamespace:
@@ -152,9 +152,9 @@ def outputs(rows: int, vocab: int) -> SimpleNamespace:
 
 
 def run_kernel(batch: Batch, c: Controls, *, masked_rows: torch.Tensor | None = None, programs: int = 1,
-               block: int = 64) -> SimpleNamespace:
+               block: int = 64, bias_block: int = 128) -> SimpleNamespace:
     out = outputs(*batch.logits.shape)
-    torch.ops.engine.apply_controls(*op_args(batch, c, out, masked_rows, programs, block))
+    torch.ops.engine.apply_controls(*op_args(batch, c, out, masked_rows, programs, block, bias_block))
     return out
 
 
@@ -177,11 +177,13 @@ def check(batch: Batch, c: Controls, out: SimpleNamespace, expected: torch.Tenso
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batch=batches(), seed=st.integers(0, 2**32 - 1), programs=st.sampled_from([1, 16]),
-       block=st.sampled_from([64, 256]))
-def test_controls_kernel_equals_the_stages_in_vllm_order(batch: Batch, seed: int, programs: int, block: int):
+       block=st.sampled_from([64, 256]), bias_block=st.sampled_from([2, 128]))
+def test_controls_kernel_equals_the_stages_in_vllm_order(batch: Batch, seed: int, programs: int, block: int,
+                                                         bias_block: int):
+    """Bias lists over several blocks of entries (some of them 0.0) when `bias_block` is 2."""
     c = random_controls(np.random.default_rng(seed), batch)
     expected, nothing = vllm_order(batch, c)
-    out = run_kernel(batch, c, programs=programs, block=block)
+    out = run_kernel(batch, c, programs=programs, block=block, bias_block=bias_block)
     masked = torch.full((batch.rows,), c.bitmask is not None)
     check(batch, c, out, expected, nothing, masked)
 

@@ -279,6 +279,7 @@ def apply_controls(
     max_drafts: int,
     programs: int = PROGRAMS_PER_LAUNCH,
     block: int = BLOCK,
+    bias_block: int = BIAS_BLOCK,
 ) -> None:
     """The sampling controls of every sample row in one kernel (see the module docstring).
 
@@ -303,7 +304,8 @@ def apply_controls(
     - `token_bitmask` [rows, W] int32 or None; `masked_rows` [rows] bool or None: the
       rows whose bitmask restricts (None: every row of a given bitmask);
     - `max_drafts`: drafts a request verifies at most (the rows a row looks back);
-    - `programs`: about how many programs the launch spreads over; `block`: tokens per step.
+    - `programs`: about how many programs the launch spreads over; `block`: tokens per step;
+      `bias_block`: logit-bias entries per step (powers of two).
     Returns: None. Raises: ValueError on a dtype, layout or shape it cannot read.
     Capture-safe: no host sync, fixed grid for fixed shapes.
     """
@@ -321,7 +323,7 @@ def apply_controls(
         prompt_words if token_bitmask is None else token_bitmask,  # never read without a bitmask
         eos_suppression_rows if masked_rows is None else masked_rows,
         vocab, prompt_words.shape[1], bias_ids.shape[1], chunk, logits.stride(0), out.stride(0),
-        BLOCK=block, BIAS_BLOCK=BIAS_BLOCK, MAX_DRAFTS=max_drafts, DRAFT_P2=triton.next_power_of_2(max(max_drafts, 1)),
+        BLOCK=block, BIAS_BLOCK=bias_block, MAX_DRAFTS=max_drafts, DRAFT_P2=triton.next_power_of_2(max(max_drafts, 1)),
         NUM_STOPS=num_stops, STOP_P2=triton.next_power_of_2(num_stops), HAS_BITMASK=token_bitmask is not None,
         HAS_MASKED_ROWS=token_bitmask is not None and masked_rows is not None,
         num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION,
