@@ -77,7 +77,8 @@ def batches(draw, *, vocabs=(45, 200, 333), max_drafts=(0, 1, 3), max_reqs: int 
         local_step += list(range(d + 1))
     padding = int(rng.integers(0, 3))
     pad_req = n if padding and rng.random() < 0.5 else 0  # a padding request slot, or slot 0 when all are real
-    num_reqs = n + (pad_req == n and padding > 0)
+    # Request slots past the last one with rows hold none (a bucket larger than the batch).
+    num_reqs = n + (pad_req == n and padding > 0) + int(rng.integers(0, 2))
     real = [True] * len(row_to_req) + [False] * padding
     row_to_req += [pad_req] * padding
     local_step += [k + 1] * padding

@@ -96,6 +96,8 @@ def random_controls(rng: np.random.Generator, batch: Batch, *, bias: bool = True
                 mask[r] = 0  # nothing allowed
             elif kind < 0.7:  # only tokens whose logits are -inf: nothing allowed with a finite score
                 mask[r] = pack(np.flatnonzero(batch.logits[r].numpy() == -np.inf), v)
+            elif kind < 0.8:  # only the stop ids: allowed, then suppressed (nothing left, not nothing allowed)
+                mask[r] = pack(stop_ids[batch.row_to_req[r]][stop_ids[batch.row_to_req[r]] >= 0], v)
     t = torch.from_numpy
     return Controls(t(counts), t(prompt.astype(np.int32)), t(penalties), t(bias_ids), t(bias_values), t(allowed),
                     t(restricted), t(control_slots.astype(np.int64)), t(stop_ids.astype(np.int64)), t(eos_rows),

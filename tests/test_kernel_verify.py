@@ -31,6 +31,7 @@ from tests.kernel_batches import Batch, batches
 
 triton = pytest.importorskip("triton")
 from engine.sampling.kernels import verify as kernel  # noqa: E402  (needs triton)
+from engine.sampling.kernels.hash_rng import uniform_at  # noqa: E402
 
 LONG = os.environ.get("ENGINE_LONG_TESTS") == "1"
 EXAMPLES = 300 if LONG else 12
@@ -237,6 +238,8 @@ def test_rejection_kernels_equal_the_torch_path(batch: Batch, seed: int, program
 @given(batch=batches(max_drafts=(1, 3)), seed=st.integers(0, 2**32 - 1), top_k=st.sampled_from([None, 2, 1024]),
        programs=st.sampled_from([1, 8]))
 def test_strict_kernels_equal_the_torch_path(batch: Batch, seed: int, top_k: int | None, programs: int):
+    """Logits on a grid of 0.5: a draft often ties with the k-th largest score."""
+    batch = dataclasses.replace(batch, logits=torch.round(batch.logits * 2) / 2)
     check(random_step(batch, seed), "strict", top_k, programs, 64)
 
 
@@ -271,3 +274,26 @@ def test_each_kernel_is_one_capture_safe_op_on_cpu_and_on_fake_cuda(batch: Batch
             with capture_safety_check(vars(device_got), device="cuda", is_pinned=fake.is_pinned) as stats:
                 launch(on_device, mode, top_k, device_got, 64)
         assert stats.op_counts == expected
+
+
+@triton.jit
+def _uniform_kernel(seed_ptr, position_ptr, out_ptr, STREAM: triton.language.constexpr):
+    lanes = triton.language.arange(0, 64)
+    seed = triton.language.load(seed_ptr + lanes)
+    position = triton.language.load(position_ptr + lanes)
+    triton.language.store(out_ptr + lanes, uniform_at(seed, position, STREAM))
+
+
+def test_the_kernels_hash_gives_the_uniforms_of_engine_sampling_rng():
+    """Extreme seeds (negative int64 = seeds >= 2**63) and positions, both streams: the same f64 bits."""
+    from engine.sampling import rng
+
+    gen = torch.Generator().manual_seed(3)
+    seed = torch.randint(-(2**63), 2**63 - 1, (64,), generator=gen, dtype=torch.int64)
+    seed[:4] = torch.tensor([0, -1, 2**63 - 1, -(2**63)])
+    position = torch.randint(0, 2**40, (64,), generator=gen, dtype=torch.int64)
+    position[:3] = torch.tensor([0, 2**32 - 1, 2**32])
+    for stream in (rng.ACCEPT, rng.RESIDUAL):
+        out = torch.zeros(64, dtype=torch.float64)
+        _uniform_kernel[(1,)](seed, position, out, STREAM=stream)
+        assert torch.equal(out, rng.uniform(seed, position, stream, torch.zeros((), dtype=torch.int64)))

@@ -34,7 +34,7 @@ T = 1 where it is 0), or one-hot at `one_hot_tokens` for greedy and forced rows.
 a quarter of that. The residual max(p - q, 0) enters the draw as integer masses
 floor(r * 2**60) (`engine.sampling.verify.probability_masses`), so its sums are
 exact in any order and the kernel's parallel sums give the torch path's token. The
-uniforms are `engine.sampling.rng`'s hash, computed here to the same bits.
+uniforms are `engine.sampling.rng`'s hash (`hash_rng.uniform_at`), to the same bits.
 
 Scratch: `residual_sums` [requests, split, 2] int64 and `rank_counts` [rows, split]
 int32, fully rewritten by every launch. No host syncs, fixed shapes: capture-safe.
@@ -47,6 +47,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from engine.sampling.kernels import FP_FUSION
+from engine.sampling.kernels.hash_rng import uniform_at
 
 BLOCK = 1024  # tokens per iteration (8 warps: 4 per thread)
 NUM_WARPS = 8
@@ -54,33 +55,8 @@ PROGRAMS_PER_LAUNCH = 264  # about two programs per SM of an H200 (132 SMs)
 MODES = ("none", "strict", "rejection")  # verify_step: no drafts (counts and pool only), or how drafts are verified
 _NONE: tl.constexpr = tl.constexpr(2**62)  # "no row": above every row index and local step
 _MASS_SCALE: tl.constexpr = tl.constexpr(2.0**60)  # a probability's integer mass, as `probability_masses`
-_MASK32: tl.constexpr = tl.constexpr(0xFFFFFFFF)
 _ACCEPT: tl.constexpr = tl.constexpr(1)  # engine.sampling.rng.ACCEPT
 _RESIDUAL: tl.constexpr = tl.constexpr(2)  # engine.sampling.rng.RESIDUAL
-
-
-@triton.jit
-def _absorb(state, word):
-    """One word into the hash state (`engine.sampling.rng._absorb`): int64 lanes holding 32 bits."""
-    x = state ^ word
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x5BD1E995) & _MASK32
-    x = x ^ (x >> 16)
-    return (x + 0x9E3779B9) & _MASK32
-
-
-@triton.jit
-def _uniform(seed, position, STREAM: tl.constexpr):
-    """`engine.sampling.rng.uniform(seed, position, STREAM, 0)`: f64 in (0, 1), same bits."""
-    state = _absorb(tl.zeros_like(position), seed & _MASK32)
-    state = _absorb(state, (seed >> 32) & _MASK32)
-    state = _absorb(state, position & _MASK32)
-    state = _absorb(state, (position >> 32) & _MASK32)
-    state = _absorb(state, STREAM)
-    state = _absorb(state, 0)
-    return (state.to(tl.float64) + 0.5) * 2.3283064365386963e-10  # 2**-32
 
 
 @triton.jit
@@ -136,7 +112,7 @@ def _rejection_accepts(req, lane, mine, step, draft, weights_ptr, total_ptr, one
     q = tl.load(q_ptr + lane.to(tl.int64) * vocab + d, mask=has_draft & has_q, other=0.0).to(tl.float64)
     q = tl.where(has_q, q, 1.0)
     position = tl.load(positions_ptr + req) + step
-    u = _uniform(tl.load(seeds_ptr + req) + tl.zeros_like(step), position, _ACCEPT)
+    u = uniform_at(tl.load(seeds_ptr + req) + tl.zeros_like(step), position, _ACCEPT)
     return has_draft & (u * q < p), has_draft, has_q, one_hot, total
 
 
@@ -221,7 +197,7 @@ def _residual_token(req, row, draft, one_hot, total, has_q, weights_ptr, q_ptr, 
     degenerate = tl.sum(residual, axis=0) == 0
     sums = tl.where(degenerate, target, residual)
     total_mass = tl.sum(sums, axis=0)
-    u = _uniform(tl.load(seeds_ptr + req), position, _RESIDUAL)
+    u = uniform_at(tl.load(seeds_ptr + req), position, _RESIDUAL)
     level = tl.floor(u * total_mass.to(tl.float64)).to(tl.int64)  # < total_mass: a token is found
     running = tl.cumsum(sums, axis=0)
     hit = tl.min(tl.where(running > level, part, SPLIT_P2), axis=0)
