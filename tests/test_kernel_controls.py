@@ -90,14 +90,15 @@ def random_controls(rng: np.random.Generator, batch: Batch, *, bias: bool = True
         mask = np.full((rows, words), -1, np.int32)
         for r in range(rows):
             kind = rng.random()
-            if kind < 0.4:
+            if kind < 0.3 and eos_rows[r]:  # only the stop ids: allowed, then suppressed (not "nothing allowed")
+                stops = stop_ids[int(batch.row_to_req[r])]
+                mask[r] = pack(stops[stops >= 0], v)
+            elif kind < 0.5:
                 mask[r] = rng.integers(-(2**31), 2**31, words)
-            elif kind < 0.55:
+            elif kind < 0.6:
                 mask[r] = 0  # nothing allowed
             elif kind < 0.7:  # only tokens whose logits are -inf: nothing allowed with a finite score
                 mask[r] = pack(np.flatnonzero(batch.logits[r].numpy() == -np.inf), v)
-            elif kind < 0.8:  # only the stop ids: allowed, then suppressed (nothing left, not nothing allowed)
-                mask[r] = pack(stop_ids[batch.row_to_req[r]][stop_ids[batch.row_to_req[r]] >= 0], v)
     t = torch.from_numpy
     return Controls(t(counts), t(prompt.astype(np.int32)), t(penalties), t(bias_ids), t(bias_values), t(allowed),
                     t(restricted), t(control_slots.astype(np.int64)), t(stop_ids.astype(np.int64)), t(eos_rows),
@@ -269,3 +270,16 @@ def test_apply_controls_is_one_capture_safe_op_on_cpu_and_on_fake_cuda(batch: Ba
         with capture_safety_check(static, device="cuda", is_pinned=fake.is_pinned) as stats:
             torch.ops.engine.apply_controls(*device_args)
     assert stats.op_counts == {"engine.apply_controls.default": 1}
+
+
+def test_apply_controls_refuses_what_it_cannot_read():
+    """ValueError before any launch: `out` in the logits' memory, a wrong dtype, a bitmask of the wrong shape."""
+    batch = Batch(45, 0, torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), torch.ones(2, dtype=torch.bool),
+                  torch.full((2,), -1), torch.zeros(2, dtype=torch.int64), torch.full((1,), 44), torch.zeros(2, 45), 1)
+    c = random_controls(np.random.default_rng(0), batch, bitmask=False)
+    out = outputs(2, 45)
+    args = op_args(batch, c, out, None, 1, 64)
+    for position, bad, message in ((1, batch.logits, "shares its memory"), (0, batch.logits.double(), "logits is"),
+                                   (21, torch.zeros(2, 1, dtype=torch.int32), "token_bitmask")):
+        with pytest.raises(ValueError, match=message):
+            torch.ops.engine.apply_controls(*args[:position], bad, *args[position + 1:])

@@ -239,6 +239,9 @@ def _check(logits: torch.Tensor, out: torch.Tensor, counts: torch.Tensor, prompt
         if tensor.dtype != dtype or tensor.stride(-1) != 1:
             raise ValueError(f"apply_controls: {name} is {tensor.dtype} with strides {tensor.stride()}, "
                              f"expected {dtype} with unit token stride")
+    # The bias pass and a failed row's rewrite read the logits again after `out` is written.
+    if out.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr():
+        raise ValueError("apply_controls: out shares its memory with logits; it must be a separate buffer")
     if out.shape != logits.shape or counts.shape[1] != vocab:
         raise ValueError(f"apply_controls: out {tuple(out.shape)} / counts {tuple(counts.shape)} do not match "
                          f"logits {tuple(logits.shape)}")
