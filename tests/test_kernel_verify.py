@@ -78,6 +78,8 @@ def random_step(batch: Batch, seed: int, *, near_top: bool = False) -> Step:
     errors = torch.from_numpy(np.where(rng.random(rows) < 0.06, rng.integers(1, 5, rows), 0))
     weights = np.exp(rng.normal(-2.0, 2.0, (rows, v))).clip(max=1.0).astype(np.float32)
     weights[rng.random((rows, v)) < 0.3] = 0.0
+    heavy = (drafts.numpy() >= 0) & (rng.random(rows) < 0.4)  # drafts the target likes: rejections move mass
+    weights[heavy, drafts.numpy()[heavy]] = 1.0
     weights[rng.random(rows) < 0.08] = np.nan  # a failed row's weights
     weights[rng.random(rows) < 0.05] = 0.0  # a row with nothing kept
     one_hot = np.where(rng.random(rows) < 0.2, rng.integers(0, v, rows), -1)
@@ -301,3 +303,15 @@ def test_the_kernels_hash_gives_the_uniforms_of_engine_sampling_rng():
         out = torch.zeros(64, dtype=torch.float64)
         _uniform_kernel[(1,)](seed, position, out, STREAM=stream)
         assert torch.equal(out, rng.uniform(seed, position, stream, torch.zeros((), dtype=torch.int64)))
+
+
+def test_inverse_cdf_over_masses_picks_the_first_token_past_floor_u_times_total():
+    """The residual draw's definition (engine.sampling.draw.inverse_cdf), by hand: the first token whose
+    running mass exceeds floor(u * total); a token of mass 0 is never picked; an all-zero row gives 0."""
+    from engine.sampling.draw import inverse_cdf, probability_masses
+
+    masses = torch.tensor([[2, 0, 2, 4], [2, 0, 2, 4], [0, 0, 0, 0], [0, 3, 0, 0]])
+    u = torch.tensor([0.5, 0.49, 0.7, 0.999], dtype=torch.float64)  # levels 4, 3, 0, 2
+    assert inverse_cdf(masses, u).tolist() == [3, 2, 0, 1]
+    probs = torch.tensor([[0.5, 2.0**-61, float("nan"), 0.25]], dtype=torch.float64)
+    assert probability_masses(probs).tolist() == [[2**59, 0, 0, 2**58]]
