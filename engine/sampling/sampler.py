@@ -34,10 +34,11 @@ from engine.sampling.draw import drawn_token, inverse_cdf_draw, plain_uniform
 from engine.sampling.errors import PLACEHOLDER_TOKEN, RowError, row_errors, write_placeholders
 from engine.sampling.logprobs import processed_row_logprobs, raw_logprobs
 from engine.sampling.row_max import first_max
+from engine.sampling.row_params import RowParams
 from engine.sampling.rows import expand_rows
+from engine.sampling.sample_output import SampleOutput
 from engine.sampling.thresholds import RowDistribution, row_distribution, suppress_in_place
 from engine.sampling.token_bitmask import apply_token_bitmask
-from graphs.step_fields import RowParams, SampleOutput
 
 LOGPROBS_MODES = ("raw", "processed")
 # What a sampler variant (one graph set) computes: "greedy" only the argmax (every

@@ -50,10 +50,10 @@ from engine.sampling.draw import MASS_SCALE, gumbel_race, inverse_cdf, probabili
 from engine.sampling.filters import top_k_mask
 from engine.sampling.rng import ACCEPT, RESIDUAL, uniform
 from engine.sampling.row_max import first_max
+from engine.sampling.row_params import RowParams
 from engine.sampling.rows import expand_rows
 from engine.sampling.sampler import controlled_scores
 from engine.sampling.thresholds import row_distribution, suppressed_scores
-from graphs.step_fields import RowParams
 
 _NONE = torch.iinfo(torch.int64).max  # scatter-min identity: "no rejection seen"
 

@@ -36,7 +36,7 @@ from engine.sampling.logit_bias import apply_logit_bias_
 from engine.sampling.penalties import apply_penalties_
 from engine.sampling.token_bitmask import BITS_PER_WORD, bitmask_words
 from engine.step.config import EngineConfig
-from graphs.static_buffers import StepBuffers
+from engine.step.static_buffers import StepBuffers
 
 log = logging.getLogger(__name__)
 
