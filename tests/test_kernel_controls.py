@@ -27,7 +27,7 @@ from engine.sampling.penalties import apply_penalties_
 from engine.sampling.rows import expand_rows
 from engine.sampling.thresholds import suppressed_scores
 from engine.sampling.token_bitmask import apply_token_bitmask, bitmask_words
-from graphs.step_fields import RowParams
+from engine.sampling.row_params import RowParams
 from tests.kernel_batches import Batch, batches, same_values
 
 triton = pytest.importorskip("triton")

@@ -26,7 +26,8 @@ from engine.sampling.verify import verify_rejection
 from engine.step.body import verify_and_store_drafts
 from engine.step.config import EngineConfig
 from engine.step.controls import SamplingControls
-from graphs.step_fields import RowParams, SampleOutput
+from engine.sampling.row_params import RowParams
+from engine.sampling.sample_output import SampleOutput
 from tests.kernel_batches import Batch, batches
 
 triton = pytest.importorskip("triton")

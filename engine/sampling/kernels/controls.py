@@ -59,7 +59,7 @@ BLOCK = 1024  # tokens per iteration of a program (H200: 8 warps, 4 f32 per thre
 BIAS_BLOCK = 128  # logit-bias entries per iteration
 NUM_WARPS = 8
 PROGRAMS_PER_LAUNCH = 264  # about two programs per SM of an H200 (132 SMs)
-READ_FROM_POOL: tl.constexpr = tl.constexpr(-2)  # graphs.step_fields.READ_FROM_POOL: a draft from the pool
+READ_FROM_POOL: tl.constexpr = tl.constexpr(-2)  # engine.host.step_fields.READ_FROM_POOL: a draft from the pool
 # `arrivals` per row: programs arrived in the low 16 bits, programs that saw an allowed token above.
 _ARRIVAL: tl.constexpr = tl.constexpr(1)
 _ALLOWED: tl.constexpr = tl.constexpr(1 << 16)
