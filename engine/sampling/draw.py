@@ -12,7 +12,7 @@
   inside it. Any path that lays the same weights out over the whole row (the
   vocab-parallel candidates, the Triton kernels) gets the same bits.
 - A forced token, when set, replaces whatever the row drew.
-Verification draws from explicit float64 distributions with `inverse_cdf`;
+Verification draws from explicit distributions by their integer masses with `inverse_cdf`;
 its top-k-space bonus token races Gumbel noise keyed by token id (`gumbel_race`).
 """
 from __future__ import annotations
@@ -114,16 +114,37 @@ def inverse_cdf_draw(weights: torch.Tensor, block_mass: torch.Tensor, u: torch.T
     return ids.gather(1, pick).squeeze(1)
 
 
-def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """One token per row from an explicit distribution by inverse CDF.
+MASS_SCALE = 2.0**60  # a probability's mass in `probability_masses`: 2**60 for p = 1
 
-    Parameters: `weights` [rows, V] f64, nonnegative (need not sum to 1);
-    `u` [rows] f64 in (0, 1). Returns: [rows] int64: the first token whose
-    cumulative weight exceeds u * total; a token of weight 0 is never
-    picked; an all-zero row gives token 0. Capture-safe.
+
+def probability_masses(probs: torch.Tensor) -> torch.Tensor:
+    """[rows, V] int64: floor(p * 2**60) per token, 0 for NaN.
+
+    Parameters: `probs` [rows, V] f64, probabilities in [0, 1] whose row sums
+    are at most about 1 (a distribution or a part of one, e.g. a residual), so
+    a row's masses add up to less than 2**62: every sum of them is exact in
+    int64, in any order. A probability below 2**-60 has mass 0. Capture-safe.
     """
-    cum = weights.cumsum(-1)
-    return _first_above(cum, weights, (u * cum[:, -1])[:, None]).squeeze(1)
+    # The cast truncates, which is floor for p >= 0 (a power-of-two scale is exact).
+    return torch.mul(probs, MASS_SCALE).nan_to_num_(0.0).to(torch.int64)
+
+
+def inverse_cdf(masses: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row from explicit integer masses by inverse CDF.
+
+    Parameters: `masses` [rows, V] int64, nonnegative (`probability_masses`);
+    `u` [rows] f64 in (0, 1). Returns: [rows] int64: the first token whose
+    running mass exceeds floor(u * total) (total rounded to float64); a
+    token of mass 0 is never picked; an all-zero row gives token 0. The
+    running masses are exact integers, so a kernel that sums them in another
+    order picks the same token. Capture-safe.
+    """
+    cum = masses.cumsum(-1)  # [rows, V] int64: exact
+    total = cum[:, -1:]
+    # floor(u * total) < total for u < 1 - 2**-33: the search stops at a token of positive mass.
+    level = torch.mul(u[:, None], total.to(torch.float64)).floor_().to(torch.int64)
+    pick = torch.searchsorted(cum, level, right=True).squeeze(1)
+    return torch.where(total.squeeze(1) > 0, pick, 0)
 
 
 def drawn_token(rows: SamplingRows, greedy: torch.Tensor, drawn: torch.Tensor) -> torch.Tensor:

@@ -21,9 +21,12 @@ draft d when u < p(d) / q(d), u from stream ACCEPT keyed by (seed, position,
 counter 0), written `u * q(d) < p(d)` so q(d) = 0 needs no division (such a
 draft was not drawn from q: accepted iff p(d) > 0). On the first rejection the
 row emits an inverse-CDF draw from normalize(max(p - q, 0)) with one uniform
-from stream RESIDUAL. The residual is all zero only when p <= q everywhere,
-i.e. p == q: then a rejection can only come from a draft with p(d) = q(d) = 0,
-and the row emits an inverse-CDF draw from p with the same uniform instead
+from stream RESIDUAL, over the residual's integer masses floor(r * 2**60)
+(`draw.probability_masses`): their sums are exact, so a kernel that adds them
+in any order draws the same token. The masses are all zero only when every
+residual probability is below 2**-60 (p == q, up to rounding): then a rejection
+can only come from a draft with p(d) = q(d) = 0, or has probability below
+V * 2**-60, and the row draws from p's masses with the same uniform instead
 (still exact: the target's distribution is what the row must produce). A row without a draft
 (all earlier drafts accepted) emits the bonus token, a draw from p; see
 `verify_rejection` for when it equals the normal sampler's token.
@@ -43,7 +46,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampling.draw import gumbel_race, inverse_cdf
+from engine.sampling.draw import MASS_SCALE, gumbel_race, inverse_cdf, probability_masses
 from engine.sampling.filters import top_k_mask
 from engine.sampling.rng import ACCEPT, RESIDUAL, uniform
 from engine.sampling.row_max import first_max
@@ -214,10 +217,12 @@ def verify_rejection(
     u_accept = uniform(seed_rows, position, ACCEPT, counter0)
     accepted = has_draft & (u_accept * q_draft < p_draft)
 
-    # p == q leaves no residual mass (see the module docstring): draw from p.
-    degenerate = ~(residual.sum(-1, keepdim=True) > 0)
-    residual = torch.where(degenerate, p, residual)
-    residual_token = inverse_cdf(residual, uniform(seed_rows, position, RESIDUAL, counter0))
+    # p == q leaves no residual mass (see the module docstring): draw from p. A residual
+    # probability has a positive mass iff it is >= 2**-60; a NaN has none.
+    residual.nan_to_num_(0.0)  # a fresh tensor: the scatter's or the clamp's
+    degenerate = residual.amax(-1, keepdim=True) < 1 / MASS_SCALE
+    masses = probability_masses(torch.where(degenerate, p, residual, out=residual))  # [rows, V] int64
+    residual_token = inverse_cdf(masses, uniform(seed_rows, position, RESIDUAL, counter0))
 
     if row_tokens is None or top_k_space is not None:
         vocab = p.shape[1]

@@ -1,0 +1,362 @@
+"""The sampling controls as one Triton kernel: `engine::apply_controls`, the CUDA twin of
+`SamplingControls.apply` plus the sampler's token bitmask and EOS/stop suppression.
+
+Per sample row, in the torch path's order (docs/contract.md §2): allowed tokens ->
+logit bias -> penalties (repetition over prompt + output, frequency and presence over
+the output; row j of a request counts the drafts of its rows 0..j-1 as generated) ->
+token bitmask (structured output, bad words) -> EOS/stop suppression under min_tokens.
+The order among the -inf masks changes no value (a masked token stays -inf through
+bias and penalties); it matters for one flag, `nothing_allowed`: no token the bitmask
+allows has a finite score after the controls (`token_bitmask.apply_token_bitmask`).
+
+Design
+- Grid (rows, split): program (r, c) owns tokens [c * chunk, (c + 1) * chunk) of row r,
+  so a small bucket still spreads over the SMs (`programs_per_row`). chunk is a
+  multiple of BLOCK; every program of a row exists (no empty parts).
+- The row's flag, read on the device: a row with control slot 0, no active stop id
+  and no bitmask (`masked_rows` False) is skipped: it reads and writes no logit, and
+  `row_controlled[r]` False tells the consumer to read `logits` itself. Every other
+  row reads its logits once and writes the controlled row to `out` (no copy of the
+  unprocessed logits: `logits` stays unprocessed for raw logprobs and the finite check).
+- Pass 1, per BLOCK of tokens: the logits; the allowed-token, prompt and bitmask
+  words (one int32 word per 32 tokens; the 32 lanes of a word read one address, a
+  broadcast); the counts [slots, V] int32 only when the slot has penalties; the
+  drafts of the row's earlier rows (at most MAX_DRAFTS scalars, resolved from the
+  draft-info pool here) compared per token. Every value is computed as the torch
+  ops round it: IEEE division (`div_rn`: Triton's `/` on f32 is approximate), no FMA.
+- Logit bias: pass 1 leaves the biased tokens unbiased; after a barrier, the
+  program recomputes each token of its chunk that has a nonzero bias (`bias_ids`,
+  at most max_logit_bias, their real ids distinct; padding is (0, +0.0) and a zero
+  bias changes no value) and overwrites it. The scan stops at the first all-padding
+  block of entries.
+- `nothing_allowed`: each program of a masked row adds its verdict to the row's
+  arrival counter (`arrivals`, int32 scratch, zero between launches: the last
+  program resets it). The last program to arrive knows the whole row; when no token
+  is allowed it rewrites the row without the bitmask (the torch path keeps such a
+  row's scores), and writes the flag. Rare (the row fails), so it costs nothing else.
+- With `MAX_DRAFTS > 0` program (r, 0) also writes `resolved_drafts[r]`, the draft
+  row r verifies (staged, or read from the pool when staged as -2), which the
+  verification kernels read after the sampler.
+
+Temperature is not applied here. The processed logit is z = (s - M) / T with M the
+row maximum of the controlled scores s; M is known only after a whole pass over the
+row, and dividing before subtracting rounds differently. The sampler's kernels
+compute z on the fly from s, M and T in the passes they make anyway.
+
+Scratch: `arrivals` [rows] int32, zero-initialised once. No host syncs, no
+data-dependent shapes: capture-safe.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from engine.sampling.kernels import FP_FUSION
+
+BLOCK = 1024  # tokens per iteration of a program (H200: 8 warps, 4 f32 per thread)
+BIAS_BLOCK = 128  # logit-bias entries per iteration
+NUM_WARPS = 8
+PROGRAMS_PER_LAUNCH = 264  # about two programs per SM of an H200 (132 SMs)
+READ_FROM_POOL: tl.constexpr = tl.constexpr(-2)  # engine.host.step_fields.READ_FROM_POOL: a draft from the pool
+# `arrivals` per row: programs arrived in the low 16 bits, programs that saw an allowed token above.
+_ARRIVAL: tl.constexpr = tl.constexpr(1)
+_ALLOWED: tl.constexpr = tl.constexpr(1 << 16)
+
+
+@triton.jit
+def _resolved_draft(row, row_drafts_ptr, read_rows_ptr, pool_tokens_ptr):
+    """The draft row `row` verifies: the staged token, or the pool's when staged as -2."""
+    staged = tl.load(row_drafts_ptr + row)
+    pool_row = tl.load(read_rows_ptr + row, mask=staged == READ_FROM_POOL, other=0)
+    from_pool = tl.load(pool_tokens_ptr + pool_row, mask=staged == READ_FROM_POOL, other=-1)
+    return tl.where(staged == READ_FROM_POOL, from_pool, staged)
+
+
+@triton.jit
+def _controlled(x, tokens, mask, bias, slot, restricted, pen_on, rp, fp, pp, drafts, use_bitmask, stops,
+                bitmask_row_ptr, counts_ptr, prompt_words_ptr, allowed_words_ptr, vocab, words,
+                ADD_BIAS: tl.constexpr, MAX_DRAFTS: tl.constexpr, DRAFT_P2: tl.constexpr, NUM_STOPS: tl.constexpr,
+                STOP_P2: tl.constexpr):
+    """The controls of `tokens` [N] int, raw logits `x` [N] f32, lanes `mask`. Returns (the
+    output [N] f32, the score before the bitmask and the suppression [N] f32, the bitmask's verdict [N] i1).
+
+    A flag that is a scalar masks a load through `tl.where(flag, mask, False)`: Triton's
+    interpreter types `mask & flag` as int32 there, which a load refuses as its mask.
+    A word of a packed bitmask holds tokens 32w .. 32w + 31, bit (token % 32)."""
+    # Allowed tokens.
+    word = tl.load(allowed_words_ptr + slot * words + (tokens >> 5), mask=tl.where(restricted, mask, False), other=0)
+    x = tl.where(restricted, tl.where(((word >> (tokens & 31)) & 1) != 0, x, float("-inf")), x)
+    # Logit bias.
+    if ADD_BIAS:
+        x = x + bias
+    # Penalties: counts over the output, the drafts of earlier rows included; the prompt for repetition.
+    count = tl.load(counts_ptr + slot * vocab + tokens, mask=tl.where(pen_on, mask, False), other=0)
+    lanes = tl.arange(0, DRAFT_P2)
+    for d in tl.static_range(MAX_DRAFTS):
+        count += (tokens == tl.sum(tl.where(lanes == d, drafts, 0), axis=0)).to(tl.int32)  # -1 matches none
+    generated = count > 0
+    word = tl.load(prompt_words_ptr + slot * words + (tokens >> 5), mask=tl.where(pen_on, mask, False), other=0)
+    seen = generated | (((word >> (tokens & 31)) & 1) != 0)
+    penalised = tl.where(x > 0, tl.math.div_rn(x, rp), x * rp)
+    x = tl.where(seen, penalised, x)
+    x = x - fp * count.to(tl.float32)
+    x = x - pp * generated.to(tl.float32)
+    # The token bitmask, then the suppressed stop ids (-1 in `stops`: none).
+    word = tl.load(bitmask_row_ptr + (tokens >> 5), mask=tl.where(use_bitmask, mask, False), other=-1)
+    allowed = ((word >> (tokens & 31)) & 1) != 0
+    y = tl.where(allowed, x, float("-inf"))
+    lanes = tl.arange(0, STOP_P2)
+    for s in tl.static_range(NUM_STOPS):
+        y = tl.where(tokens == tl.sum(tl.where(lanes == s, stops, 0), axis=0), float("-inf"), y)
+    return y, x, allowed
+
+
+@triton.jit
+def _control_range(logits_row_ptr, out_row_ptr, lo, hi, use_bitmask, bitmask_row_ptr, stops, slot, restricted,
+                   pen_on, rp, fp, pp, drafts, counts_ptr, prompt_words_ptr, allowed_words_ptr,
+                   bias_ids_ptr, bias_values_ptr, vocab, words, num_bias,
+                   BLOCK: tl.constexpr, BIAS_BLOCK: tl.constexpr, MAX_DRAFTS: tl.constexpr, DRAFT_P2: tl.constexpr,
+                   NUM_STOPS: tl.constexpr, STOP_P2: tl.constexpr):
+    """Controlled tokens [lo, hi) of one row into `out`; returns 1 if the bitmask allows one with a finite score."""
+    any_allowed = tl.zeros([], dtype=tl.int32)
+    for start in range(lo, hi, BLOCK):
+        tokens = start + tl.arange(0, BLOCK)
+        inside = tokens < hi
+        x = tl.load(logits_row_ptr + tokens, mask=inside, other=0.0)
+        y, v, allowed = _controlled(x, tokens, inside, 0.0, slot, restricted, pen_on, rp, fp, pp, drafts, use_bitmask,
+                                    stops, bitmask_row_ptr, counts_ptr, prompt_words_ptr, allowed_words_ptr, vocab,
+                                    words, False, MAX_DRAFTS, DRAFT_P2, NUM_STOPS, STOP_P2)
+        # A bias never changes whether a score is finite (|bias| <= 100 vanishes next to an overflow).
+        seen = inside & allowed & (v > float("-inf"))
+        any_allowed = tl.maximum(any_allowed, tl.max(seen.to(tl.int32), axis=0))
+        tl.store(out_row_ptr + tokens, y, mask=inside)
+    # The biased tokens are written again below: this program's stores must land first.
+    tl.debug_barrier()
+    live = num_bias > 0
+    for first in range(0, num_bias, BIAS_BLOCK):
+        entry = first + tl.arange(0, BIAS_BLOCK)
+        in_list = tl.where(live, entry < num_bias, False)
+        ids = tl.load(bias_ids_ptr + entry, mask=in_list, other=0)
+        value = tl.load(bias_values_ptr + entry, mask=in_list, other=0.0)
+        # Real entries come first; a block of nothing but padding (0, +0.0) ends the list.
+        live = live & (tl.max(((ids != 0) | (value != 0.0)).to(tl.int32), axis=0) > 0)
+        mine = in_list & (value != 0.0) & (ids >= lo) & (ids < hi)
+        x = tl.load(logits_row_ptr + ids, mask=mine, other=0.0)
+        y, v, allowed = _controlled(x, ids, mine, value, slot, restricted, pen_on, rp, fp, pp, drafts, use_bitmask,
+                                    stops, bitmask_row_ptr, counts_ptr, prompt_words_ptr, allowed_words_ptr, vocab,
+                                    words, True, MAX_DRAFTS, DRAFT_P2, NUM_STOPS, STOP_P2)
+        tl.store(out_row_ptr + ids, y, mask=mine)
+    return any_allowed
+
+
+@triton.jit
+def _controls_kernel(
+    logits_ptr, out_ptr, row_controlled_ptr, nothing_allowed_ptr, arrivals_ptr, resolved_ptr,
+    row_to_req_ptr, local_step_ptr, control_slots_ptr, row_drafts_ptr, read_rows_ptr, pool_tokens_ptr,
+    counts_ptr, prompt_words_ptr, penalties_ptr, bias_ids_ptr, bias_values_ptr, allowed_words_ptr, restricted_ptr,
+    stop_ids_ptr, eos_rows_ptr, bitmask_ptr, masked_rows_ptr,
+    vocab, words, num_bias, chunk, logits_stride, out_stride,
+    BLOCK: tl.constexpr, BIAS_BLOCK: tl.constexpr, MAX_DRAFTS: tl.constexpr, DRAFT_P2: tl.constexpr,
+    NUM_STOPS: tl.constexpr, STOP_P2: tl.constexpr, HAS_BITMASK: tl.constexpr, HAS_MASKED_ROWS: tl.constexpr,
+):
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    split = tl.num_programs(1)
+    req = tl.load(row_to_req_ptr + row)
+    step = tl.load(local_step_ptr + row)
+    slot = tl.load(control_slots_ptr + req)
+
+    drafts = tl.full([DRAFT_P2], -1, tl.int64)  # lane d: the draft of row - (d + 1), if that row is earlier
+    if MAX_DRAFTS > 0:
+        lanes = tl.arange(0, DRAFT_P2)
+        for d in tl.static_range(MAX_DRAFTS):
+            # Row r at local step s >= d + 1 counts the draft row r - d - 1 verifies (same request).
+            earlier = tl.maximum(row - d - 1, 0)
+            draft = _resolved_draft(earlier, row_drafts_ptr, read_rows_ptr, pool_tokens_ptr)
+            drafts = tl.where(lanes == d, tl.where(step > d, draft, -1), drafts)
+        if part == 0:
+            tl.store(resolved_ptr + row, _resolved_draft(row, row_drafts_ptr, read_rows_ptr, pool_tokens_ptr))
+
+    stop_lanes = tl.arange(0, STOP_P2)
+    stops = tl.load(stop_ids_ptr + req * NUM_STOPS + stop_lanes, mask=stop_lanes < NUM_STOPS, other=-1)
+    stops = tl.where(tl.load(eos_rows_ptr + row) != 0, stops, -1)  # -1: never equals a token
+    suppressing = tl.max(stops, axis=0) >= 0
+    masked = tl.full([], HAS_BITMASK, tl.int1)
+    if HAS_MASKED_ROWS:
+        masked = masked & (tl.load(masked_rows_ptr + row) != 0)
+    active = (slot > 0) | suppressing | masked
+
+    if active:
+        rp = tl.load(penalties_ptr + slot * 3)
+        fp = tl.load(penalties_ptr + slot * 3 + 1)
+        pp = tl.load(penalties_ptr + slot * 3 + 2)
+        pen_on = (rp != 1.0) | (fp != 0.0) | (pp != 0.0)
+        restricted = tl.load(restricted_ptr + slot) != 0
+        logits_row = logits_ptr + row.to(tl.int64) * logits_stride
+        out_row = out_ptr + row.to(tl.int64) * out_stride
+        bitmask_row = bitmask_ptr + row.to(tl.int64) * words
+        bias_ids = bias_ids_ptr + slot * num_bias
+        bias_values = bias_values_ptr + slot * num_bias
+        lo = part * chunk
+        hi = tl.minimum(lo + chunk, vocab)
+        any_allowed = _control_range(logits_row, out_row, lo, hi, masked, bitmask_row, stops, slot, restricted,
+                                     pen_on, rp, fp, pp, drafts, counts_ptr, prompt_words_ptr, allowed_words_ptr,
+                                     bias_ids, bias_values, vocab, words, num_bias,
+                                     BLOCK, BIAS_BLOCK, MAX_DRAFTS, DRAFT_P2, NUM_STOPS, STOP_P2)
+        if masked:
+            # Every thread's stores before the arrival: the last program may overwrite them.
+            tl.debug_barrier()
+            before = tl.atomic_add(arrivals_ptr + row, any_allowed * _ALLOWED + _ARRIVAL)
+            if (before & (_ALLOWED - 1)) == split - 1:  # the last program of the row
+                tl.atomic_xchg(arrivals_ptr + row, 0)
+                nothing = (before >> 16) + any_allowed == 0
+                tl.store(nothing_allowed_ptr + row, nothing)
+                if nothing:  # the row fails; its scores stay as the controls left them (no bitmask)
+                    _control_range(logits_row, out_row, 0, vocab, ~masked, bitmask_row, stops, slot, restricted,
+                                   pen_on, rp, fp, pp, drafts, counts_ptr, prompt_words_ptr, allowed_words_ptr,
+                                   bias_ids, bias_values, vocab, words, num_bias,
+                                   BLOCK, BIAS_BLOCK, MAX_DRAFTS, DRAFT_P2, NUM_STOPS, STOP_P2)
+    if part == 0:
+        tl.store(row_controlled_ptr + row, active)
+        if not masked:
+            tl.store(nothing_allowed_ptr + row, False)
+
+
+def _split(rows: int, vocab: int, block: int, programs: int) -> tuple[int, int]:
+    """(programs per row, tokens per program): about `programs` programs in all, whole BLOCKs each."""
+    split = max(1, min(-(-programs // max(rows, 1)), -(-vocab // block), 1 << 14))
+    chunk = -(-(-(-vocab // split)) // block) * block
+    return -(-vocab // chunk), chunk
+
+
+def _check(logits: torch.Tensor, out: torch.Tensor, counts: torch.Tensor, prompt_words: torch.Tensor,
+           stop_ids: torch.Tensor, token_bitmask: torch.Tensor | None) -> None:
+    rows, vocab = logits.shape
+    for name, tensor, dtype in (("logits", logits, torch.float32), ("out", out, torch.float32),
+                                ("counts", counts, torch.int32), ("prompt_words", prompt_words, torch.int32)):
+        if tensor.dtype != dtype or tensor.stride(-1) != 1:
+            raise ValueError(f"apply_controls: {name} is {tensor.dtype} with strides {tensor.stride()}, "
+                             f"expected {dtype} with unit token stride")
+    # The bias pass and a failed row's rewrite read the logits again after `out` is written.
+    if out.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr():
+        raise ValueError("apply_controls: out shares its memory with logits; it must be a separate buffer")
+    if out.shape != logits.shape or counts.shape[1] != vocab:
+        raise ValueError(f"apply_controls: out {tuple(out.shape)} / counts {tuple(counts.shape)} do not match "
+                         f"logits {tuple(logits.shape)}")
+    words = prompt_words.shape[1]
+    if token_bitmask is not None and (token_bitmask.shape != (rows, words) or not token_bitmask.is_contiguous()):
+        raise ValueError(f"apply_controls: token_bitmask {tuple(token_bitmask.shape)}, expected a contiguous "
+                         f"[{rows}, {words}] int32")
+    if stop_ids.dim() != 2 or not stop_ids.is_contiguous():
+        raise ValueError(f"apply_controls: stop_ids {tuple(stop_ids.shape)}: expected a contiguous [reqs, S]")
+
+
+@triton_op("engine::apply_controls",
+           mutates_args={"out", "row_controlled", "nothing_allowed", "arrivals", "resolved_drafts"})
+def apply_controls(
+    logits: torch.Tensor,
+    out: torch.Tensor,
+    row_controlled: torch.Tensor,
+    nothing_allowed: torch.Tensor,
+    arrivals: torch.Tensor,
+    resolved_drafts: torch.Tensor,
+    row_to_req: torch.Tensor,
+    local_step: torch.Tensor,
+    control_slots: torch.Tensor,
+    row_drafts: torch.Tensor,
+    read_rows: torch.Tensor,
+    pool_tokens: torch.Tensor,
+    counts: torch.Tensor,
+    prompt_words: torch.Tensor,
+    penalties: torch.Tensor,
+    bias_ids: torch.Tensor,
+    bias_values: torch.Tensor,
+    allowed_words: torch.Tensor,
+    restricted: torch.Tensor,
+    stop_ids: torch.Tensor,
+    eos_suppression_rows: torch.Tensor,
+    token_bitmask: torch.Tensor | None,
+    masked_rows: torch.Tensor | None,
+    max_drafts: int,
+    programs: int = PROGRAMS_PER_LAUNCH,
+    block: int = BLOCK,
+    bias_block: int = BIAS_BLOCK,
+) -> None:
+    """The sampling controls of every sample row in one kernel (see the module docstring).
+
+    Parameters, all on the logits' device:
+    - `logits` [rows, V] f32, read only: the LM head's logits (stay unprocessed);
+    - `out` [rows, V] f32: the controlled scores of each row with `row_controlled`;
+    - `row_controlled` [rows] bool (written): the row had controls and `out` holds it;
+      False: `out` is untouched and the row's scores are `logits` themselves;
+    - `nothing_allowed` [rows] bool (written): the bitmask allows no finite score
+      (`RowError.NO_TOKEN_ALLOWED`; `out` then holds the row without the bitmask);
+    - `arrivals` [rows] int32 scratch, zero before and after the launch;
+    - `resolved_drafts` [rows] int64 (written when `max_drafts` > 0): each row's draft;
+    - `row_to_req`, `local_step` [rows] int64; `control_slots` [reqs] int64 (0 = none);
+    - `row_drafts` [rows] int64 (-1 none, -2 from the pool), `read_rows` [rows] int64
+      (`mtp_info_read_rows`), `pool_tokens` [pool rows] int64: read when `max_drafts` > 0;
+    - the control slots' state (`engine/step/controls.py`): `counts` [slots, V] int32,
+      `prompt_words` [slots, W] int32, `penalties` [slots, 3] f32 (repetition,
+      frequency, presence), `bias_ids` [slots, L] int64 and `bias_values` [slots, L]
+      f32 (padding (0, +0.0) after the real entries, whose ids are distinct),
+      `allowed_words` [slots, W] int32, `restricted` [slots] bool;
+    - `stop_ids` [reqs, S] int64 (-1 none), `eos_suppression_rows` [rows] bool;
+    - `token_bitmask` [rows, W] int32 or None; `masked_rows` [rows] bool or None: the
+      rows whose bitmask restricts (None: every row of a given bitmask);
+    - `max_drafts`: drafts a request verifies at most (the rows a row looks back);
+    - `programs`: about how many programs the launch spreads over; `block`: tokens per step;
+      `bias_block`: logit-bias entries per step (powers of two).
+    Returns: None. Raises: ValueError on a dtype, layout or shape it cannot read.
+    Capture-safe: no host sync, fixed grid for fixed shapes.
+    """
+    _check(logits, out, counts, prompt_words, stop_ids, token_bitmask)
+    rows, vocab = logits.shape
+    if rows == 0:
+        return
+    split, chunk = _split(rows, vocab, block, programs)
+    num_stops = stop_ids.shape[1]
+    wrap_triton(_controls_kernel)[(rows, split)](
+        logits, out, row_controlled, nothing_allowed, arrivals, resolved_drafts,
+        row_to_req, local_step, control_slots, row_drafts, read_rows, pool_tokens,
+        counts, prompt_words, penalties, bias_ids, bias_values, allowed_words, restricted,
+        stop_ids, eos_suppression_rows,
+        prompt_words if token_bitmask is None else token_bitmask,  # never read without a bitmask
+        eos_suppression_rows if masked_rows is None else masked_rows,
+        vocab, prompt_words.shape[1], bias_ids.shape[1], chunk, logits.stride(0), out.stride(0),
+        BLOCK=block, BIAS_BLOCK=bias_block, MAX_DRAFTS=max_drafts, DRAFT_P2=triton.next_power_of_2(max(max_drafts, 1)),
+        NUM_STOPS=num_stops, STOP_P2=triton.next_power_of_2(num_stops), HAS_BITMASK=token_bitmask is not None,
+        HAS_MASKED_ROWS=token_bitmask is not None and masked_rows is not None,
+        num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION,
+    )
+
+
+@apply_controls.register_fake
+def _(logits: torch.Tensor, out: torch.Tensor, *args, **kwargs) -> None:
+    """Under fake tensors (the dry run) the op launches nothing; it only checks what it would read."""
+    return None
+
+
+def _aot_builds() -> list[dict[str, object]]:
+    """What the CUDA step launches, for `profiling.kernel_build`: both real vocabularies, 8 stop
+    ids (`EngineConfig.max_stop_ids`), with 3 drafts and a bitmask with its row flags, and plainly."""
+    pointers = dict(logits_ptr="*fp32", out_ptr="*fp32", row_controlled_ptr="*i1", nothing_allowed_ptr="*i1",
+                    arrivals_ptr="*i32", counts_ptr="*i32", prompt_words_ptr="*i32", penalties_ptr="*fp32",
+                    bias_values_ptr="*fp32", allowed_words_ptr="*i32", restricted_ptr="*i1", eos_rows_ptr="*i1",
+                    bitmask_ptr="*i32", masked_rows_ptr="*i1")
+    signature = {name: "constexpr" if name.isupper() else pointers.get(name, "*i64" if name.endswith("_ptr") else "i32")
+                 for name in _controls_kernel.arg_names}
+    builds = []
+    for vocab in (129280, 49152):
+        for drafts, bitmask in ((3, True), (0, False)):
+            constexprs = dict(BLOCK=BLOCK, BIAS_BLOCK=BIAS_BLOCK, MAX_DRAFTS=drafts,
+                              DRAFT_P2=triton.next_power_of_2(max(drafts, 1)), NUM_STOPS=8, STOP_P2=8,
+                              HAS_BITMASK=bitmask, HAS_MASKED_ROWS=bitmask)
+            builds.append(dict(name=f"apply_controls V={vocab} drafts={drafts}{' bitmask' if bitmask else ''}",
+                               fn=_controls_kernel, signature=signature, constexprs=constexprs, num_warps=NUM_WARPS))
+    return builds
+
+
+AOT_BUILDS = _aot_builds()

@@ -1,0 +1,37 @@
+"""`engine.sampling.rng`'s counter-based uniforms inside Triton kernels, to the same bits.
+
+The hash absorbs 32-bit words held in int64 lanes (every product of a word and a
+multiplier below 2**31 fits in int64, as in the torch version), so the kernels and
+the torch path compute the same integers; u = (k + 0.5) * 2**-32 is exact in f64.
+Only counter 0 is needed here (the acceptance test and the residual draw).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+_MASK32: tl.constexpr = tl.constexpr(0xFFFFFFFF)
+
+
+@triton.jit
+def _absorb(state, word):
+    """One word into the hash state (`engine.sampling.rng._absorb`): int64 lanes holding 32 bits."""
+    x = state ^ word
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x5BD1E995) & _MASK32
+    x = x ^ (x >> 16)
+    return (x + 0x9E3779B9) & _MASK32
+
+
+@triton.jit
+def uniform_at(seed, position, STREAM: tl.constexpr):
+    """`engine.sampling.rng.uniform(seed, position, STREAM, 0)`: f64 in (0, 1), same bits."""
+    state = _absorb(tl.zeros_like(position), seed & _MASK32)
+    state = _absorb(state, (seed >> 32) & _MASK32)
+    state = _absorb(state, position & _MASK32)
+    state = _absorb(state, (position >> 32) & _MASK32)
+    state = _absorb(state, STREAM)
+    state = _absorb(state, 0)
+    return (state.to(tl.float64) + 0.5) * 2.3283064365386963e-10  # 2**-32
