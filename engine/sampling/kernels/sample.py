@@ -72,15 +72,20 @@ def _sample_kernel(
     eos_rows_ptr, forced_ptr, uniforms_ptr, nothing_allowed_ptr,
     hist_ptr, block_mass_ptr, stride_hist, stride_blocks,
     tokens_ptr, logprob_ptr, rank_ptr, top_ids_ptr, top_logprobs_ptr, needs_exact_ptr, error_ptr, stride_top,
+    row_controlled_ptr, kept_weights_ptr, mass_total_ptr, one_hot_ptr, stride_weights,
     V: tl.constexpr, NUM_STOP: tl.constexpr, NUM_TOP: tl.constexpr, TOP_PAD: tl.constexpr,
     LOGPROBS: tl.constexpr, SEPARATE_LOGITS: tl.constexpr, HAS_NOTHING_ALLOWED: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK_TOKENS: tl.constexpr, NUM_BLOCKS: tl.constexpr, BLOCKS_PAD: tl.constexpr,
     MASS_BITS: tl.constexpr, ID_BITS: tl.constexpr, ID_MASK: tl.constexpr, ACCURATE: tl.constexpr,
+    HAS_ROW_CONTROLLED: tl.constexpr, WRITE_KEPT: tl.constexpr,
 ):
     row = tl.program_id(0)
     MASS_SCALE: tl.constexpr = 2.0 ** MASS_BITS
     score_row = scores_ptr + row.to(tl.int64) * stride_scores
     logit_row = logits_ptr + row.to(tl.int64) * stride_logits
+    if HAS_ROW_CONTROLLED:
+        # A row the controls kernel skipped has no controlled scores: they are its logits.
+        score_row = tl.where(tl.load(row_controlled_ptr + row) != 0, score_row, logit_row)
     req = tl.load(row_to_req_ptr + row)
     stop_row = stop_ids_ptr + req * stride_stop
     active = tl.load(eos_rows_ptr + row)
@@ -168,6 +173,9 @@ def _sample_kernel(
             block_at = start // BLOCK_TOKENS + tl.arange(0, CHUNK // BLOCK_TOKENS)
             tl.store(blocks_row + block_at, per_block, mask=block_at < NUM_BLOCKS)
             total += tl.sum(kept_mass, 0)
+            if WRITE_KEPT:
+                tl.store(kept_weights_ptr + row.to(tl.int64) * stride_weights + offs, tl.where(kept, weight, 0.0),
+                         mask=in_row)
             if LOGPROBS == 2:
                 kept_z = tl.where(kept, z, -float("inf"))
                 if NUM_TOP > 0:
@@ -254,6 +262,11 @@ def _sample_kernel(
 
     tl.store(tokens_ptr + row, token)
     tl.store(error_ptr + row, error.to(tl.int64))
+    if WRITE_KEPT:
+        # What rejection verification reads of the draw: the kept total, and the token of a
+        # row whose distribution is one-hot (greedy or forced; -1: the kept weights).
+        tl.store(mass_total_ptr + row, total.to(tl.float64))
+        tl.store(one_hot_ptr + row, tl.where(forced >= 0, forced, tl.where(greedy, best_id, -1)))
     tl.store(needs_exact_ptr + row, tl.zeros((), dtype=tl.int1))
     if LOGPROBS != 0:
         write_logprobs = True
@@ -281,6 +294,21 @@ class SampleScratch:
                    block_mass=torch.zeros(rows, -(-vocab // BLOCK), dtype=torch.int64, device=device))
 
 
+@dataclass
+class KeptWeights:
+    """Each row's draw as rejection verification reads it (`engine::verify_step`), preallocated."""
+
+    weights: torch.Tensor  # [rows, V] f32: exp(z) on the kept set, 0 elsewhere
+    mass_total: torch.Tensor  # [rows] f64: the kept masses' total
+    one_hot_tokens: torch.Tensor  # [rows] int64: the token of a greedy or forced row, -1 otherwise
+
+    @classmethod
+    def allocate(cls, rows: int, vocab: int, device: torch.device | str) -> KeptWeights:
+        return cls(weights=torch.zeros(rows, vocab, dtype=torch.float32, device=device),
+                   mass_total=torch.zeros(rows, dtype=torch.float64, device=device),
+                   one_hot_tokens=torch.full((rows,), -1, dtype=torch.int64, device=device))
+
+
 def _chunk(vocab: int) -> int:
     """Tokens per step of a pass, whole blocks of the draw: GPU_CHUNK on a GPU; in the
     interpreter, whose cost is per operation, the whole row up to 16384."""
@@ -290,31 +318,37 @@ def _chunk(vocab: int) -> int:
 
 
 def _launch_constants(vocab: int, num_stop: int, num_top: int, mode: int, separate_logits: bool,
-                      has_nothing_allowed: bool) -> dict[str, object]:
+                      has_nothing_allowed: bool, has_row_controlled: bool = False,
+                      write_kept: bool = False) -> dict[str, object]:
     num_blocks = -(-vocab // BLOCK)
     id_bits = max(1, (vocab - 1).bit_length())
     return dict(V=vocab, NUM_STOP=num_stop, NUM_TOP=num_top, TOP_PAD=triton.next_power_of_2(max(num_top, 1)),
                 LOGPROBS=mode, SEPARATE_LOGITS=separate_logits, HAS_NOTHING_ALLOWED=has_nothing_allowed,
                 CHUNK=_chunk(vocab), BLOCK_TOKENS=BLOCK, NUM_BLOCKS=num_blocks,
                 BLOCKS_PAD=triton.next_power_of_2(num_blocks), MASS_BITS=mass_bits(vocab),
-                ID_BITS=id_bits, ID_MASK=(1 << id_bits) - 1, ACCURATE=not interpreting())
+                ID_BITS=id_bits, ID_MASK=(1 << id_bits) - 1, ACCURATE=not interpreting(),
+                HAS_ROW_CONTROLLED=has_row_controlled, WRITE_KEPT=write_kept)
 
 
 @triton_op("engine::sample_rows", mutates_args={"hist", "block_mass", "tokens", "logprob", "rank", "top_ids",
-                                                "top_logprobs", "needs_exact", "error"})
+                                                "top_logprobs", "needs_exact", "error", "kept_weights",
+                                                "mass_total", "one_hot_tokens"})
 def _sample_rows_op(scores: torch.Tensor, logits: torch.Tensor | None, temperatures: torch.Tensor,
                     top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor, row_to_req: torch.Tensor,
                     stop_ids: torch.Tensor, eos_suppression_rows: torch.Tensor, forced_tokens: torch.Tensor,
                     draw_uniforms: torch.Tensor, nothing_allowed: torch.Tensor | None, hist: torch.Tensor,
                     block_mass: torch.Tensor, tokens: torch.Tensor, logprob: torch.Tensor, rank: torch.Tensor,
                     top_ids: torch.Tensor, top_logprobs: torch.Tensor, needs_exact: torch.Tensor,
-                    error: torch.Tensor, logprobs_mode: int) -> None:
+                    error: torch.Tensor, logprobs_mode: int, row_controlled: torch.Tensor | None = None,
+                    kept_weights: torch.Tensor | None = None, mass_total: torch.Tensor | None = None,
+                    one_hot_tokens: torch.Tensor | None = None) -> None:
     rows, vocab = scores.shape
     if rows == 0:
         return
     plain = scores if logits is None else logits
+    write_kept = kept_weights is not None
     constants = _launch_constants(vocab, stop_ids.shape[1], top_ids.shape[1], logprobs_mode, logits is not None,
-                                  nothing_allowed is not None)
+                                  nothing_allowed is not None, row_controlled is not None, write_kept)
     wrap_triton(_sample_kernel)[(rows,)](
         scores, plain, scores.stride(0), plain.stride(0),
         temperatures, top_ks, top_ps, min_ps, row_to_req, stop_ids, stop_ids.stride(0),
@@ -322,6 +356,9 @@ def _sample_rows_op(scores: torch.Tensor, logits: torch.Tensor | None, temperatu
         eos_suppression_rows if nothing_allowed is None else nothing_allowed,
         hist, block_mass, hist.stride(0), block_mass.stride(0),
         tokens, logprob, rank, top_ids, top_logprobs, needs_exact, error, top_ids.stride(0),
+        eos_suppression_rows if row_controlled is None else row_controlled,  # never read without the flags
+        kept_weights if write_kept else scores, mass_total if write_kept else logprob,
+        one_hot_tokens if write_kept else tokens, kept_weights.stride(0) if write_kept else 0,
         **constants, num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION,
     )
 
@@ -336,7 +373,8 @@ def _sample_rows_fake(*args: object, **kwargs: object) -> None:
 
 def sample_rows(scores: torch.Tensor, params: RowParams, out: SampleOutput, scratch: SampleScratch, *,
                 logits: torch.Tensor | None = None, nothing_allowed: torch.Tensor | None = None,
-                logprobs: str | None = None) -> SampleOutput:
+                logprobs: str | None = None, row_controlled: torch.Tensor | None = None,
+                kept: KeptWeights | None = None) -> SampleOutput:
     """Sample one token per row on the device: `engine.sampling.sampler.sample` in vLLM's
     stage order (temperature, min-p, top-k, top-p), as one kernel launch. Capture-safe.
 
@@ -353,7 +391,12 @@ def sample_rows(scores: torch.Tensor, params: RowParams, out: SampleOutput, scra
       logprobs read them; None: `scores` are unprocessed);
     - `nothing_allowed` [rows] bool or None: rows whose token bitmask allows no token;
     - `logprobs` None (logprob, rank and top-N left untouched but on failed rows), "raw" or
-      "processed".
+      "processed";
+    - `row_controlled` [rows] bool or None: per row, whether `scores` holds its controlled
+      scores (`engine::apply_controls` wrote it); False: the row reads `logits` (then given)
+      as its scores. None: every row reads `scores`;
+    - `kept` a `KeptWeights` or None: also write what rejection verification reads of each
+      row's draw (its kept weights, kept mass total and one-hot token).
     Returns: `out`, written in place: tokens, error (`RowError`), needs_exact (False), and
     with logprobs the token's logprob, rank and the top-N; failed rows hold the placeholder.
     Raises: ValueError on a shape, dtype, device or mode that does not fit, a missing
@@ -376,7 +419,12 @@ def sample_rows(scores: torch.Tensor, params: RowParams, out: SampleOutput, scra
     if scratch.hist.shape[0] < rows or scratch.block_mass.shape[1] != -(-vocab // BLOCK):
         raise ValueError(f"scratch: {tuple(scratch.block_mass.shape)} block masses, expected at least "
                          f"[{rows}, {-(-vocab // BLOCK)}]")
-    tensors = [scores, logits, nothing_allowed, params.draw_uniforms, out.tokens, scratch.hist, *vars(params).values()]
+    if row_controlled is not None and logits is None:
+        raise ValueError("row_controlled without logits: a skipped row reads its scores from the logits")
+    if kept is not None and kept.weights.shape[0] < rows:
+        raise ValueError(f"kept: {tuple(kept.weights.shape)} weights, expected at least [{rows}, {vocab}]")
+    tensors = [scores, logits, nothing_allowed, row_controlled, params.draw_uniforms, out.tokens, scratch.hist,
+               *vars(params).values(), *(vars(kept).values() if kept is not None else ())]
     devices = {t.device for t in tensors if isinstance(t, torch.Tensor)}
     if len(devices) != 1:
         raise ValueError(f"tensors on {sorted(map(str, devices))}: expected one device")
@@ -384,7 +432,9 @@ def sample_rows(scores: torch.Tensor, params: RowParams, out: SampleOutput, scra
         scores, logits, params.temperatures, params.top_ks, params.top_ps, params.min_ps, params.row_to_req,
         params.stop_ids, params.eos_suppression_rows, params.forced_tokens, params.draw_uniforms, nothing_allowed,
         scratch.hist, scratch.block_mass, out.tokens, out.logprob, out.rank, out.top_ids, out.top_logprobs,
-        out.needs_exact, out.error, LOGPROBS_MODES[logprobs])
+        out.needs_exact, out.error, LOGPROBS_MODES[logprobs], row_controlled,
+        None if kept is None else kept.weights[:rows], None if kept is None else kept.mass_total[:rows],
+        None if kept is None else kept.one_hot_tokens[:rows])
     return out
 
 
@@ -395,8 +445,10 @@ def _aot_signature() -> dict[str, str]:
                     eos_rows_ptr="*i1", forced_ptr="*i64", uniforms_ptr="*fp64", nothing_allowed_ptr="*i1",
                     hist_ptr="*i64", block_mass_ptr="*i64", tokens_ptr="*i64", logprob_ptr="*fp32",
                     rank_ptr="*i64", top_ids_ptr="*i64", top_logprobs_ptr="*fp32", needs_exact_ptr="*i1",
-                    error_ptr="*i64")
-    strides = ("stride_scores", "stride_logits", "stride_stop", "stride_hist", "stride_blocks", "stride_top")
+                    error_ptr="*i64", row_controlled_ptr="*i1", kept_weights_ptr="*fp32", mass_total_ptr="*fp64",
+                    one_hot_ptr="*i64")
+    strides = ("stride_scores", "stride_logits", "stride_stop", "stride_hist", "stride_blocks", "stride_top",
+               "stride_weights")
     signature = {name: pointers.get(name, "i64" if name in strides else "constexpr")
                  for name in _sample_kernel.arg_names}
     return signature
@@ -409,10 +461,12 @@ def _aot_builds() -> list[dict[str, object]]:
     builds = []
     for vocab in (129280, 49152):
         for mode in ("raw", "processed"):
-            constants = _launch_constants(vocab, 4, 20, LOGPROBS_MODES[mode], True, True)
-            constants.update(CHUNK=GPU_CHUNK, ACCURATE=True)
-            builds.append(dict(name=f"sample_rows V={vocab} {mode}", fn=_sample_kernel, signature=_aot_signature(),
-                               constexprs=constants, num_warps=NUM_WARPS))
+            # The kernel head's launch: per-row controlled flags; rejection verification's kept weights.
+            for kept in (False, True) if mode == "raw" else (False,):
+                constants = _launch_constants(vocab, 4, 20, LOGPROBS_MODES[mode], True, True, True, kept)
+                constants.update(CHUNK=GPU_CHUNK, ACCURATE=True)
+                builds.append(dict(name=f"sample_rows V={vocab} {mode}{' kept' if kept else ''}", fn=_sample_kernel,
+                                   signature=_aot_signature(), constexprs=constants, num_warps=NUM_WARPS))
     return builds
 
 
