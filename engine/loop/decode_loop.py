@@ -174,7 +174,7 @@ class DecodeLoop:
                 f"request {request_id!r}: params.stop_token_ids={params.stop_token_ids} with EOS cover the whole "
                 f"vocabulary ({self.model.vocab_size} ids) while min_tokens={params.min_tokens}: no token could be sampled"
             )
-        self.batch.check_constraints(request_id, params, prompt)  # bad words, structured output (compiled, cached)
+        self.batch.check_constraints(request_id, params)  # bad words, structured output (compiled, cached)
         top_n = params.num_logprobs
         if top_n > self.engine.config.sampler.max_logprobs:
             raise ValueError(
