@@ -676,15 +676,21 @@ def test_greedy_stage_fails_non_finite_rows_like_the_full_sampler(vocab):
     assert greedy.tokens[[1, 3, 4]].tolist() == [PLACEHOLDER_TOKEN] * 3
 
 
-def test_a_greedy_variant_asked_for_logprobs_computes_them():
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_a_greedy_variant_asked_for_logprobs_computes_them(mode):
     """The greedy fast path computes no logprobs: a call that wants them takes the
-    general path, whose tokens and logprobs are the full sampler's."""
+    general path, whose tokens and logprobs are the full sampler's. A greedy row's
+    filters are off (as vLLM): its processed logprobs are the whole row's softmax."""
     logits = torch.randn(4, 1024, generator=torch.Generator().manual_seed(4))
-    params = _params(4, temperature=0.0)
-    greedy = sample(logits, params, SamplerConfig(max_logprobs=3, stages="greedy"))
-    full = sample(logits, params, SamplerConfig(max_logprobs=3))
-    for name in ("tokens", "logprob", "rank", "top_ids", "top_logprobs", "error"):
-        assert torch.equal(getattr(greedy, name), getattr(full, name)), name
+    params = _params(4, temperature=0.0, top_k=np.array([0, 3, 0, 2]), top_p=np.array([1.0, 1.0, 0.5, 0.9]),
+                     min_p=np.array([0.0, 0.0, 0.0, 0.3]))
+    for stages in ("greedy", "plain"):
+        lean = sample(logits, params, SamplerConfig(max_logprobs=3, stages=stages, logprobs_mode=mode))
+        full = sample(logits, params, SamplerConfig(max_logprobs=3, logprobs_mode=mode))
+        for name in ("tokens", "logprob", "rank", "top_ids", "top_logprobs", "error"):
+            assert torch.equal(getattr(lean, name), getattr(full, name)), (stages, name)
+    softmax = torch.log_softmax(logits.double(), -1)
+    torch.testing.assert_close(full.top_logprobs.double(), softmax.topk(3).values, rtol=0, atol=1e-5)
 
 
 def test_expanded_rows_follow_their_requests_and_replace_only_known_controls():

@@ -162,13 +162,10 @@ def run_stages(
     d = None
     try:
         best, greedy = first_max(processed.scores)  # 8: the first of the largest, ties to the smallest id
-        if cfg.stages != "greedy" or mode == "processed":
-            # Processed logprobs need the kept set: on a variant without filters, every filter runs.
-            full = cfg.stages != "filters" and mode == "processed"
-            d = stages.kept_set(  # 9-12
-                processed.scores, best, rows, filters=cfg.stages == "filters" or full,
-                top_k="radix" if full else cfg.top_k, top_k_width=cfg.candidate_cap, top_p=cfg.top_p or full,
-                kept_set=mode == "processed")
+        if cfg.stages != "greedy" or mode == "processed":  # processed logprobs need the kept set
+            # A variant without filters serves rows that have none (greedy rows never do).
+            d = stages.kept_set(processed.scores, best, rows, filters=cfg.stages == "filters", top_k=cfg.top_k,  # 9-12
+                                top_k_width=cfg.candidate_cap, top_p=cfg.top_p, kept_set=mode == "processed")
     finally:
         processed.finish()
     drawn = greedy if cfg.stages == "greedy" else inverse_cdf_draw(d.weights, d.block_mass, plain_uniform(rows))

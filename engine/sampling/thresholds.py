@@ -199,11 +199,11 @@ def row_distribution(masked: torch.Tensor, best: torch.Tensor, rows: SamplingRow
     """
     shift, z = processed_scores(masked, best, rows)
     weights = z.exp()
-    kept = None
+    kept = masked > -math.inf if kept_set else None  # without filters: every valid token
     if filters and not kept_set:
         return _filtered_weights(masked, shift, z, weights, rows, top_k, top_k_width, top_p)
     if filters:
-        kept = (masked > -math.inf) & (weights >= _min_p_floor(rows))
+        kept &= weights >= _min_p_floor(rows)
         keys = order_keys(z) if top_k != "none" or top_p else None
         if top_k != "none":
             kept &= keys <= _top_k_cut(keys, masked, shift, rows, top_k, top_k_width)
