@@ -27,9 +27,10 @@ from graphs.step_fields import RowParams
 from tests import numpy_sampler_reference as ref
 
 
-def emitted(steps: list[list[float]], prompt: list[int], params: SamplingParams, **config: object) -> list[int]:
+def emitted(steps: list[list[float]], prompt: list[int], params: SamplingParams, **config: object
+            ) -> list[int] | str:
     """The token a request emits at each step, on an engine whose logits row at step i
-    is `steps[i]` (a prefill step first, then decode steps)."""
+    is `steps[i]` (a prefill step first, then decode steps); the error of a failed step."""
     vocab = len(steps[0])
     options = dict(max_num_reqs=1, max_control_slots=1, device="cpu", use_graphs=False, eos_token_id=None,
                    sampler=SamplerConfig(candidate_cap=4, max_logprobs=2))
@@ -43,7 +44,8 @@ def emitted(steps: list[list[float]], prompt: list[int], params: SamplingParams,
         step = batch.prepare(["r"], [q], [k])
         out = engine.run(torch.tensor([logits] * q, dtype=torch.float32), step.inputs, step.arrays)
         batch.record(step, out)
-        assert out.errors[0] is None, out.errors[0]
+        if out.errors[0] is not None:
+            return out.errors[0]
         tokens += out.tokens[0]
     return tokens
 
@@ -72,6 +74,16 @@ def test_min_tokens_holds_eos_back_even_with_ignore_eos():
     # Stop ids too; after min_tokens, EOS is an ordinary token (ignore_eos: it does not stop).
     params = SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True, stop_token_ids=(1,))
     assert emitted([[2.0, 1.5, 1.0, -5.0]] * 3, [3], params, eos_token_id=eos) == [2, 2, eos]
+
+
+def test_allowed_tokens_and_the_bitmask_meet_and_a_row_they_empty_fails_as_the_bitmasks():
+    # The allowed set and the bad words are two masks over one row, whichever order.
+    logits = [3.0, 2.0, 1.0, 0.5, 0.0, -1.0]
+    params = SamplingParams(temperature=0.0, allowed_token_ids=(1, 2, 4), bad_words=((1,),))
+    assert emitted([logits], [5], params) == [2]
+    # Nothing left between them: the request fails as the bitmask's (the allowed set alone leaves tokens).
+    params = SamplingParams(temperature=0.0, allowed_token_ids=(1, 2), bad_words=((1,), (2,)))
+    assert "no token allowed by the token bitmask" in emitted([logits], [5], params)
 
 
 # Probabilities [0.5, 0.28, 0.12, 0.1], top_p=0.8, min_p=0.21: min-p first drops 0.1
