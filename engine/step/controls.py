@@ -16,9 +16,9 @@ Inside the captured step (`rows`, `count`): each sample row's controls,
 gathered from its request's slot, go to the sampler
 (`engine.sampling.pipeline.ControlRows`), which keeps a copy of the
 unprocessed logits and applies them to `buffers.logits` in place, in vLLM's
-order (`engine.sampling.pipeline`), so every path that reads the logits
-afterwards (the exact rows, draft verification) sees the processed ones; then
-the tokens the step emits are added to the counts, on the device. The host copies what each replay counted
+order, so every path that reads the logits afterwards (the exact rows, draft
+verification) sees the processed ones; then the tokens the step emits are
+added to the counts, on the device. The host copies what each replay counted
 (one small copy beside the outputs') so that `StepEngine.rollback` can take
 back the last step, or a step that raised after its replay.
 """
