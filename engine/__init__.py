@@ -17,15 +17,20 @@ _LAZY = {
     "StepEngine": "engine.step.step_engine",
     "EngineConfig": "engine.step.config",
     "StepOutput": "engine.step.outputs",
-    "PersistentBatch": "engine.host.persistent_batch",
-    "BatchStep": "engine.host.persistent_batch",
+    "PersistentBatch": "engine.step.batch",
+    "BatchStep": "engine.step.batch",
     "DecodeLoop": "engine.loop.decode_loop",
     "LoopConfig": "engine.loop.config",
     "Completion": "engine.loop.requests",
-    "generate": "engine.loop.decode_loop",
+    "generate": "engine.loop.generate",
     "load_smollm2": "engine.models.gguf_loader",
     "LlamaModel": "engine.models.llama",
     "HFCausalLM": "engine.models.hf_adapter",
+    "SamplerConfig": "engine.sampling.sampler",
+    "LLM": "engine.llm",
+    "RequestOutput": "engine.llm",
+    "CompletionOutput": "engine.llm",
+    "Logprob": "engine.llm",
 }
 
 __all__ = ["SamplingParams", "SeqMeta", "prepare_sampler_inputs", "SamplerInputs", *sorted(_LAZY)]

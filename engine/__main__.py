@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 
 from engine.cli import explain as explain_mod
+from engine.cli.usage import OneLineParser, quiet_on_closed_pipe
+from engine.host.ledger_tables import WIDTH
 
 
 def _explain_parser(sub: argparse._SubParsersAction) -> None:
@@ -23,6 +26,10 @@ def _explain_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_explain(args: argparse.Namespace) -> int:
+    for name in ("max_draft_tokens", "keep", "bucket"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "max_draft_tokens" else 1):
+            raise ValueError(f"--{name.replace('_', '-')} {value}: must be >= {0 if name == 'max_draft_tokens' else 1}")
     if args.json:
         seqs, max_draft, keep = explain_mod.load_json_batch(args.json)
         return _print_explained(args, seqs, max_draft, keep)
@@ -33,7 +40,8 @@ def run_explain(args: argparse.Namespace) -> int:
         else:
             seqs = [explain_mod.parse_request(spec) for spec in explain_mod.EXAMPLE_BATCH]
             max_draft = explain_mod.EXAMPLE_MAX_DRAFT_TOKENS
-            print("Example batch: " + " ".join(explain_mod.EXAMPLE_BATCH) + "\n")
+            print(textwrap.fill("Example batch: " + " ".join(explain_mod.EXAMPLE_BATCH), WIDTH,
+                                subsequent_indent="    ", break_on_hyphens=False) + "\n")
         if args.max_draft_tokens is None:
             max_draft = max([max_draft, *(s.seqlen_q - 1 for s in seqs if not s.is_prompt)])
         return _print_explained(args, seqs, max_draft, None)
@@ -58,13 +66,13 @@ def main(argv: list[str] | None = None) -> int:
         from engine.cli import demo  # imports torch and the model: only for the demo
 
         return demo.main(argv[1:])
-    parser = argparse.ArgumentParser(prog="python -m engine")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = OneLineParser(prog="python -m engine")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     _explain_parser(sub)
     sub.add_parser("demo", help="the main job: the decode loop on SmolLM2 (see `demo --help`)")
     args = parser.parse_args(argv)
     try:
-        return run_explain(args)
+        return quiet_on_closed_pipe(lambda: run_explain(args))
     except (ValueError, OSError) as err:  # a bad batch or an unreadable file: one line, no traceback
         print(f"python -m engine explain: error: {err}", file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
-"""Device ops at the head of the sampling tail (docs/contract.md §3): pick rows, compute logits.
+"""Device ops at the head of the sampling tail (docs/contract.md §3): pick rows, compute logits;
+and `upload`, how a per-step host array reaches the device.
 
 Both are capture-safe: no host syncs, no boolean-mask indexing, no shapes that
 depend on tensor values. The same code runs on CPU and CUDA.
@@ -9,6 +10,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -20,7 +22,7 @@ def default_block_rows(device: torch.device | str) -> int:
     CUDA. Every block streams the whole weight once, so wider blocks mean fewer weight
     reads for big buckets and more wasted rows for small ones; on CUDA one block covers
     bucket 64, so the weight is read once. That one call shape gives every row one
-    reduction order is what `engine.step.invariance` probes for the kernels it picks."""
+    reduction order is what `engine.invariance` probes for the kernels it picks."""
     return 64 if torch.device(device).type == "cuda" else 16
 
 
@@ -49,12 +51,24 @@ def gather(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None
     return out.masked_fill_(~in_range.unsqueeze(1), 0)
 
 
+def upload(host: torch.Tensor | np.ndarray, device: torch.device) -> torch.Tensor:
+    """A per-step host tensor (or numpy array, made contiguous) on `device`. To CUDA from
+    pinned memory, non_blocking: a copy from pageable memory makes the host wait for the
+    stream to drain. The caching host allocator keeps the pinned block until the copy has
+    run, so nothing overwrites it."""
+    if isinstance(host, np.ndarray):
+        host = torch.from_numpy(np.ascontiguousarray(host))
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass(frozen=True, eq=False)
 class BlockGemm:
     """`x @ weight.T` as one GEMM call per block of exactly `block_rows` rows: the unit of
     work the batch-invariant modes rely on. Whether one call shape really gives every row of
     the block one summation order, whatever its position and its neighbours, depends on the
-    GEMM library, the CPU and the thread count; `engine.step.invariance` checks it where the code
+    GEMM library, the CPU and the thread count; `engine.invariance` checks it where the code
     runs and picks a `BlockGemm` that holds.
 
     `kernel` names an entry of `BLOCK_KERNELS`; `packed` is its prepared form of `weight`
@@ -65,7 +79,7 @@ class BlockGemm:
     one-row step then costs a one-row GEMM, not a `block_rows`-row one. `long_blocks`:
     consecutive whole blocks may run as one call of 2, 4, ... up to that many blocks (powers
     of two), because the probe found such calls give every row its block's bits
-    (`engine.step.invariance.long_calls_upto`): each call reads the weight once, not once
+    (`engine.invariance.long_calls_upto`): each call reads the weight once, not once
     per block (oneDNN on 2 AVX2 AMD EPYC cores, SmolLM2's LM head, 128 rows: 77 ms in one
     call against 135 ms in 8).
     """
@@ -98,7 +112,7 @@ class BlockGemm:
         """x `[n * block_rows, K]` in the weight's dtype -> `[n * block_rows, N]`, one kernel call per
         block, or per group of blocks where `long_blocks` allows (`calls`). A last, partial
         block runs as one call of just its rows: for callers whose probe verified such calls
-        (`short_tail`, `engine.step.invariance.short_calls_from`)."""
+        (`short_tail`, `engine.invariance.short_calls_from`)."""
         run = BLOCK_KERNELS[self.kernel]
         ranges = self.calls(x.shape[0])
         if len(ranges) == 1:  # one call, no concatenation (a [rows, V] copy for the LM head)
@@ -231,7 +245,7 @@ def get_logits(
     so every GEMM call has the same shape and a row's logits are bit-identical
     whatever the row count and the row's place in the batch, provided the block
     kernel keeps that promise on this machine: `kernel` is a `BlockGemm` of
-    `weight` that `engine.step.invariance` has verified (its block size then replaces
+    `weight` that `engine.invariance` has verified (its block size then replaces
     `block_rows`); without one, `mm` blocks of `block_rows` rows (None:
     `default_block_rows` of the weight's device), unchecked.
     Plain mode lets the GEMM pick its kernel by row count, which changes the

@@ -74,7 +74,15 @@ class CaptureReport:
         return f"captured {len(self.buckets)} buckets{per} on {self.device} in {self.seconds:.2f} s{pool}{kernel}"
 
 
-def _show_progress(done: int, total: int, bucket: int) -> None:
+# (buckets captured, buckets to capture, the bucket just captured): what a caller's
+# progress bar hears; `capture(progress=True)` draws its own.
+CaptureProgress = Callable[[int, int, int], None]
+
+
+def show_capture_progress(done: int, total: int, bucket: int) -> None:
+    """A bar on stderr: redrawn in place on a terminal, its last state only in a log."""
+    if not sys.stderr.isatty() and done != total:
+        return
     width = 24
     filled = width * done // total
     bar = "#" * filled + "." * (width - filled)
@@ -159,8 +167,11 @@ class GraphReplayer:
         self._replays = dict(counts.replays)
         self._eager_runs, self._eager_fallbacks = counts.eager_runs, counts.eager_fallbacks
 
-    def capture(self, progress: bool = True) -> CaptureReport:
-        """Capture every bucket, largest first; on CPU run each once under the safety check."""
+    def capture(self, progress: bool | CaptureProgress = True) -> CaptureReport:
+        """Capture every bucket, largest first; on CPU run each once under the safety check.
+        `progress`: True draws a bar on stderr, a callable hears each bucket instead."""
+        if progress is True:
+            progress = show_capture_progress
         if self._captured:
             raise RuntimeError("capture() already ran for this replayer")
         # Largest first: its allocations size the shared pool, and every smaller
@@ -178,11 +189,11 @@ class GraphReplayer:
                 ops.append(stats.ops)
                 self._captured.add(bucket)
                 if progress:
-                    _show_progress(done, len(order), bucket)
+                    progress(done, len(order), bucket)
         check_addresses(self._static, self._recorded)
         return CaptureReport(order, time.perf_counter() - start, self.device, pool_bytes, ops_checked=tuple(ops))
 
-    def _capture_cuda(self, order: tuple[int, ...], progress: bool, ops: list[int]) -> int:
+    def _capture_cuda(self, order: tuple[int, ...], progress: CaptureProgress | bool, ops: list[int]) -> int:
         with torch.cuda.device(self.device):
             torch.cuda.synchronize()
             reserved_before = torch.cuda.memory_reserved()
@@ -208,7 +219,7 @@ class GraphReplayer:
                 self._graphs[bucket] = graph
                 self._captured.add(bucket)
                 if progress:
-                    _show_progress(done, len(order), bucket)
+                    progress(done, len(order), bucket)
             torch.cuda.synchronize()
             return torch.cuda.memory_reserved() - reserved_before
 

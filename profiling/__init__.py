@@ -1,1 +1,2 @@
-"""Profiling kit: NVTX ranges, telemetry and benchmarks. Stands beside the hot path, never inside it."""
+"""Profiling kit: benchmarks and the fake-CUDA dry run. Stands beside the hot path, never inside it
+(the stage ranges the hot path opens are the library's own, `engine/trace.py`)."""

@@ -30,16 +30,29 @@ on a violation, also for a host tensor in a device op outside the graphs.
 `--real-cuda` is the twin on a GPU: the same scenarios with real graph capture,
 whose first warm-up per bucket runs under the same check (graphs/replay.py);
 profiling/gpu_check.sh runs it.
+
+    python -m profiling.cuda_dry_run --cost               # the cost model, a table
+    python -m profiling.cuda_dry_run --cost --json        # one JSON object
+    python -m profiling.cuda_dry_run --cost --cost-detail --buckets 64
+
+`--cost` runs the kernel-level cost model (profiling/cost_model.py,
+docs/cost-model.md) instead of the checks: the same scenarios' engines, each
+checked graph set's step (every graph set's with --all-graph-sets) run once per
+bucket under a kernel counter, no steps. It prints per graph the kernels, their
+bytes, how many times the step reads the LM-head weight, a modelled H200 replay
+time and the floor. With --real-cuda each of those graphs is also captured and
+its replay timed beside the model (gpu_check.sh).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 import traceback
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 import dataclasses
 from dataclasses import dataclass, field
@@ -49,7 +62,8 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
 
-from engine.models.llama import LayerWeights, LlamaConfig, LlamaModel, LlamaWeights
+from engine.models.llama import LlamaModel
+from engine.models.llama_weights import LayerWeights, LlamaConfig, LlamaWeights
 from engine.models.protocol import ForwardBatch
 from engine.host.params import SamplingParams, SeqMeta
 from engine.parallel.sharded_engine import ParallelConfig, ShardedStepEngine
@@ -57,8 +71,11 @@ from engine.parallel.vocab_parallel import VocabShards
 from engine.step.config import EngineConfig
 from engine.step.lm_head import CONTROLLED, FILTERED, GREEDY, PLAIN
 from engine.step.step_engine import StepEngine
+from graphs.buckets import BucketTable
 from graphs.capture_safety import CaptureSafetyError, capture_safety_check
 from graphs.replay import CaptureReport, GraphReplayer, simulated_cuda_capture
+from profiling.cost_model import (BANDWIDTH_TBS, NODE_US, GraphCost, KernelCounter, calibration, calibration_lines,
+                                  replay_us, table_lines)
 from profiling.fake_cuda import FakeCuda, project_path
 
 
@@ -93,6 +110,7 @@ class DryRunReport:
     steps: Counter[str] = field(default_factory=Counter)  # scenario -> steps run
     host_reads: Counter[str] = field(default_factory=Counter)  # call site -> reads
     pageable_copies: Counter[str] = field(default_factory=Counter)  # call site -> copies
+    costs: list[GraphCost] = field(default_factory=list)  # a cost run: one per graph set and bucket
     seconds: float = 0.0
 
     def add_capture(self, name: str, report: CaptureReport) -> None:
@@ -174,11 +192,51 @@ def _controlled(i: int) -> SamplingParams:
 
 @dataclass
 class _Run:
-    """One dry run's settings and findings; `cuda` is None on a real GPU (the twin)."""
+    """One dry run's settings and findings; `cuda` is None on a real GPU (the twin).
+    `replays` > 0: a cost run, which costs graphs instead of checking them (`graph_sets`)."""
 
     cfg: DryRunConfig
     report: DryRunReport
     cuda: FakeCuda | None
+    replays: int = 0
+    all_graph_sets: bool = False
+    buckets: frozenset[int] | None = None  # a cost run: only these buckets (None: all)
+
+    @property
+    def costing(self) -> bool:
+        return self.replays > 0
+
+    def graph_sets(self, scenario: str, engine: StepEngine, sets: dict[str, str]) -> None:
+        """Capture the graph sets `sets` (report name -> `engine.replayers` key) under the
+        checks, or in a cost run cost them (all of the engine's with `all_graph_sets`)."""
+        if not self.costing:
+            for name, key in sets.items():
+                self.capture(name, engine.replayers[key])
+            return
+        for graph_set in tuple(engine.replayers) if self.all_graph_sets else tuple(sets.values()):
+            self._cost(scenario, graph_set, engine)
+
+    def _cost(self, scenario: str, graph_set: str, engine: StepEngine) -> None:
+        """Each bucket of one graph set, run once under the kernel counter
+        (`profiling.cost_model`); on a real GPU also captured, and each bucket's replay
+        timed (the median of `replays`-replay runs)."""
+        replayer, weight = engine.replayers[graph_set], engine.weight  # weight: [V, H] or this rank's shard
+        if self.buckets is not None and not self.buckets <= set(replayer.buckets):
+            raise ValueError(f"buckets={sorted(self.buckets)}: {sorted(self.buckets - set(replayer.buckets))} "
+                             f"not among {scenario}'s buckets {tuple(replayer.buckets)}")
+        if self.cuda is None:
+            replayer.capture(progress=False)
+        for bucket in sorted(self.buckets or replayer.buckets):
+            counter = KernelCounter(weights=(weight,))
+            counts = replayer.counts()
+            with counter:
+                replayer.run_eager(bucket)
+            replayer.restore_counts(counts)
+            cost = GraphCost(scenario, graph_set, bucket, engine.buffers.rows_for(bucket), weight.shape[0],
+                             weight.numel() * weight.element_size(), counter.kernels)
+            if self.cuda is None:
+                cost.measured_us = replay_us(replayer, bucket, self.replays)
+            self.report.costs.append(cost)
 
     def weight(self, *shape: int) -> torch.Tensor:
         # Small finite values: on a real GPU uninitialised memory could hold NaN.
@@ -204,9 +262,9 @@ def _engine(run: _Run) -> None:
     cfg = run.cfg
     engine = StepEngine(run.weight(cfg.vocab, cfg.hidden),
                         EngineConfig(device="cuda", max_num_reqs=cfg.max_num_reqs, eos_token_id=2))
-    run.capture("engine", engine.replayers[FILTERED])
-    run.capture("engine plain", engine.replayers[PLAIN])
-    run.capture("engine greedy", engine.replayers[GREEDY])
+    run.graph_sets("engine", engine, {"engine": FILTERED, "engine plain": PLAIN, "engine greedy": GREEDY})
+    if run.costing:
+        return
     n = min(5, cfg.max_num_reqs)
     greedy = lambda i: SamplingParams(temperature=0.0, seed=i)  # noqa: E731
     with_prompt_logprobs = lambda i: SamplingParams(temperature=0.5, seed=i, prompt_logprobs=True, logprobs=2)  # noqa: E731
@@ -224,10 +282,10 @@ def _drafts(run: _Run, mode: str) -> None:
     engine = StepEngine(run.weight(cfg.vocab, cfg.hidden), EngineConfig(
         device="cuda", max_num_reqs=cfg.max_num_reqs, max_draft_tokens=k, verify_mode=mode,
         max_control_slots=cfg.max_num_reqs, max_logit_bias=8, max_allowed_token_ids=64))
-    run.capture(f"drafts {mode}", engine.replayers[FILTERED])
-    run.capture(f"drafts {mode} plain", engine.replayers[PLAIN])
-    run.capture(f"drafts {mode} greedy", engine.replayers[GREEDY])
-    run.capture(f"drafts {mode} controls", engine.replayers[CONTROLLED])
+    run.graph_sets(f"drafts {mode}", engine, {f"drafts {mode}": FILTERED, f"drafts {mode} plain": PLAIN,
+                                              f"drafts {mode} greedy": GREEDY, f"drafts {mode} controls": CONTROLLED})
+    if run.costing:
+        return
     n = min(4, cfg.max_num_reqs)
     drafts = [list(range(10 + i, 10 + i + k)) for i in range(n)]
     draft_logprobs = None
@@ -265,8 +323,10 @@ def _sharded(run: _Run) -> None:
         engine = ShardedStepEngine(run.weight(shards.sizes[0], cfg.hidden), cfg.vocab,
                                    EngineConfig(device="cuda", max_num_reqs=cfg.max_num_reqs),
                                    ParallelConfig(strategy="candidates"))
-        for strategy, replayer in engine.replayers.items():
-            run.capture(f"sharded tp={cfg.tp} {strategy}", replayer)
+        run.graph_sets(f"sharded tp={cfg.tp}", engine,
+                       {f"sharded tp={cfg.tp} {strategy}": strategy for strategy in engine.replayers})
+        if run.costing:
+            return
         n = min(4, cfg.max_num_reqs)
         top_k = lambda i: SamplingParams(temperature=0.8, top_k=20, seed=i)  # noqa: E731
         with run.steps(f"sharded rank 0 of {cfg.tp}", 2):
@@ -308,9 +368,19 @@ def _model(run: _Run) -> None:
     run.report.graphs["model decode (eager)"] = ((decode.num_reqs, stats.ops),)
 
 
-def run(cfg: DryRunConfig, *, real_cuda: bool = False) -> DryRunReport:
+def run(cfg: DryRunConfig, *, real_cuda: bool = False, cost: bool = False, replays: int = 20,
+        all_graph_sets: bool = False, buckets: Iterable[int] | None = None) -> DryRunReport:
     """All scenarios on the fake device (or, `real_cuda=True`, on this machine's GPU with real
-    graph capture); raises DryRunFailure on the first violation."""
+    graph capture); raises DryRunFailure on the first violation.
+
+    `cost=True`: the cost run instead of the checks. The graph sets the checks capture (with
+    `all_graph_sets`, every graph set of every scenario's engine, as `StepEngine.capture`
+    captures them on CUDA; the model's eager step is no graph: left out), each bucket's step
+    run once under `profiling.cost_model.KernelCounter`, into `report.costs`; no steps.
+    `buckets`: only those (each one of the engines' buckets). With `real_cuda`, each graph
+    is also captured and its replay timed (`replays` replays a run, median of 3)."""
+    if cost and replays < 1:
+        raise ValueError(f"replays={replays!r}: must be >= 1")
     report = DryRunReport()
     start = time.perf_counter()
     with warnings.catch_warnings(), ExitStack() as stack:
@@ -321,7 +391,8 @@ def run(cfg: DryRunConfig, *, real_cuda: bool = False) -> DryRunReport:
         if not real_cuda:
             cuda = stack.enter_context(FakeCuda())
             stack.enter_context(simulated_cuda_capture(cuda.is_pinned))
-        state = _Run(cfg, report, cuda)
+        state = _Run(cfg, report, cuda, replays if cost else 0, all_graph_sets,
+                     None if buckets is None else frozenset(buckets))
         with _scenario("StepEngine"):
             _engine(state)
         for mode in ("strict", "rejection"):
@@ -329,13 +400,22 @@ def run(cfg: DryRunConfig, *, real_cuda: bool = False) -> DryRunReport:
                 _drafts(state, mode)
         with _scenario("sharded engine"):
             _sharded(state)
-        with _scenario("model decode step"):
-            _model(state)
+        if not cost:
+            with _scenario("model decode step"):
+                _model(state)
     report.seconds = time.perf_counter() - start
     return report
 
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _bucket_list(text: str) -> list[int]:
+    """--buckets 1,8,64."""
+    try:
+        return [int(bucket) for bucket in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected bucket sizes separated by commas, e.g. 1,8,64") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -349,19 +429,69 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny-model", action="store_true", help="LlamaConfig.tiny() instead of SmolLM2-135M's shape")
     parser.add_argument("--real-cuda", action="store_true",
                         help="the twin: the same scenarios on this machine's GPU, capturing real CUDA graphs")
+    cost = parser.add_argument_group("cost model (profiling/cost_model.py, docs/cost-model.md)")
+    cost.add_argument("--cost", action="store_true",
+                      help="instead of the checks: kernels, bytes and a modelled H200 replay time of every "
+                           "graph set and bucket (with --real-cuda, also each graph's measured replay)")
+    cost.add_argument("--json", action="store_true", help="with --cost: one JSON object on stdout")
+    cost.add_argument("--json-out", metavar="PATH", help="with --cost: also write the JSON object to PATH")
+    cost.add_argument("--cost-detail", action="store_true", help="with --cost: kernels, bytes and time per op")
+    cost.add_argument("--node-us", type=float, default=NODE_US, help="µs per kernel node of a graph (default %(default)s)")
+    cost.add_argument("--bandwidth-tbs", type=float, default=BANDWIDTH_TBS,
+                      help="device memory bandwidth in TB/s (default %(default)s)")
+    cost.add_argument("--all-graph-sets", action="store_true",
+                      help="with --cost: every graph set of each engine (StepEngine.capture's), not only the checked ones")
+    cost.add_argument("--buckets", type=_bucket_list, default=None,
+                      help="with --cost: only these buckets, e.g. 1,8,64 (default: all)")
+    cost.add_argument("--replays", type=int, default=20, help="with --real-cuda --cost: replays per timed run")
     args = parser.parse_args(argv)
     if args.real_cuda and not torch.cuda.is_available():
         parser.error("--real-cuda: no CUDA device here")
+    if (args.json or args.json_out or args.cost_detail or args.all_graph_sets or args.buckets) and not args.cost:
+        parser.error("--json, --json-out, --cost-detail, --all-graph-sets and --buckets go with --cost")
+    if args.node_us < 0 or args.bandwidth_tbs <= 0 or args.replays < 1:
+        parser.error(f"--node-us {args.node_us} must be >= 0, --bandwidth-tbs {args.bandwidth_tbs} > 0, "
+                     f"--replays {args.replays} >= 1")
     cfg = DryRunConfig(hidden=args.hidden, vocab=args.vocab, dtype=_DTYPES[args.dtype], max_num_reqs=args.max_num_reqs,
                        max_draft_tokens=args.drafts, tp=args.tp,
                        **({"model": LlamaConfig.tiny()} if args.tiny_model else {}))
-    print(f"{'real' if args.real_cuda else 'fake'}-CUDA dry run: H={cfg.hidden}, V={cfg.vocab}, {args.dtype}, max_num_reqs={cfg.max_num_reqs}, "
-          f"drafts={cfg.max_draft_tokens}, tp={cfg.tp}, model {cfg.model.num_layers}x{cfg.model.hidden_size}")
+    if args.buckets and not set(args.buckets) <= set(BucketTable(cfg.max_num_reqs).buckets):
+        parser.error(f"--buckets {args.buckets}: each must be one of {BucketTable(cfg.max_num_reqs).buckets}")
+    device = "real" if args.real_cuda else "fake"
+    if not args.json:
+        print(f"{device}-CUDA {'cost run' if args.cost else 'dry run'}: H={cfg.hidden}, V={cfg.vocab}, {args.dtype}, "
+              f"max_num_reqs={cfg.max_num_reqs}, drafts={cfg.max_draft_tokens}, tp={cfg.tp}"
+              + ("" if args.cost else f", model {cfg.model.num_layers}x{cfg.model.hidden_size}"))
     try:
-        report = run(cfg, real_cuda=args.real_cuda)
+        report = run(cfg, real_cuda=args.real_cuda, cost=args.cost, replays=args.replays,
+                     all_graph_sets=args.all_graph_sets, buckets=args.buckets)
     except DryRunFailure as err:
         print(f"FAILED: {err}", file=sys.stderr)
         return 1
+    if args.cost:
+        calibrated = calibration(report.costs, args.node_us, args.bandwidth_tbs)
+        document = json.dumps({
+            "device": f"{device} cuda" + (f" ({torch.cuda.get_device_name()})" if args.real_cuda else ""),
+            "hidden": cfg.hidden, "vocab": cfg.vocab, "dtype": args.dtype, "max_num_reqs": cfg.max_num_reqs,
+            "drafts": cfg.max_draft_tokens, "tp": cfg.tp, "node_us": args.node_us, "bandwidth_tbs": args.bandwidth_tbs,
+            "seconds": round(report.seconds, 1),
+            "graphs": [c.as_dict(args.node_us, args.bandwidth_tbs, detail=args.cost_detail) for c in report.costs],
+            **({"calibration": calibrated} if calibrated is not None else {}),
+        })
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                f.write(document + "\n")
+        if args.json:
+            print(document)
+            return 0
+        print(f"modelled replay: sum over kernels of max({args.node_us} us, bytes / {args.bandwidth_tbs} TB/s); "
+              "floor: one weight read + the [rows, V] f32 logits written and read once")
+        for line in table_lines(report.costs, args.node_us, args.bandwidth_tbs, detail=args.cost_detail):
+            print(line)
+        for line in calibration_lines(calibrated):
+            print(line)
+        print(f"cost run finished in {report.seconds:.1f} s")
+        return 0
     for line in report.lines():
         print(line)
     return 0

@@ -1,9 +1,25 @@
 #!/usr/bin/env bash
-# The one prepared GPU run (about 6 minutes on an H200, under 8): CUDA tests, the
-# dry run's real twin, then the GPU benchmarks whose figures go into BENCHMARKS.md.
-# Everything it prints is also written to ${OUT:-.}/gpu_check.log.
+# The one prepared GPU run, under 8 minutes on an H200: CUDA tests, the dry run's real
+# twin, the cost model beside each graph's measured replay, then the GPU benchmarks whose
+# figures go into BENCHMARKS.md. Everything it prints is also written to
+# ${OUT:-.}/gpu_check.log; the cost step's JSON to ${OUT:-.}/cost_gpu.json.
 #
 #   profiling/gpu_check.sh            # from the repository root
+#   profiling/gpu_check.sh --dry      # no GPU: print every command instead of running it,
+#                                     # and run the cost step's Python side on the fake device
+#
+# Expected time per step on an H200 (estimates: the script has not run on a GPU yet; each
+# step prints what it took, so the first GPU session can put the real figures here):
+#   device and torch versions           ~10 s
+#   CUDA tests (-m cuda)                ~60 s
+#   step engine + speculative tests     ~90 s
+#   real twin of the dry run (B <= 16)  ~45 s
+#   cost model vs replay (B <= 64)      ~60 s  (capture of 13 graph sets x 11 buckets, 63 timed replays each)
+#   step bench, plain and 3 drafts      ~2 x 40 s
+#   demo                                ~30 s
+# A budget keeps the whole run under 8 minutes whatever the steps take: each step runs with
+# at most 240 s and at most what is left of GPU_CHECK_BUDGET_S (450 s); a step that finds
+# under 20 s left is skipped, and says so in the log.
 #
 # Python: $PYTHON, else the project venv when there is one, else `python3` (the
 # device machine's, which holds a CUDA torch, pytest and hypothesis). Wheels for
@@ -12,13 +28,26 @@
 # (94 MiB, over the device tool's 64 MiB carry) the demo runs `--model tiny`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+DRY=0
+if [ "${1:-}" = "--dry" ]; then DRY=1; elif [ $# -gt 0 ]; then echo "usage: $0 [--dry]" >&2; exit 2; fi
 if [ -n "${PYTHON:-}" ]; then PY="$PYTHON"; elif [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
-if compgen -G ".whl/*.whl" > /dev/null; then
+if [ "$DRY" = 0 ] && compgen -G ".whl/*.whl" > /dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-LOG="${OUT:-.}/gpu_check.log"
-run() { echo "\$ $*" | tee -a "$LOG"; timeout 240 "$@" 2>&1 | tee -a "$LOG"; }
+OUTDIR="${OUT:-.}"
+LOG="$OUTDIR/gpu_check.log"
+BUDGET_S="${GPU_CHECK_BUDGET_S:-450}"
+run() {
+  local left=$((BUDGET_S - SECONDS)) cap=240 start=$SECONDS rc
+  echo "\$ $(printf "%q " "$@")" | tee -a "$LOG"
+  if [ "$DRY" = 1 ]; then return 0; fi
+  if [ "$left" -lt 20 ]; then echo "SKIPPED: ${left} s left of the ${BUDGET_S} s budget" | tee -a "$LOG"; return 0; fi
+  if [ "$left" -lt "$cap" ]; then cap=$left; fi
+  timeout "$cap" "$@" 2>&1 | tee -a "$LOG"
+  rc=${PIPESTATUS[0]}
+  echo "[step took $((SECONDS - start)) s, rc $rc]" | tee -a "$LOG"
+}
 : > "$LOG"
 run nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv
 run "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
@@ -29,6 +58,16 @@ run "$PY" -m pytest -q -x tests/test_step_engine.py tests/test_speculative.py
 # both verify modes, prompt logprobs, a sharded rank, the invariant model's decode step)
 # capturing real graphs, each bucket's first warm-up under the CUDA capture-safety rules.
 run "$PY" -m profiling.cuda_dry_run --real-cuda --max-num-reqs 16
+# The cost model beside the GPU (docs/cost-model.md), to calibrate it: every checked graph
+# set and bucket at H = 7168, V = 129280, bf16, max_num_reqs 64, captured, then replayed
+# 3 x 20 times under CUDA events; the table shows measured beside modelled µs, and a
+# least-squares fit of the per-kernel time and bandwidth closes it.
+COST=(-m profiling.cuda_dry_run --cost --json-out "$OUTDIR/cost_gpu.json")
+run "$PY" "${COST[@]}" --real-cuda
+if [ "$DRY" = 1 ]; then
+  # Its Python side without a GPU: the same command on the fake device at small shapes.
+  "$PY" "${COST[@]}" --hidden 64 --vocab 2048 --max-num-reqs 2 --drafts 1 --buckets 2 2>&1 | tee -a "$LOG" || exit 1
+fi
 # The tail at DeepSeek-V3 sizes: eager vs replay per bucket, and the weight-read floor.
 run "$PY" -m profiling.bench step --device cuda --hidden 7168 --vocab 129280 --dtype bf16 --max-bucket 64
 run "$PY" -m profiling.bench step --device cuda --hidden 7168 --vocab 129280 --dtype bf16 --max-bucket 64 --drafts 3
@@ -37,4 +76,4 @@ if "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_
 else
   run "$PY" -m engine demo --device cuda --model tiny --requests 16 --max-num-reqs 16 --check-determinism
 fi
-echo "log: $LOG"
+echo "log: $LOG ($SECONDS s)"

@@ -20,6 +20,7 @@ BENCHES = {
     "forward": (["--quick", "--repeats", "1", "--batches", "1", "2", "--prompt-len", "16"], ["vs fast"]),
     "tp": (["--quick", "--repeats", "1"], ["bytes: gather/this", "time: this/gather"]),
     "controls": (["--quick", "--repeats", "1", "--batch", "2", "--vocab", "1024"], ["controls/plain"]),
+    "llm": (["--quick"], ["vs invariant"]),
 }
 RATIO = re.compile(r"^(\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?)x$")
 

@@ -25,7 +25,8 @@ import pytest
 from engine import EngineConfig, SamplingParams
 from engine.loop.config import LoopConfig
 from engine.loop.decode_loop import DecodeLoop
-from engine.models.llama import LlamaConfig, LlamaModel
+from engine.models.llama import LlamaModel
+from engine.models.llama_weights import LlamaConfig
 from tests.test_decode_loop import assert_no_trace, completions, holds_nothing, loop_state
 
 CONFIG = LlamaConfig.tiny()
@@ -79,7 +80,7 @@ class ChaosModel:
 
 
 def chaos_loop(model) -> DecodeLoop:
-    return DecodeLoop(model, LoopConfig(max_num_reqs=4, token_budget=16, max_draft_tokens=2, min_shared_prefix=6),
+    return DecodeLoop(model, LoopConfig(seed_base=0, max_num_reqs=4, token_budget=16, max_draft_tokens=2, min_shared_prefix=6),
                       engine_config=EngineConfig(device="cpu"))
 
 
@@ -135,7 +136,7 @@ def assert_accounts(loop: DecodeLoop) -> None:
     """Between steps, what is held is held by a running request or a retained cache."""
     running = len(loop.running)
     assert len(loop.batch) == running
-    assert len(loop.model._free_slots) == loop.model.num_slots - running - len(loop.retained)
+    assert len(loop.model.kv.slots.free) == loop.model.num_slots - running - len(loop.retained)
     assert loop.batch.draft_slots is None  # the loop's drafts go in as draft_tokens: no pool slots to hold
 
 
@@ -211,7 +212,7 @@ def clean_run(good: dict) -> dict:
     when it arrives, nor on who shares its batch, nor on graphs, and this way the
     reference costs a tenth of the chaotic run."""
     model = LlamaModel.random(CONFIG, seed=0, num_slots=16, batch_invariant=True)
-    loop = DecodeLoop(model, LoopConfig(max_num_reqs=16, token_budget=128, max_draft_tokens=2, min_shared_prefix=6),
+    loop = DecodeLoop(model, LoopConfig(seed_base=0, max_num_reqs=16, token_budget=128, max_draft_tokens=2, min_shared_prefix=6),
                       engine_config=EngineConfig(device="cpu", use_graphs=False), capture=False)
     for rid, (prompt, params, _) in good.items():
         loop.submit(rid, prompt, params)

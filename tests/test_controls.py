@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from engine import EngineConfig, SamplingParams, StepEngine
 from engine.sampling.sampler import SamplerConfig
 from engine.host.params import SeqMeta
-from engine.host.persistent_batch import PersistentBatch
 from engine.loop.config import LoopConfig
 from engine.loop.decode_loop import DecodeLoop
+from engine.step.batch import PersistentBatch
 from tests.controls_reference import controlled_row
 from tests.numpy_sampler_reference import RowSpec, sample_row
 from tests.test_decode_loop import CONFIG, prompts_and_params, tiny_model
@@ -194,7 +194,7 @@ def _controlled_params(n: int) -> list[SamplingParams]:
 
 
 def _loop_run(prompts, params, *, drafts: int, graphs: bool = False, max_num_reqs: int = 4):
-    loop = DecodeLoop(tiny_model(8), LoopConfig(max_num_reqs=max_num_reqs, token_budget=64, max_draft_tokens=drafts),
+    loop = DecodeLoop(tiny_model(8), LoopConfig(seed_base=0, max_num_reqs=max_num_reqs, token_budget=64, max_draft_tokens=drafts),
                       engine_config=EngineConfig(device="cpu", use_graphs=graphs), capture=graphs)
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         loop.submit(i, prompt, p)
@@ -338,7 +338,7 @@ def test_seqmeta_path_needs_the_prompt_for_repetition_and_counts_its_tokens():
 
 
 def test_a_decode_loop_refuses_controls_it_cannot_honour_at_submission():
-    loop = DecodeLoop(tiny_model(2), LoopConfig(max_num_reqs=2, token_budget=16),
+    loop = DecodeLoop(tiny_model(2), LoopConfig(seed_base=0, max_num_reqs=2, token_budget=16),
                       engine_config=EngineConfig(device="cpu", use_graphs=False), capture=False)
     assert loop.engine.config.max_control_slots == 2
     with pytest.raises(ValueError, match=f"request 'x': logit_bias: token {CONFIG.vocab_size} is outside"):

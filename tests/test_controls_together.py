@@ -59,7 +59,7 @@ def _flatter_model():
 
 
 def _run(prompts, params, *, drafts: int, graphs: bool = False, max_num_reqs: int = 8, ids=None):
-    loop = DecodeLoop(_flatter_model(), LoopConfig(max_num_reqs=max_num_reqs, token_budget=96, max_draft_tokens=drafts),
+    loop = DecodeLoop(_flatter_model(), LoopConfig(seed_base=0, max_num_reqs=max_num_reqs, token_budget=96, max_draft_tokens=drafts),
                       engine_config=EngineConfig(device="cpu", use_graphs=graphs), capture=graphs)
     ids = list(range(len(prompts))) if ids is None else ids
     for rid, prompt, p in zip(ids, prompts, params):

@@ -13,7 +13,7 @@ import torch
 
 import engine.sampling.pipeline as pipeline_module
 from engine import EngineConfig, StepEngine
-from engine.models.llama import LlamaConfig
+from engine.models.llama_weights import LlamaConfig
 from profiling.cuda_dry_run import DryRunConfig, DryRunFailure, main, run
 
 SMALL = DryRunConfig(hidden=64, vocab=2048, max_num_reqs=2, max_draft_tokens=1, tp=2, model=LlamaConfig.tiny())

@@ -15,10 +15,12 @@ import torch
 
 from engine import EngineConfig, SamplingParams
 from engine.loop.config import LoopConfig
-from engine.loop.decode_loop import DecodeLoop, generate
+from engine.loop.decode_loop import DecodeLoop
+from engine.loop.generate import generate
 from engine.loop.drafter import propose_ngram_drafts
 from engine.loop.requests import StepEvent
-from engine.models.llama import LlamaConfig, LlamaModel, random_weights
+from engine.models.llama import LlamaModel
+from engine.models.llama_weights import LlamaConfig, random_weights
 from engine.models.protocol import ForwardBatch
 
 CONFIG = LlamaConfig.tiny()
@@ -49,7 +51,7 @@ def _run(prompts, params, *, drafts=0, graphs=True, max_num_reqs=8, token_budget
          **loop_options):
     loop = DecodeLoop(
         tiny_model(num_slots),
-        LoopConfig(max_num_reqs=max_num_reqs, token_budget=token_budget, max_draft_tokens=drafts, **loop_options),
+        LoopConfig(seed_base=0, max_num_reqs=max_num_reqs, token_budget=token_budget, max_draft_tokens=drafts, **loop_options),
         engine_config=EngineConfig(device="cpu", use_graphs=graphs),
     )
     for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -158,7 +160,7 @@ def test_copy_prefix_equals_prefilling_and_checks_its_slots():
 def test_bad_requests_are_rejected_at_submission_without_disturbing_running_ones():
     prompts, params = prompts_and_params(3)
     reference, _ = _run(prompts, params)
-    loop = DecodeLoop(tiny_model(), LoopConfig(max_num_reqs=4, token_budget=32), engine_config=EngineConfig(device="cpu"))
+    loop = DecodeLoop(tiny_model(), LoopConfig(seed_base=0, max_num_reqs=4, token_budget=32), engine_config=EngineConfig(device="cpu"))
     for i in range(3):
         loop.submit(i, prompts[i], params[i])
     loop.step()
@@ -201,7 +203,7 @@ def test_ngram_drafter_proposes_what_followed_the_latest_match():
 
 def test_generate_returns_completions_in_prompt_order():
     prompts, params = prompts_and_params(3)
-    out = generate(tiny_model(), prompts, params, config=LoopConfig(max_num_reqs=4, token_budget=32),
+    out = generate(tiny_model(), prompts, params, config=LoopConfig(seed_base=0, max_num_reqs=4, token_budget=32),
                    engine_config=EngineConfig(device="cpu"))
     assert [c.request_id for c in out] == [0, 1, 2]
     assert all(c.seed is not None for c in out)
@@ -227,7 +229,7 @@ def _multi_turn(sharing: bool, num_slots: int = 4):
     weights = random_weights(CONFIG, seed=0)
     weights.embed = weights.embed * 0.05  # flat logits: every logprob moves with any change to a hidden state
     model = LlamaModel(CONFIG, weights, num_slots=num_slots, batch_invariant=True)
-    loop = DecodeLoop(model, LoopConfig(max_num_reqs=2, token_budget=64, prefix_sharing=sharing),
+    loop = DecodeLoop(model, LoopConfig(seed_base=0, max_num_reqs=2, token_budget=64, prefix_sharing=sharing),
                       engine_config=EngineConfig(device="cpu"))
     first = np.random.default_rng(5).integers(3, CONFIG.vocab_size, 30).tolist()
     loop.submit("turn1", first, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
@@ -250,14 +252,14 @@ def test_a_follow_up_turn_reuses_the_finished_conversation_cache():
     assert off.stats.shared_prefix_tokens == 0
     # turn 2 copies turn 1's prompt and 11 of its 12 tokens (the last one was never fed back)
     assert loop.stats.shared_prefix_tokens == 30 + 11
-    assert not loop.retained and len(loop.model._free_slots) == loop.model.num_slots  # run() gave them back
+    assert not loop.retained and len(loop.model.kv.slots.free) == loop.model.num_slots  # run() gave them back
 
 
 def test_retained_caches_give_their_slots_up_when_the_model_runs_out():
     shared, loop = _multi_turn(True, num_slots=2)  # turn 1's cache is evicted by the others
     computed, _ = _multi_turn(False, num_slots=2)
     assert shared == computed
-    assert len(loop.model._free_slots) == 2
+    assert len(loop.model.kv.slots.free) == 2
 
 
 # -- hostile submissions, abort, idle clocks, atomic steps, failed rows (issue 11) -------
@@ -276,7 +278,7 @@ def loop_state(loop: DecodeLoop) -> dict:
         finished={rid: (c.finish_reason, list(c.tokens)) for rid, c in loop.finished.items()},
         known=set(loop._known),
         retained=[(slot, held.tolist()) for slot, held in loop.retained.items()],
-        free_kv_slots=list(loop.model._free_slots),
+        free_kv_slots=list(loop.model.kv.slots.free),
         table=(dict(loop.batch.table.row_of), loop.batch.table.cols.num_generated.tolist(), list(loop.batch.table._free)),
         stop_ids=loop.batch.table.stop_ids.tolist(),
         stats=counters(loop.stats),
@@ -301,7 +303,7 @@ def counters(stats) -> dict:
 
 def holds_nothing(loop: DecodeLoop) -> None:
     assert len(loop.batch) == 0 and not loop.running and not loop.retained
-    assert sorted(loop.model._free_slots) == list(range(loop.model.num_slots))
+    assert sorted(loop.model.kv.slots.free) == list(range(loop.model.num_slots))
     assert loop.engine.prompt_logprobs.pending == ()
     assert (loop.batch.table.stop_ids == -1).all()
 
@@ -313,7 +315,7 @@ def completions(done: dict) -> list:
 def _loop(num_slots: int = 8, model=None, **options) -> DecodeLoop:
     config = dict(max_num_reqs=4, token_budget=32)
     config.update(options)
-    return DecodeLoop(model or tiny_model(num_slots), LoopConfig(**config), engine_config=EngineConfig(device="cpu"))
+    return DecodeLoop(model or tiny_model(num_slots), LoopConfig(seed_base=0, **config), engine_config=EngineConfig(device="cpu"))
 
 
 def _reject_all(loop, cases) -> None:
@@ -339,7 +341,7 @@ def test_submit_refuses_malformed_ids_prompts_and_arrivals_and_changes_nothing()
         (("ok", [1, 2], g), {}, "request 'ok': request_id was already submitted"),
         (("nest", [[1, 2], [3, 4]], g), {}, r"request 'nest': prompt_tokens\[0\]=\[1, 2\]: must be an int token id"),
         (("float", [5.7, 6.2], g), {}, r"request 'float': prompt_tokens\[0\]=5.7: must be an int token id"),
-        (("str", "123", g), {}, r"request 'str': prompt_tokens='123': must be a sequence of int token ids, not a str"),
+        (("str", "123", g), {}, r"request 'str': prompt_tokens='123': text, not token ids; encode it first \(tokenizer.encode\(text\)\)"),
         (("bytes", b"12", g), {}, "request 'bytes': prompt_tokens=b'12': must be a sequence of int token ids, not a bytes"),
         (("bool", [True, False], g), {}, r"request 'bool': prompt_tokens\[0\]=True: must be an int token id, not a bool"),
         (("npbool", np.array([1, 0], dtype=bool), g), {}, "request 'npbool': prompt_tokens: a numpy array of bool"),
@@ -373,7 +375,7 @@ def test_submit_refuses_malformed_ids_prompts_and_arrivals_and_changes_nothing()
 def test_a_stop_set_that_covers_the_vocabulary_under_min_tokens_is_refused_at_submit():
     config = LlamaConfig.tiny(vocab_size=32)
     model = LlamaModel.random(config, seed=0, num_slots=2, batch_invariant=True)
-    loop = DecodeLoop(model, LoopConfig(max_num_reqs=2, token_budget=8),
+    loop = DecodeLoop(model, LoopConfig(seed_base=0, max_num_reqs=2, token_budget=8),
                       engine_config=EngineConfig(device="cpu", max_stop_ids=32))
     others = tuple(t for t in range(32) if t != config.eos_token_id)  # with EOS: every id
     _reject_all(loop, [
@@ -401,10 +403,10 @@ def test_abort_queued_and_running_requests_frees_what_they_hold_and_bystanders_r
     assert loop.engine.prompt_logprobs.pending == (1,)  # request 1 is between prompt chunks
     loop.step()
     loop.step()
-    free_kv = len(loop.model._free_slots)
+    free_kv = len(loop.model.kv.slots.free)
     aborted = {1: loop.abort(1), 4: loop.abort(4)}  # running mid-prefill; queued
     assert loop.engine.prompt_logprobs.pending == ()
-    assert len(loop.model._free_slots) == free_kv + 1 and len(loop.batch) == 3
+    assert len(loop.model.kv.slots.free) == free_kv + 1 and len(loop.batch) == 3
     loop.step()
     loop.step()
     aborted[2] = loop.abort(2)  # running mid-decode
@@ -607,7 +609,7 @@ def test_a_failed_row_finishes_its_request_with_an_error_and_frees_what_it_held(
     failed = loop.finished[2]
     assert failed.finish_reason == "error" and failed.error == "request 2: non-finite logits"
     assert failed.tokens == reference[2][0][: len(failed.tokens)] and len(failed.tokens) >= 2
-    assert len(loop.batch) == 3 and len(loop.model._free_slots) == 5
+    assert len(loop.batch) == 3 and len(loop.model.kv.slots.free) == 5
     done = loop.run()
     holds_nothing(loop)
     assert [completions(done)[i][1:] for i in (0, 1, 3)] == [reference[i] for i in (0, 1, 3)]
@@ -672,7 +674,7 @@ def test_a_nan_hidden_row_fails_only_its_request():
 
 def test_engine_fields_left_at_their_default_are_filled_in_from_the_loop_and_the_model():
     model = tiny_model()
-    loop = DecodeLoop(model, LoopConfig(max_num_reqs=4, token_budget=40, max_draft_tokens=2),
+    loop = DecodeLoop(model, LoopConfig(seed_base=5, max_num_reqs=4, token_budget=40, max_draft_tokens=2),
                       engine_config=EngineConfig(device="cpu", use_graphs=False, seed_base=5), capture=False)
     config = loop.engine.config
     assert (config.max_num_reqs, config.max_draft_tokens, config.max_source_rows) == (4, 2, 40)
@@ -684,7 +686,7 @@ def test_engine_fields_the_loop_can_honour_are_kept():
     model = tiny_model()
     given = EngineConfig(device="cpu", max_num_reqs=8, max_draft_tokens=3, max_source_rows=100, buckets=(2, 8),
                          eos_token_id=model.eos_token_id, draft_pool_slots=1, max_control_slots=5)
-    loop = DecodeLoop(model, LoopConfig(max_num_reqs=4, token_budget=40, max_draft_tokens=2), engine_config=given,
+    loop = DecodeLoop(model, LoopConfig(seed_base=0, max_num_reqs=4, token_budget=40, max_draft_tokens=2), engine_config=given,
                       capture=False)
     assert loop.engine.config == given
     prompts, params = prompts_and_params(3)
@@ -701,16 +703,18 @@ def test_engine_fields_the_loop_can_honour_are_kept():
     ("draft_pool_slots", 9, r"1 or None: the loop keeps no draft-info pool"),
     ("compaction_keep_tokens", 4, r"None: the loop's model produces a row for every query token"),
     ("max_control_slots", 2, r">= LoopConfig.max_num_reqs=4 \(a control slot for every running request\)"),
+    # The seed base is the loop's (fresh seeds, or LoopConfig(seed_base=...)): one place to set it.
+    ("seed_base", 3, r"the seed base from LoopConfig\(seed_base=...\) \(now 0;"),
 ])
 def test_an_engine_field_the_loop_cannot_honour_is_refused_naming_it(field, value, needs):
     with pytest.raises(ValueError, match=rf"EngineConfig.{field}={value}: DecodeLoop needs {needs}"):
-        DecodeLoop(tiny_model(), LoopConfig(max_num_reqs=4, token_budget=40, max_draft_tokens=2),
+        DecodeLoop(tiny_model(), LoopConfig(seed_base=0, max_num_reqs=4, token_budget=40, max_draft_tokens=2),
                    engine_config=EngineConfig(device="cpu", **{field: value}), capture=False)
 
 
 def test_the_loop_allocates_no_draft_info_slot_and_writes_no_pool():
     prompts, params = prompts_and_params(6)
-    loop = DecodeLoop(tiny_model(), LoopConfig(max_num_reqs=4, token_budget=32, max_draft_tokens=3),
+    loop = DecodeLoop(tiny_model(), LoopConfig(seed_base=0, max_num_reqs=4, token_budget=32, max_draft_tokens=3),
                       engine_config=EngineConfig(device="cpu"))
     assert loop.engine.config.pool_slots == 1 and loop.batch.draft_slots is None
     pool = loop.engine.buffers

@@ -100,7 +100,11 @@ def test_byte_chatml_tokenizer_round_trips_text_and_specials():
 # ---- the command line as a user meets it ------------------------------------------------------
 
 def _one_line_error(capsys, argv: list[str]) -> str:
-    assert main(argv) == 2
+    try:
+        code = main(argv)
+    except SystemExit as stop:  # argparse's own errors (an unknown flag) exit from inside the parser
+        code = stop.code
+    assert code == 2
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
@@ -119,7 +123,11 @@ def _one_line_error(capsys, argv: list[str]) -> str:
         (["--drafts", "-1"], "--drafts -1: must be >= 0"),
         (["--threads", "0"], "--threads 0: must be >= 1"),
         (["--trace-ops"], "--trace-ops: give --trace FILE as well"),
-        (["--model", "/no/such/checkpoint"], "--model /no/such/checkpoint: no such directory"),
+        (["--model", "/no/such/checkpoint"], "--model /no/such/checkpoint: no such folder"),
+        (["--max-num-reqs", "100000"], "--max-num-reqs 100000: must be <= 256"),
+        (["--trace", "/nonexistent/run.json"], "--trace /nonexistent/run.json: the folder /nonexistent does not exist"),
+        (["--explain-step", "0"], "--explain-step 0: must be >= 1"),
+        (["--bogus"], "unrecognized arguments: --bogus (see --help)"),
     ],
 )
 def test_bad_options_fail_in_one_line_before_anything_loads(capsys, argv, expected):
@@ -137,8 +145,7 @@ def test_model_path_without_transformers_hints_the_hf_extra(capsys, monkeypatch,
     line = _one_line_error(capsys, ["--model", str(tmp_path)])
     assert "needs transformers" in line and "pip install -e '.[hf]'" in line
     (tmp_path / "weights.bin").write_bytes(b"")
-    assert "a file, not a Hugging Face checkpoint directory" in _one_line_error(
-        capsys, ["--model", str(tmp_path / "weights.bin")])
+    assert "a file, not a folder" in _one_line_error(capsys, ["--model", str(tmp_path / "weights.bin")])
 
 
 def test_the_process_prints_one_line_and_exits_2():
@@ -175,7 +182,7 @@ def test_tiny_model_shows_visible_text_and_drafts_off_prints_no_nan(capsys, rest
     assert sum(any(ch.isalnum() for ch in text) for text in unescaped) >= 2, answers
     summary = out.split("\nSummary\n", 1)[1]  # (the answers above are random bytes: "nan" may occur there)
     assert "nan" not in summary.lower()
-    assert re.search(r"drafts accepted / proposed +off \(--drafts 0\)", summary)
+    assert re.search(r"speculative drafts \(n-gram\) +off \(--drafts 0\)", summary)
 
 
 def test_shown_text_escapes_control_characters_and_falls_back_to_token_ids():
@@ -214,7 +221,7 @@ def test_json_has_numbers_snake_case_keys_and_named_logprob_fields(capsys):
 
 
 def test_trace_records_stage_ranges_only_unless_trace_ops(capsys, tmp_path):
-    from profiling.ranges import STAGES
+    from engine.trace import STAGES
 
     argv = ["--model", "tiny", "--requests", "2", "--max-tokens", "3", "--max-num-reqs", "1", "--drafts", "0",
             "--json", "--device", "cpu"]
@@ -229,3 +236,44 @@ def test_trace_records_stage_ranges_only_unless_trace_ops(capsys, tmp_path):
     assert stages_only.stat().st_size < 2000 * steps  # a few hundred bytes per step
     op_names = {e.get("name") for e in json.loads(with_ops.read_text())["traceEvents"]}
     assert names <= op_names and any(str(n).startswith("aten::") for n in op_names)
+
+
+def test_a_checkpoint_folder_with_a_bad_config_is_one_line(capsys, tmp_path):
+    pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text("{broken")
+    assert "config.json does not parse" in _one_line_error(capsys, ["--model", str(tmp_path)])
+    (tmp_path / "config.json").write_text('{"hidden_size": 8}')
+    assert "names no model_type or architectures" in _one_line_error(capsys, ["--model", str(tmp_path)])
+
+
+def test_the_summary_speaks_a_users_words_and_its_counts_add_up(capsys, restore_threads):
+    argv = ["--model", "tiny", "--requests", "3", "--max-tokens", "6", "--max-num-reqs", "2", "--threads", "1",
+            "--device", "cpu", "--explain-step", "2"]
+    assert main([*argv, "--json"]) == 0
+    f = json.loads(capsys.readouterr().out)["summary"]
+    assert f["requests"] == f["chat_requests"] + f["control_requests"] == 3
+    assert f["engine_steps"] == f["replays"] + f["eager_steps"] + f["eager_fallbacks"] > 0
+    assert f["steps"] == f["engine_steps"] + f["idle_steps"]
+    assert f["load_seconds"] > 0 and f["capture_seconds"] > 0 and f["graphs_captured"] > 0
+    assert 0 < f["ttft_median_seconds"] <= f["ttft_max_seconds"] and f["batch_invariant"] is True
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    summary = out.split("\nSummary", 1)[1]
+    for label in ("requests", "tokens generated", "throughput", "time to first token", "start-up", "steps",
+                  "speculative drafts (n-gram)", "determinism"):
+        assert re.search(rf"^  {re.escape(label)}  ", summary, re.M), label
+    assert "bucket histogram" not in summary and "host µs" not in summary  # behind --verbose
+    assert f"= {f['replays']} replays of the captured step + 0 eager" in summary
+    step = out.split("\nStep 2 (", 1)[1].split("\nSummary", 1)[0]
+    assert "Ledger: " in step and "Row map" in step
+    assert max(map(len, (step + summary).splitlines())) <= 100
+    assert main([*argv, "--verbose", "--fast"]) == 0
+    out = capsys.readouterr().out
+    assert "bucket histogram" in out and "fast (--fast)" in out
+
+
+def test_explain_step_past_the_run_is_one_line(capsys, restore_threads):
+    argv = ["--model", "tiny", "--requests", "1", "--max-tokens", "2", "--max-num-reqs", "1", "--threads", "1",
+            "--device", "cpu", "--drafts", "0", "--explain-step", "500"]
+    assert main(argv) == 2
+    assert "--explain-step 500: the run had" in capsys.readouterr().err

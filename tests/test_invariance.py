@@ -1,4 +1,4 @@
-"""Batch invariance checked where it runs: the probe (engine.step.invariance) against planted
+"""Batch invariance checked where it runs: the probe (engine.invariance) against planted
 kernels, and the kernels the engine and the invariant model pick against a plain check
 (a row alone vs the same row at random places in batches of arbitrary sizes), at 1 and 2
 torch threads."""
@@ -11,9 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine, ops
-from engine.step import invariance
-from engine.models.llama import LlamaConfig, LlamaModel
+from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine, invariance, ops
+from engine.models.llama import LlamaModel
+from engine.models.llama_weights import LlamaConfig
 from engine.models.protocol import ForwardBatch
 from engine.ops import BLOCK_KERNELS, BlockGemm, block_gemm, get_logits
 
@@ -152,7 +152,7 @@ def test_a_cpu_where_onednn_refuses_the_dtype_gets_another_verified_kernel(dtype
 
 
 def test_fast_model_promises_nothing():
-    model = LlamaModel.random(LlamaConfig.tiny(), seed=0)
+    model = LlamaModel.random(LlamaConfig.tiny(), seed=0, batch_invariant=False)  # no longer the default
     assert not model.batch_invariant_verified and model.gemm_kernels == {}
 
 
@@ -370,7 +370,7 @@ def test_model_groups_blocks_only_as_far_as_verified(planted):
     planted(off_above(16))
     model = LlamaModel.random(LlamaConfig.tiny(), seed=0, batch_invariant=True, num_slots=4, row_block=8)
     assert model.batch_invariant_verified
-    assert {layer.qkv.long_blocks for layer in model._invariant_layers} == {2}
+    assert {layer.qkv.long_blocks for layer in model.invariant.layers} == {2}
     alone, crowd = hidden_alone_and_in_a_crowd(model, before=60)
     assert torch.equal(alone, crowd)
 
@@ -414,7 +414,7 @@ def test_model_pads_a_step_only_to_the_short_calls_that_hold(planted):
     planted(off_below(2))
     model = LlamaModel.random(LlamaConfig.tiny(), seed=0, batch_invariant=True, num_slots=4)
     assert model.batch_invariant_verified
-    assert [model._step_rows(t) for t in (1, 2, 15, 16, 17, 18)] == [2, 2, 15, 16, 18, 18]
+    assert [model.invariant.step_rows(t) for t in (1, 2, 15, 16, 17, 18)] == [2, 2, 15, 16, 18, 18]
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, model.vocab_size, (6,), generator=gen) for _ in range(2)]
     slots = [model.allocate_slot() for _ in range(3)]

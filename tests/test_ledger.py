@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import SamplingParams, SeqMeta, prepare_sampler_inputs
+from engine.host.draft_slots import DraftSlots
 from engine.host.ledger import LedgerInvariantError, _check_invariants
-from engine.host.persistent_batch import DraftSlots, RequestTable
+from engine.host.request_table import RequestTable
 from tests.ledger_reference import reference_ledger
 
 MAX_DRAFTS = 3
@@ -426,3 +427,53 @@ def test_take_once_read_slot_rule():
         slots.allocate(), slots.allocate()
     with pytest.raises(ValueError, match="slot=0"):
         slots.release(0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(batches(), st.integers(0, 2**20))
+def test_the_packed_records_read_what_the_per_request_columns_read(seqs, seed_base):
+    """prepare_sampler_inputs reads each SeqMeta's packed record (`ledger_record`); the slow
+    path reads every column through its declared reader: they agree column by column."""
+    from engine.host.columns import REQUEST_COLUMNS, Columns, RecordColumns
+    from engine.host.ledger import StepSchedule
+    from engine.host.params import SEQ_RECORD
+
+    records = np.frombuffer(bytearray(b"".join(s.ledger_record for s in seqs)), dtype=SEQ_RECORD)
+    ids = [s.request_id for s in seqs]
+    fast, slow = RecordColumns(records, ids, seed_base), Columns.from_seqs(seqs, seed_base)
+    for column in REQUEST_COLUMNS:
+        got, want = getattr(fast, column.name), getattr(slow, column.name)
+        assert got.dtype == want.dtype and np.array_equal(got, want), column.name
+    a, b = StepSchedule.from_records(records, ids, seqs), StepSchedule.from_seqs(seqs)
+    for name in ("is_prompt", "seqlen_q", "seqlen_k", "mtp_read_slot"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)) and getattr(a, name).dtype == getattr(b, name).dtype
+    assert (a.forced_tokens is None) == (b.forced_tokens is None)
+    assert [a.prompt_tokens[i] for i in range(len(seqs))] == [b.prompt_tokens[i] for i in range(len(seqs))]
+
+
+def test_records_hold_a_forced_token_and_a_temperature_past_float32():
+    seqs = [SeqMeta("a", False, 1, 6, 5, num_generated=1, forced_token=9),
+            SeqMeta("b", False, 1, 6, 5, num_generated=1, params=SamplingParams(temperature=1e300))]
+    inputs = prepare_sampler_inputs(seqs)
+    assert inputs.forced_tokens.tolist() == [9, -1] and inputs.temperatures[1] == np.inf
+    with pytest.raises(TypeError, match="expected SeqMeta, got dict"):
+        prepare_sampler_inputs([seqs[0], {"request_id": "c"}])
+
+
+@pytest.mark.parametrize("field", ["min_tokens", "logprobs", "prompt_logprobs"])
+def test_counts_past_int32_are_refused_where_the_params_are_built(field):
+    with pytest.raises(ValueError, match=rf"{field}={2**31}: must be .*an int in \[0, 2\*\*31\)"):
+        SamplingParams(**{field: 2**31})
+
+
+def test_the_record_stays_out_of_vars_and_survives_copy_and_pickle():
+    import copy
+    import pickle
+
+    params = SamplingParams(temperature=0.5, seed=3, min_tokens=2)
+    seq = SeqMeta("a", False, 1, 6, 5, num_generated=1, params=params)
+    assert "ledger_record" not in vars(params) and "ledger_record" not in vars(seq)
+    assert SamplingParams(**vars(params)) == params  # rebuilding from the fields still works
+    for twin in (copy.copy(seq), copy.deepcopy(seq), pickle.loads(pickle.dumps(seq))):
+        assert twin == seq and twin.ledger_record == seq.ledger_record
+        assert prepare_sampler_inputs([twin]) == prepare_sampler_inputs([seq])

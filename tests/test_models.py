@@ -14,7 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.models.llama import LlamaConfig, LlamaModel, LlamaWeights
+from engine.models.llama import LlamaModel
+from engine.models.llama_weights import LlamaConfig, LlamaWeights
 from engine.models.protocol import CausalLM, ForwardBatch
 
 CONFIG = LlamaConfig.tiny()
@@ -288,7 +289,7 @@ def test_out_buffer_is_written_in_place(weights: LlamaWeights) -> None:
 
 
 def test_bad_requests_raise_clear_errors(weights: LlamaWeights) -> None:
-    model = LlamaModel(CONFIG, weights, num_slots=2, max_context=32)
+    model = LlamaModel(CONFIG, weights, num_slots=2, max_context=32, batch_invariant=False)
     slot = model.allocate_slot()
     with pytest.raises(ValueError, match="seqlen_q must be >= 1"):
         ForwardBatch.of([slot], [0], [3])
@@ -336,7 +337,7 @@ def test_forward_benchmark_quick_runs() -> None:
 def smollm2():
     from engine.models.gguf_loader import load_smollm2
 
-    return load_smollm2(num_slots=4, max_context=512)
+    return load_smollm2(num_slots=4, max_context=512, batch_invariant=False)
 
 
 def greedy_generate(model: LlamaModel, prompt: list[int], max_new: int) -> list[int]:

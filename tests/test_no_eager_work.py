@@ -15,7 +15,7 @@ import engine.step.collect as collect_module
 import engine.sampling.exact as exact_module
 from engine import EngineConfig, PersistentBatch, SamplingParams, StepEngine
 from engine.sampling.exact import kept_sets
-from graphs.step_fields import RowParams
+from engine.sampling.row_params import RowParams
 
 VOCAB, HIDDEN = 32768, 16
 # What copying the outputs to the host may run: views, copies, nothing that computes.

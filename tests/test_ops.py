@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from engine.invariance import choose_block_gemm, lm_head_candidates
 from engine.ops import block_gemm, gather, get_logits, one_row_linear, onednn_linear, onednn_runs
-from engine.step.invariance import choose_block_gemm, lm_head_candidates
 from graphs.capture_safety import capture_safety_check
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.int8, torch.uint8, torch.bool]

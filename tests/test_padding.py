@@ -2,7 +2,7 @@
 
 A bucket's graph always runs over `bucket` request slots and
 `bucket * (1 + max_draft_tokens)` row slots; the real step fills the leading
-ones and graphs/static_buffers.py fills the rest with padding values. When
+ones and engine/step/static_buffers.py fills the rest with padding values. When
 every request slot is real, padding rows point at request slot 0, so their
 `local_step` must lie past every real row of a request: per-request
 reductions over rows (the accepted-draft count) would otherwise count them

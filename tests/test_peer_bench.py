@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.models.llama import LlamaConfig, LlamaModel, LlamaWeights, fuse_layer
+from engine.models.llama import LlamaModel
+from engine.models.llama_weights import LlamaConfig, LlamaWeights, fuse_layer
 from engine.models.protocol import ForwardBatch
 from engine.models.tokenizer import ChatMLTokenizer, bpe_tokenizer
 from profiling.bench import e2e, peer
@@ -214,7 +215,7 @@ def test_transformers_on_the_checkpoint_computes_our_logits(checkpoint):
     tokens = [5, 17, 42, 8, 99, 3, 60]
     with torch.inference_mode():
         expected = hf(torch.tensor([tokens])).logits[0]
-    model = LlamaModel(TINY, weights, num_slots=1)
+    model = LlamaModel(TINY, weights, num_slots=1, batch_invariant=False)
     batch = ForwardBatch.of([model.allocate_slot()], [len(tokens)], [len(tokens)])
     hidden = model.forward(torch.tensor(tokens), batch.positions(), batch)
     torch.testing.assert_close(hidden @ model.lm_head_weight.T, expected, rtol=1e-4, atol=1e-4)
@@ -240,3 +241,25 @@ def test_vllm_metadata_drives_vllms_sampler_as_each_case_says():
     assert bool((picked >= 0.05 * probs.amax(-1, keepdim=True)).all())
     rank = (logits > logits.gather(1, draw("top-k50+top-p0.9")[:, None])).sum(-1)
     assert bool((rank < 50).all())
+
+
+def test_peer_plots_one_png_per_part_and_vocabulary_from_a_saved_run(tmp_path, capsys):
+    """`peer --from-json FILE --plot DIR`: the report and one PNG per comparison, without vLLM."""
+    pytest.importorskip("matplotlib")
+    import json
+
+    from profiling.bench import peer
+
+    rows = [dict(part=part, vocab=vocab, hidden=576, batch=batch, case=case, ours_us=100.0 * batch,
+                 vllm_us=150.0 * batch, exact_rows=0, ratio=1.5)
+            for part in ("sampler", "tail") for vocab in (49152, 128256) for batch in (1, 16)
+            for case in ("greedy", "top-p0.9")]
+    meta = dict(vllm="0.32.0", torch="2.13", threads=1, repeats=1, cpu="AMD EPYC", cpu_flags="avx2", commit="abc1234")
+    saved = tmp_path / "peer.json"
+    saved.write_text(json.dumps({"meta": meta, "results": rows, "floor": None}))
+    assert peer.main(["--from-json", str(saved), "--plot", str(tmp_path / "plots")]) == 0
+    assert "vLLM 0.32.0 V1 Sampler vs ours" in capsys.readouterr().out
+    written = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert written == ["peer-sampler-v128256.png", "peer-sampler-v49152.png", "peer-tail-v128256.png",
+                       "peer-tail-v49152.png"]
+    assert all((tmp_path / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for name in written)

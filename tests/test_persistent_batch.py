@@ -1,4 +1,4 @@
-"""The persistent batch (engine/host/persistent_batch.py): the embedding API
+"""The persistent batch (engine/step/batch.py): the embedding API
 against the SeqMeta path step by step, its request life cycle and errors, the
 draft-info pool it holds (or not), and the SeqMeta front `StepEngine.step`
 runs on against the pure `prepare_sampler_inputs`."""
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine, prepare_sampler_inputs
-from engine.host.persistent_batch import PersistentBatch
+from engine.step.batch import PersistentBatch
 
 V, H, K, EOS = 64, 8, 3, 1
 
@@ -88,7 +88,7 @@ def drive(seed: int, *, pool: bool, steps: int = 14) -> int:
                             s.num_generated, s.params, int(read), s.mtp_write_slot)
                     for s, read in zip(seqs, step.read_slots)]
         assert step.inputs == prepare_sampler_inputs(seqs, **ledger_options(ours.config))
-        np.testing.assert_array_equal(step.arrays.stop_ids, theirs.stop_id_matrix(seqs))
+        np.testing.assert_array_equal(step.arrays.stop_ids, theirs.stop_rule.matrix(seqs))
         hidden = torch.randn(sum(s.seqlen_q for s in seqs), H, generator=torch.Generator().manual_seed(seed))
         out = ours.run(hidden, step.inputs, step.arrays)
         assert out == theirs.step(hidden, seqs, drafts, next_drafts=next_drafts if pool else None)
@@ -299,7 +299,7 @@ def test_seqmeta_front_equals_the_pure_ledger_over_many_steps(seed):
     for seqs in front_steps(np.random.default_rng(seed), e):
         inputs, stop_ids = e.seq_front.ledger(seqs)
         assert inputs == prepare_sampler_inputs(seqs, **ledger_options(e.config))
-        np.testing.assert_array_equal(stop_ids, e.stop_id_matrix(seqs))
+        np.testing.assert_array_equal(stop_ids, e.stop_rule.matrix(seqs))
 
 
 def test_seqmeta_front_rewrites_a_request_only_when_its_params_object_changes():

@@ -1,24 +1,25 @@
-"""Profiling kit: stage ranges cost nothing without a profiler and carry
-their names into torch.profiler traces; NVML telemetry degrades to a notice."""
+"""Stage ranges (engine/trace.py) cost nothing without a profiler and carry their names
+into torch.profiler traces; the demo's NVML telemetry (engine/cli/telemetry.py) degrades
+to a notice."""
 from __future__ import annotations
 
 import importlib.util
 
 import torch
 
-from profiling import ranges
-from profiling.telemetry import Telemetry
+from engine import trace
+from engine.cli.telemetry import Telemetry
 
 
 def test_stage_is_a_shared_no_op_without_a_profiler():
-    if ranges._nvtx is None:
-        assert ranges.stage("replay") is ranges.stage("ledger")  # nothing allocated per call
+    if trace._nvtx is None:
+        assert trace.stage("replay") is trace.stage("ledger")  # nothing allocated per call
 
 
 def test_stage_names_reach_a_torch_profiler_trace():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for name in ("ledger", "replay"):
-            with ranges.stage(name):
+            with trace.stage(name):
                 torch.ones(4).sum()
     names = {event.name for event in prof.events()}
     assert {"ledger", "replay"} <= names
@@ -38,13 +39,13 @@ def test_telemetry_without_a_driver_reports_one_line():
 def test_record_stages_writes_only_the_stage_spans(tmp_path):
     import json
 
-    with ranges.record_stages() as recorder:
-        with ranges.stage("model forward"):
-            with ranges.stage("replay"):
+    with trace.record_stages() as recorder:
+        with trace.stage("model forward"):
+            with trace.stage("replay"):
                 torch.ones(4).sum()
-        with ranges.stage("ledger"):
+        with trace.stage("ledger"):
             pass
-    assert ranges.stage("replay") is ranges.stage("ledger") or ranges._nvtx is not None  # off again
+    assert trace.stage("replay") is trace.stage("ledger") or trace._nvtx is not None  # off again
     path = tmp_path / "trace.json"
     recorder.export_chrome_trace(str(path))
     spans = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
@@ -56,16 +57,16 @@ def test_record_stages_writes_only_the_stage_spans(tmp_path):
 def test_record_stages_does_not_nest():
     import pytest
 
-    with ranges.record_stages():
+    with trace.record_stages():
         with pytest.raises(RuntimeError, match="already recording"):
-            with ranges.record_stages():
+            with trace.record_stages():
                 pass
-    with ranges.record_stages():  # free again after the first one closed
+    with trace.record_stages():  # free again after the first one closed
         pass
 
 
 def test_telemetry_summary_as_numbers():
-    from profiling.telemetry import TelemetrySummary
+    from engine.cli.telemetry import TelemetrySummary
 
     figures = TelemetrySummary(samples=3, gpu_util_pct=50.0, memory_used_mib=1024.0).as_dict()
     assert figures["samples"] == 3 and figures["gpu_util_pct"] == 50.0 and figures["notice"] is None

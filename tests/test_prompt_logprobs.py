@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import engine.step.prompt_logprobs as prompt_logprobs_module
 from engine import SamplingParams, SeqMeta, prepare_sampler_inputs
+from engine.sampling.row_params import RowParams
 from engine.sampling.sampler import SamplerConfig, sample
 from engine.step.prompt_logprobs import (
     DEFAULT_CHUNK_ROWS,
@@ -24,7 +25,6 @@ from engine.step.prompt_logprobs import (
     compute_prompt_logprobs,
     prompt_row_logprobs,
 )
-from graphs.step_fields import RowParams
 
 HIDDEN, VOCAB = 6, 50
 

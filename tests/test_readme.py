@@ -13,13 +13,27 @@ def test_readme_starts_with_the_two_commands():
     assert first[0].startswith("make demo") and first[1].startswith("make test")
 
 
+def _python_block(containing: str) -> str:
+    return next(block for block in re.findall(r"```python\n(.*?)```", README.read_text(), re.S) if containing in block)
+
+
 def test_embedding_example_runs():
-    block = re.search(r"```python\n(.*?)```", README.read_text(), re.S).group(1)
+    block = _python_block("StepEngine(")
     namespace: dict = {}
     exec(compile(block, "README.md", "exec"), namespace)
     out = namespace["out"]
     assert len(out.tokens) == 2 and all(len(t) == 1 for t in out.tokens)
     assert out.seeds[1] == 1234
+
+
+def test_llm_example_runs_on_the_tiny_model(capsys):
+    """The LLM example as printed, on the seeded random model (SmolLM2 would take minutes)."""
+    block = _python_block("LLM(")
+    assert 'LLM("smollm2")' in block and "max_tokens=48" in block
+    cheap = block.replace('LLM("smollm2")', 'LLM("tiny", max_num_reqs=2)').replace("max_tokens=48", "max_tokens=8")
+    exec(compile(cheap, "README.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert "'Hello' -> " in out and "'Name three colors.' -> " in out
 
 
 ROOT = README.parent

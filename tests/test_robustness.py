@@ -31,8 +31,9 @@ from engine.parallel import ParallelConfig, ShardedStepEngine, VocabShards
 from engine.parallel.vocab_parallel import VocabParallelSampler
 from engine.sampling.errors import PLACEHOLDER_TOKEN, RowError
 from engine.sampling.exact import sample_exact, sample_reference
+from engine.sampling.row_params import RowParams
+from engine.sampling.sample_output import SampleOutput
 from engine.sampling.sampler import SamplerConfig, sample
-from graphs.step_fields import RowParams, SampleOutput
 
 VOCAB, HIDDEN, MAX_REQS, MAX_DRAFTS = 300, 24, 8, 2
 EOS = VOCAB - 1

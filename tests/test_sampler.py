@@ -18,10 +18,11 @@ from engine.sampling.exact import EXACT_CHUNK_ROWS, kept_sets, sample_exact, sam
 from engine.sampling.errors import PLACEHOLDER_TOKEN, RowError
 from engine.sampling.logprobs import token_logprobs
 from engine.sampling.pipeline import TorchStages
+from engine.sampling.row_params import RowParams
 from engine.sampling.rows import expand_rows
+from engine.sampling.sample_output import SampleOutput
 from engine.sampling.sampler import SamplerConfig, sample
 from engine.sampling.verify import target_probs
-from graphs.step_fields import RowParams, SampleOutput
 from graphs.capture_safety import capture_safety_check
 from tests import numpy_sampler_reference as ref
 

@@ -16,8 +16,10 @@ import torch
 
 from engine import EngineConfig, SamplingParams
 from engine.loop.config import LoopConfig
-from engine.loop.decode_loop import DecodeLoop, generate
-from engine.models.llama import LlamaConfig, LlamaModel, random_weights
+from engine.loop.decode_loop import DecodeLoop
+from engine.loop.generate import generate
+from engine.models.llama import LlamaModel
+from engine.models.llama_weights import LlamaConfig, random_weights
 from engine.models.tokenizer import ByteChatMLTokenizer
 from tests.test_decode_loop import Boom, assert_no_trace, holds_nothing, loop_state
 from tests.test_stop_strings import reference as stop_reference
@@ -43,7 +45,7 @@ def soft_model(num_slots: int = 8) -> LlamaModel:
 def make_loop(model=None, tokenizer=TOKENIZER, **options) -> DecodeLoop:
     config = dict(max_num_reqs=4, token_budget=32)
     config.update(options)
-    return DecodeLoop(model or soft_model(), LoopConfig(**config), engine_config=EngineConfig(device="cpu"),
+    return DecodeLoop(model or soft_model(), LoopConfig(seed_base=0, **config), engine_config=EngineConfig(device="cpu"),
                       tokenizer=tokenizer)
 
 
@@ -76,7 +78,7 @@ def test_n_samples_are_keyed_by_request_and_index_and_generate_lists_them():
     done = loop.run()
     assert sorted(done, key=repr) == sorted([("a", 0), ("a", 1), ("a", 2), "b"], key=repr)
     assert [done[("a", j)].request_id for j in range(3)] == [("a", 0), ("a", 1), ("a", 2)]
-    listed = generate(soft_model(), [PROMPT, PROMPT[:5]], params, config=LoopConfig(max_num_reqs=4, token_budget=32),
+    listed = generate(soft_model(), [PROMPT, PROMPT[:5]], params, config=LoopConfig(seed_base=0, max_num_reqs=4, token_budget=32),
                       engine_config=EngineConfig(device="cpu"))
     assert isinstance(listed[0], list) and len(listed[0]) == 3 and not isinstance(listed[1], list)
     assert [c.tokens for c in listed[0]] == [done[("a", j)].tokens for j in range(3)]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine
-from engine.host.persistent_batch import DraftSlots
+from engine.host.draft_slots import DraftSlots
 
 VOCAB, HIDDEN, K = 96, 16, 3
 

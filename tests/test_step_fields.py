@@ -7,6 +7,7 @@ through the ledger into the `forced_tokens` field, reaches the emitted token.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from types import SimpleNamespace
 
 import numpy as np
@@ -15,12 +16,12 @@ import torch
 
 from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine, prepare_sampler_inputs
 from engine.cli.explain import explain
-from engine.host.columns import Columns, derive_seed
+from engine.host.columns import REQUEST_COLUMNS, ColumnViews, Columns, RecordColumns, derive_seed
 from engine.host.ledger import SamplerInputs
 from engine.host.step_fields import PARAM_FIELDS, STEP_FIELDS, StepField
+from engine.sampling.row_params import RowParams
 from engine.step.staging import StepArrays
-from graphs.static_buffers import StepBuffers
-from graphs.step_fields import RowParams
+from engine.step.static_buffers import StepBuffers, StepInputs
 
 MAX_REQS, MAX_DRAFTS, MAX_STOP = 4, 2, 3
 VOCAB, HIDDEN = 48, 8
@@ -126,6 +127,23 @@ def test_request_columns_and_ledger_parameter_arrays_come_from_the_declaration()
     assert [f.name for f in dataclasses.fields(StepArrays)] == [f.name for f in STEP_FIELDS] + ["draft_probs", "token_bitmask"]
 
 
+def test_the_written_out_types_hold_the_declared_fields():
+    """The types a declared field reaches are written out as classes (go-to-definition
+    finds `inputs.temperatures`); each holds exactly the declaration's fields, in its
+    order: the ledger's parameter arrays, the request columns' views, the staged host
+    arrays and the device views."""
+    params = [f.name for f in PARAM_FIELDS]
+    assert [f.name for f in dataclasses.fields(SamplerInputs)][: len(params)] == params
+    views = [name for name, value in vars(ColumnViews).items() if isinstance(value, property)]
+    assert views == [c.name for c in REQUEST_COLUMNS]
+    assert issubclass(Columns, ColumnViews) and issubclass(RecordColumns, ColumnViews)
+    names = [f.name for f in STEP_FIELDS]
+    assert [f.name for f in dataclasses.fields(StepArrays)][: len(names)] == names
+    assert [f.name for f in dataclasses.fields(StepInputs)] == names
+    b = _allocate(STEP_FIELDS)
+    assert type(b.inputs) is StepInputs and set(vars(b.inputs)) == set(names)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_field_added_to_the_declaration_is_staged_viewed_padded_and_explained(device: str):
     """Buffers for the declaration plus two new fields: typed views, staging,
@@ -154,10 +172,14 @@ def test_a_field_added_to_the_declaration_is_staged_viewed_padded_and_explained(
     assert {f.name for f in dataclasses.fields(params)} == {f.name for f in dataclasses.fields(RowParams)}
     assert params.temperatures.data_ptr() == b.inputs.temperatures.data_ptr() and len(params.temperatures) == 2
     assert len(params.forced_tokens) == b.rows_for(2)
-    text = explain(seqs, max_draft_tokens=MAX_DRAFTS, step_fields=declared)
+    lines = explain(seqs, max_draft_tokens=MAX_DRAFTS, step_fields=declared).splitlines()
     for f in EXTRA:
-        line = next(line for line in text.splitlines() if line.startswith(f.name + " "))
-        assert f.meaning in line and f.source in line and f.stage in line and str(f.padding) in line
+        # A field's row, then what it means on the indented lines under it (the table wraps by row).
+        at = next(i for i, line in enumerate(lines) if line.startswith(f.name + " "))
+        under = itertools.takewhile(lambda line: line.startswith(" "), lines[at + 1 :])
+        block = " ".join(" ".join([lines[at], *under]).split())
+        assert " ".join(f.meaning.split()) in block and f.source in block and f.stage in block
+        assert str(f.padding) in lines[at]
 
 
 def test_padding_values_come_from_the_declaration():
@@ -300,6 +322,7 @@ def test_an_out_of_vocabulary_forced_token_names_the_request():
 
 
 def test_explain_shows_the_forced_tokens():
-    text = explain([_decode("a", 1, forced=7), _decode("b")], max_draft_tokens=MAX_DRAFTS)
-    line = next(line for line in text.splitlines() if line.startswith("forced_tokens "))
-    assert "7 -1 -1" in line
+    lines = explain([_decode("a", 1, forced=7), _decode("b")], max_draft_tokens=MAX_DRAFTS).splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("forced_tokens "))
+    under = " ".join(" ".join(lines[at + 1 : at + 3]).split())  # this step's values, under the field's row
+    assert "this step: 7 -1 -1" in under

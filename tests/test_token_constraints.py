@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine
-from engine.host.persistent_batch import PersistentBatch
 from engine.host.token_constraints import TokenConstraints
 from engine.models.tokenizer import ByteChatMLTokenizer
+from engine.step.batch import PersistentBatch
 
 BYTE_VOCAB, BYTE_EOS = 264, 257  # the byte tokenizer's 258 ids, padded like a model's vocabulary
 WORDS = -(-BYTE_VOCAB // 32)
@@ -183,6 +183,11 @@ def test_errors_at_submission_name_the_request_and_the_field_and_change_nothing(
     with pytest.raises(ValueError, match=r"request 'b': params.bad_words\[1\]=\(2, 64\): token 64 is outside the vocabulary"):
         batch.add("b", [3], SamplingParams(bad_words=((5,), (2, 64))))
     assert len(batch) == 0 and not batch._constrained.any()
+    decoding_only = PersistentBatch(small_engine(), tokenizer=object())  # no grammar_vocabulary
+    with pytest.raises(ValueError, match=r"request 'a': params.regex: .*needs a tokenizer with grammar_vocabulary\(\) "
+                                         r"\(GrammarTokenizer\), got a object"):
+        decoding_only.add("a", [3], SamplingParams(regex="ab"))
+    assert len(decoding_only) == 0
     bytes_batch = PersistentBatch(small_engine(), tokenizer=ByteChatMLTokenizer())
     for kind, text, says in (("regex", "a(", "parenthesis"), ("json_schema", '{"type": "nope"}', "nope"),
                              ("grammar", "root ::= foo", "foo")):
@@ -235,14 +240,15 @@ def test_a_failed_loop_step_rolls_the_constraints_back():
     its tokens were recorded is undone and redone; the completions equal a clean run."""
     from engine.loop.config import LoopConfig
     from engine.loop.decode_loop import DecodeLoop
-    from engine.models.llama import LlamaConfig, LlamaModel
+    from engine.models.llama import LlamaModel
+    from engine.models.llama_weights import LlamaConfig
 
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=12,
                             bad_words=tuple((t,) for t in range(0, 256, 2)) + ((5, 7), (9, 11, 13)))
 
     def run(fail_at: set[int]) -> list[int]:
         model = LlamaModel.random(LlamaConfig.tiny(), seed=0, num_slots=2, batch_invariant=True)
-        loop = DecodeLoop(model, LoopConfig(max_num_reqs=2, max_draft_tokens=2), engine_config=EngineConfig(use_graphs=False),
+        loop = DecodeLoop(model, LoopConfig(seed_base=0, max_num_reqs=2, max_draft_tokens=2), engine_config=EngineConfig(use_graphs=False),
                           capture=False)
         record, calls = loop.batch.record, [0]
 
@@ -266,3 +272,67 @@ def test_a_failed_loop_step_rolls_the_constraints_back():
     clean = run(set())
     assert all(t % 2 for t in clean)
     assert run({2, 3, 6}) == clean
+
+
+def small_bpe():
+    """A byte-level BPE of ten tokens (two of them ChatML specials), built by the loader's own
+    `bpe_tokenizer` as a GGUF vocabulary would be."""
+    from engine.models.tokenizer import bpe_tokenizer
+
+    tokens = ["<|im_start|>", "<|im_end|>", "a", "b", "c", "Ġ", "ab", "Ġb", "Ġa", "abc"]
+    return bpe_tokenizer(tokens, ["a b", "Ġ b", "Ġ a", "ab c"], [3, 3] + [1] * 8)
+
+
+@pytest.mark.parametrize("wrap", ["chatml", "plain", "transformers"])
+def test_every_tokenizer_reads_its_byte_level_vocabulary_as_xgrammar_reads_a_transformers_one(wrap):
+    """The masks of a regex through each of our tokenizers over one byte-level BPE equal the
+    masks of a matcher over xgrammar's own reading of the transformers tokenizer
+    (`TokenizerInfo.from_huggingface`), step by step along every path the grammar allows."""
+    transformers = pytest.importorskip("transformers")
+    from engine.models.tokenizer import ChatMLTokenizer, HFChatTokenizer, PlainTokenizer
+
+    vocab, eos, regex = 16, 1, "(ab|c)( a| b)?c"
+    raw = small_bpe()
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>")
+    tokenizer = {"chatml": lambda: ChatMLTokenizer(raw), "plain": lambda: PlainTokenizer(raw, eos),
+                 "transformers": lambda: HFChatTokenizer(hf)}[wrap]()
+    info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab, stop_token_ids=[eos])
+    compiled = xgr.GrammarCompiler(info, max_threads=1).compile_regex(regex)
+
+    def mask(matcher: xgr.GrammarMatcher) -> np.ndarray:
+        out = torch.full((1, 1), -1, dtype=torch.int32)
+        matcher.fill_next_token_bitmask(out)
+        return out.numpy()[0]
+
+    constraints = TokenConstraints(vocab, tokenizer, eos)
+    paths, seen = [[]], 0
+    while paths:
+        path = paths.pop()
+        reference = xgr.GrammarMatcher(compiled)
+        assert all(reference.accept_token(t) for t in path)
+        if reference.is_terminated():
+            continue
+        want = mask(reference)
+        constraint = constraints.make("r", SamplingParams(regex=regex))
+        constraint.advance(path)
+        got = np.full((1, 1), -1, dtype=np.int32)
+        constraint.fill(got, ())
+        ids = (1 << vocab) - 1  # the word's bits past the vocabulary are no token
+        assert int(got[0, 0]) & ids == int(want[0]) & ids, f"after {path}"
+        seen += 1
+        paths += [path + [t] for t in range(vocab) if (int(want[0]) >> t) & 1 and t != eos]
+    assert seen >= 6  # the walk reached past the first tokens
+
+
+def test_a_tokenizer_that_is_not_byte_level_is_refused_for_structured_output_naming_the_request():
+    from tokenizers import Tokenizer, models
+
+    from engine.models.tokenizer import PlainTokenizer
+
+    words = PlainTokenizer(Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]")), 1)
+    batch = PersistentBatch(small_engine(), tokenizer=words)
+    with pytest.raises(ValueError, match=r"request 'a': params.regex: tokenizer: its decoder is None; structured "
+                                         r"output reads byte-level BPE vocabularies"):
+        batch.add("a", [3], SamplingParams(regex="ab"))
+    assert len(batch) == 0
+    batch.add("b", [3], SamplingParams(bad_words=((2,),)))  # bad words need no vocabulary

@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 from engine.sampling.exact import sample_exact, sample_reference
 from engine.sampling.filters import top_k_mask
+from engine.sampling.row_params import RowParams
+from engine.sampling.sample_output import SampleOutput
 from engine.sampling.sampler import SamplerConfig, sample
-from graphs.step_fields import RowParams, SampleOutput
 from engine.sampling.verify import (
     accept_strict,
     draft_in_top_k,

@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from engine import EngineConfig, SamplingParams, StepEngine
-from engine.host.persistent_batch import PersistentBatch
+from engine.step.batch import PersistentBatch
 from engine.sampling.candidates import decide_on_candidates
 from engine.sampling.exact import kept_sets, sample_reference
+from engine.sampling.row_params import RowParams
 from engine.sampling.rows import expand_rows
 from engine.sampling.sampler import SamplerConfig, sample
 from engine.sampling.suppression import suppression_and_shift
 from engine.sampling.verify import target_probs
-from graphs.step_fields import RowParams
 from tests import numpy_sampler_reference as ref
 
 

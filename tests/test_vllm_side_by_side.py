@@ -35,7 +35,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, SamplingParams, StepEngine
-from engine.host.persistent_batch import PersistentBatch
+from engine.step.batch import PersistentBatch
 from engine.sampling.sampler import SamplerConfig
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,

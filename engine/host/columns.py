@@ -69,7 +69,36 @@ _PLACED: tuple[tuple[int, int, Column], ...] = tuple(
 _LOCATION: dict[str, tuple[int, int]] = {col.name: (g, j) for g, j, col in _PLACED}
 
 
-class Columns:
+def _column_view(name: str) -> property:
+    return property(lambda self: self.column(name), doc=f"the {name} column of every request (a view)")
+
+
+class ColumnViews:
+    """The request columns a ledger reads, one property per declared column: `cols.temperatures`
+    is a view, nothing copied. `Columns` keeps them in per-dtype groups (the persistent table);
+    `RecordColumns` reads them from a batch's packed SeqMeta records."""
+
+    __slots__ = ()
+
+    # One view per declared column, in REQUEST_COLUMNS' order (tests/test_step_fields.py holds them equal).
+    prompt_len = _column_view("prompt_len")
+    num_generated = _column_view("num_generated")
+    min_tokens = _column_view("min_tokens")
+    num_logprobs = _column_view("num_logprobs")
+    num_prompt_logprobs = _column_view("num_prompt_logprobs")
+    mtp_write_slot = _column_view("mtp_write_slot")
+    temperatures = _column_view("temperatures")
+    top_ks = _column_view("top_ks")
+    top_ps = _column_view("top_ps")
+    min_ps = _column_view("min_ps")
+    seeds = _column_view("seeds")
+
+    def column(self, name: str) -> np.ndarray:
+        """[n] the declared column `name` of every request (a view)."""
+        raise NotImplementedError
+
+
+class Columns(ColumnViews):
     """Per-request columns for `n` requests: one [n, width] array per dtype.
 
     `cols.temperatures` is a column view (no copy). `take(index)` gathers rows
@@ -111,16 +140,32 @@ class Columns:
     def take(self, index: np.ndarray) -> Columns:
         return Columns(tuple(g[index] for g in self.groups))
 
+    def column(self, name: str) -> np.ndarray:
+        g, j = _LOCATION[name]
+        return self.groups[g][:, j]
+
     def __len__(self) -> int:
         return self.groups[0].shape[0]
 
 
+class RecordColumns(ColumnViews):
+    """The request columns of a batch read straight from its SeqMeta records (`SEQ_RECORD`,
+    engine/host/params.py, writable): `cols.temperatures` is the records' field, a strided
+    view, nothing copied. A request that brought no seed gets the derived one written into
+    its record's copy. Read by `prepare_sampler_inputs`; the persistent table keeps `Columns`."""
 
-def _column_view(g: int, j: int) -> property:
-    return property(lambda self: self.groups[g][:, j], doc=f"column {j} of dtype group {g} (a view)")
+    __slots__ = ("records",)
 
+    def __init__(self, records: np.ndarray, request_ids: Sequence[Hashable], seed_base: int = 0):
+        self.records = records
+        unseeded = np.flatnonzero(~records["has_seed"])
+        if len(unseeded):
+            seeds = records["seeds"]
+            for i in unseeded.tolist():
+                seeds[i] = derive_seed(request_ids[i], seed_base)
 
-# One read-only property per declared column (`cols.temperatures`), made here
-# so a new column needs no edit in this class.
-for _name, (_g, _j) in _LOCATION.items():
-    setattr(Columns, _name, _column_view(_g, _j))
+    def column(self, name: str) -> np.ndarray:
+        return self.records[name]
+
+    def __len__(self) -> int:
+        return len(self.records)

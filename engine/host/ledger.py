@@ -15,14 +15,19 @@ Cursors, in array form:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, make_dataclass
+from dataclasses import dataclass, fields
+from operator import attrgetter
 from typing import Hashable, Sequence
 
 import numpy as np
 
-from engine.host.columns import Columns
-from engine.host.params import SeqMeta
+from engine.host.columns import ColumnViews, Columns, RecordColumns
+from engine.host.params import SEQ_RECORD, SeqMeta
 from engine.host.step_fields import PARAM_FIELDS
+
+
+_LEDGER_RECORD = attrgetter("ledger_record")
+_REQUEST_ID = attrgetter("request_id")
 
 
 class LedgerInvariantError(RuntimeError):
@@ -42,6 +47,23 @@ class StepSchedule:
     forced_tokens: np.ndarray | None = None  # [n] int64, -1 = none; None: no request has one
 
     @classmethod
+    def from_records(
+        cls, records: np.ndarray, request_ids: Sequence[Hashable], seqs: Sequence[SeqMeta]
+    ) -> StepSchedule:
+        """From the batch's SeqMeta records (`SEQ_RECORD`, writable): the columns are views
+        into them; prompt tokens are read from `seqs` only where prompt-logprob targets need them."""
+        forced = records["forced_token"]
+        return cls(
+            request_ids=request_ids,
+            is_prompt=records["is_prompt"],
+            seqlen_q=records["seqlen_q"],
+            seqlen_k=records["seqlen_k"],
+            mtp_read_slot=records["mtp_read_slot"],
+            prompt_tokens=_PromptTokens(seqs),
+            forced_tokens=forced if (forced >= 0).any() else None,
+        )
+
+    @classmethod
     def from_seqs(cls, seqs: Sequence[SeqMeta]) -> StepSchedule:
         forced = [s.forced_token for s in seqs]
         return cls(
@@ -56,18 +78,35 @@ class StepSchedule:
         )
 
 
-# The sampling parameters, one [n] array per request column of the step-field
-# declaration (temperatures float32, top_ks int32, top_ps, min_ps, seeds uint64).
-_ParameterArrays = make_dataclass("_ParameterArrays", [(f.name, np.ndarray) for f in PARAM_FIELDS])
+class _PromptTokens:
+    """`seqs[i].prompt_tokens`, read only when indexed (only prompt-logprob rows read them)."""
+
+    __slots__ = ("_seqs",)
+
+    def __init__(self, seqs: Sequence[SeqMeta]):
+        self._seqs = seqs
+
+    def __getitem__(self, i: int) -> Sequence[int] | None:
+        return self._seqs[i].prompt_tokens
+
+    def __len__(self) -> int:
+        return len(self._seqs)
 
 
 @dataclass
-class SamplerInputs(_ParameterArrays):
+class SamplerInputs:
     """The ledger's outputs (docs/contract.md §1 table) plus the per-request layout the
     engine needs to cut results back into requests. Host numpy arrays. The
     parameter arrays (`temperatures`, `top_ks`, `top_ps`, `min_ps`, `seeds`)
     are the request columns of the step-field declaration, passed through."""
 
+    # The sampling parameters: PARAM_FIELDS of the declaration, in its order
+    # (tests/test_step_fields.py holds them equal).
+    temperatures: np.ndarray  # [n] float32
+    top_ks: np.ndarray  # [n] int32
+    top_ps: np.ndarray  # [n] float32
+    min_ps: np.ndarray  # [n] float32
+    seeds: np.ndarray  # [n] uint64
     selected_token_indices: np.ndarray  # [sample_rows] int32: model-output row of each sample row
     selected_prompt_indices: np.ndarray | None  # [prompt_rows] int32
     prompt_token_targets: np.ndarray | None  # [prompt_rows] int32
@@ -125,7 +164,7 @@ class SamplerInputs(_ParameterArrays):
 
 def validate_batch(
     schedule: StepSchedule,
-    cols: Columns,
+    cols: ColumnViews,
     *,
     max_draft_tokens: int,
     compaction_keep_tokens: int | None,
@@ -222,7 +261,7 @@ def draft_read_rows(
 
 def build_ledger(
     schedule: StepSchedule,
-    cols: Columns,
+    cols: ColumnViews,
     *,
     max_draft_tokens: int = 0,
     compaction_keep_tokens: int | None = None,
@@ -334,7 +373,7 @@ def build_ledger(
 
 def _prompt_rows(
     schedule: StepSchedule,
-    cols: Columns,
+    cols: ColumnViews,
     out_offsets: np.ndarray,
     is_last_chunk: np.ndarray,
     n: int,
@@ -392,15 +431,22 @@ def prepare_sampler_inputs(
     between calls.
 
     The engine keeps per-request state in a persistent `RequestTable`
-    (engine/host/persistent_batch.py) and runs the same vectorised walk.
+    (engine/host/request_table.py) and runs the same vectorised walk.
     `seed_base` salts the seeds given to requests that brought none;
     `draft_pool=False`: no draft-info pool, write slots may be 0 (see `validate_batch`).
     """
-    for seq in seqs:
-        if not isinstance(seq, SeqMeta):
-            raise TypeError(f"expected SeqMeta, got {type(seq).__name__}: {seq!r}")
-    schedule = StepSchedule.from_seqs(seqs)
-    cols = Columns.from_seqs(seqs, seed_base)
+    # One read of the whole batch: the records each SeqMeta packed when it was built (into a
+    # bytearray: the schedule's columns are writable views of them).
+    try:
+        records = np.frombuffer(bytearray(b"".join(map(_LEDGER_RECORD, seqs))), dtype=SEQ_RECORD)
+        request_ids = list(map(_REQUEST_ID, seqs))
+    except (AttributeError, TypeError):
+        records = None
+    if records is None or len(records) != len(seqs):
+        bad = next(seq for seq in seqs if not isinstance(seq, SeqMeta))
+        raise TypeError(f"expected SeqMeta, got {type(bad).__name__}: {bad!r}")
+    schedule = StepSchedule.from_records(records, request_ids, seqs)
+    cols = RecordColumns(records, request_ids, seed_base)
     validate_batch(schedule, cols, max_draft_tokens=max_draft_tokens, compaction_keep_tokens=compaction_keep_tokens,
                    draft_pool=draft_pool)
     return build_ledger(

@@ -9,17 +9,72 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from engine.host.step_fields import PARAM_FIELDS
+
 INT32_MAX = 2**31 - 1
 UINT64_MAX = 2**64 - 1
 PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty, as vLLM
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # each logit_bias value, as OpenAI and vLLM
 STRUCTURED_FIELDS = ("json_schema", "regex", "grammar")
+
+
+def _record_layout(fields: Sequence[tuple[str, str]]) -> tuple[np.dtype, struct.Struct]:
+    """A numpy record dtype with its fields aligned (so a field of a batch of records is an
+    aligned, strided view) and the `struct` that writes one record of it, padding included."""
+    codes = {"b1": "?", "i1": "b", "u1": "B", "i2": "h", "u2": "H", "i4": "i", "u4": "I", "i8": "q", "u8": "Q",
+             "f4": "f", "f8": "d"}
+    dtype = np.dtype([(name, np.dtype(kind).newbyteorder("<")) for name, kind in fields], align=True)
+    layout, end = "<", 0
+    for name, kind in fields:
+        offset = dtype.fields[name][1]
+        layout += "x" * (offset - end) + codes[np.dtype(kind).str[1:]]
+        end = offset + np.dtype(kind).itemsize
+    packer = struct.Struct(layout + "x" * (dtype.itemsize - end))
+    assert packer.size == dtype.itemsize
+    return dtype, packer
+
+
+# `prepare_sampler_inputs` reads a batch of SeqMeta as one numpy record array: each
+# SamplingParams and each SeqMeta packs its record when it is built (after validation),
+# and the batch is the records joined. The fields are named as the ledger and the request
+# columns (engine/host/columns.py) name them; the sampling parameters are the step-field
+# declaration's (`PARAM_FIELDS`: temperatures, top_ks, ...), so a parameter declared there
+# is packed with no edit here. `has_seed` says whether `seeds` holds the request's own seed.
+PARAMS_RECORD, _PARAMS_PACKER = _record_layout((
+    ("min_tokens", "i4"), ("num_logprobs", "i4"), ("num_prompt_logprobs", "i4"),
+    *((f.name, np.dtype(f.dtype).str[1:]) for f in PARAM_FIELDS), ("has_seed", "b1"),
+))
+_SEQ_PART, _SEQ_PACKER = _record_layout((
+    ("is_prompt", "b1"), ("seqlen_q", "i4"), ("seqlen_k", "i4"), ("prompt_len", "i4"), ("num_generated", "i4"),
+    ("mtp_read_slot", "i4"), ("mtp_write_slot", "i4"), ("forced_token", "i8"),  # -1: none
+))
+_FLOAT_FIELDS = tuple(name for name in PARAMS_RECORD.names if PARAMS_RECORD.fields[name][0].kind == "f")
+# The two parts' records back to back; each part's size is a multiple of its largest field
+# (8 bytes), so the params part stays aligned after the request's part.
+SEQ_RECORD = np.dtype({
+    "names": [*_SEQ_PART.names, *PARAMS_RECORD.names],
+    "formats": [*(_SEQ_PART.fields[n][0] for n in _SEQ_PART.names),
+                *(PARAMS_RECORD.fields[n][0] for n in PARAMS_RECORD.names)],
+    "offsets": [*(_SEQ_PART.fields[n][1] for n in _SEQ_PART.names),
+                *(_SEQ_PART.itemsize + PARAMS_RECORD.fields[n][1] for n in PARAMS_RECORD.names)],
+    "itemsize": _SEQ_PART.itemsize + PARAMS_RECORD.itemsize,
+}, align=True)
+
+
+def _set_state(obj: object, state: tuple[dict, dict | None]) -> None:
+    """copy / pickle of a frozen dataclass whose record sits in a slot: its fields into the
+    instance dict, its slots set past the frozen `__setattr__`."""
+    fields_state, slots_state = state
+    obj.__dict__.update(fields_state)
+    for name, value in (slots_state or {}).items():
+        object.__setattr__(obj, name, value)
 
 
 def _is_int(value: object) -> bool:
@@ -51,7 +106,16 @@ class SamplingParams:
     - `json_schema` (a JSON schema as text or a dict), `regex`, `grammar`
       (EBNF): structured output through xgrammar; at most one of the three.
     Checks that need the vocabulary or a tokenizer run at submission.
+    `ledger_record` (bytes, not a field): the values the ledger reads, packed once the
+    fields are validated.
     """
+
+    # The record lives in a slot, outside the instance dict: `vars(params)` holds the fields
+    # only, so `SamplingParams(**vars(params))` still rebuilds the same parameters.
+    __slots__ = ("ledger_record", "__dict__", "__weakref__")
+
+    def __setstate__(self, state: tuple[dict, dict | None]) -> None:
+        _set_state(self, state)
 
     temperature: float = 1.0
     top_k: int = 0
@@ -88,6 +152,15 @@ class SamplingParams:
         problem = self.problem()
         if problem:
             raise ValueError(problem)
+        values = {"min_tokens": self.min_tokens, "num_logprobs": self.num_logprobs,
+                  "num_prompt_logprobs": self.num_prompt_logprobs, "has_seed": self.seed is not None,
+                  **{f.name: getattr(self, f.param) for f in PARAM_FIELDS}}
+        values["seeds"] = self.seed or 0
+        with np.errstate(over="ignore"):  # a finite temperature past float32's range is inf there, as staged
+            for name in _FLOAT_FIELDS:
+                values[name] = np.float32(values[name]).item()
+        # Not a field: these parameters as one `PARAMS_RECORD`, what the ledger reads.
+        object.__setattr__(self, "ledger_record", _PARAMS_PACKER.pack(*(values[name] for name in PARAMS_RECORD.names)))
 
     def _normalise(self) -> str | None:
         """Copy the container fields into immutable forms (a caller's later
@@ -124,6 +197,12 @@ class SamplingParams:
                 object.__setattr__(self, "json_schema", json.dumps(schema))
             except (TypeError, ValueError) as e:
                 return f"json_schema={schema!r}: not serialisable as JSON ({e})"
+        elif isinstance(schema, str) and schema.strip():
+            # The syntax is checked here; whether xgrammar can compile the schema, at submission.
+            try:
+                json.loads(schema)
+            except ValueError as e:
+                return f"json_schema={schema!r}: not valid JSON ({e})"
         return None
 
     def problem(self) -> str | None:
@@ -141,17 +220,17 @@ class SamplingParams:
             return f"min_p={m!r}: must lie in [0, 1]"
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= UINT64_MAX):
             return f"seed={self.seed!r}: must be None or an int in [0, 2**64)"
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            return f"min_tokens={self.min_tokens!r}: must be an int >= 0"
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT32_MAX:
+            return f"min_tokens={self.min_tokens!r}: must be an int in [0, 2**31)"
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             return f"max_tokens={self.max_tokens!r}: must be None or an int >= 1"
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             return f"min_tokens={self.min_tokens!r}: exceeds max_tokens={self.max_tokens!r}"
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            return f"logprobs={self.logprobs!r}: must be None or an int >= 0 (top-N alternatives)"
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= INT32_MAX):
+            return f"logprobs={self.logprobs!r}: must be None or an int in [0, 2**31) (top-N alternatives)"
         pl = self.prompt_logprobs
-        if not (pl is None or isinstance(pl, bool) or (_is_int(pl) and pl >= 0)):
-            return f"prompt_logprobs={pl!r}: must be a bool or an int >= 0 (top-N alternatives)"
+        if not (pl is None or isinstance(pl, bool) or (_is_int(pl) and 0 <= pl <= INT32_MAX)):
+            return f"prompt_logprobs={pl!r}: must be a bool or an int in [0, 2**31) (top-N alternatives)"
         for tok in self.stop_token_ids:
             if not _is_int(tok) or not 0 <= tok <= INT32_MAX:
                 return f"stop_token_ids={self.stop_token_ids!r}: token {tok!r} is not an int32 token id >= 0"
@@ -243,8 +322,14 @@ class SeqMeta:
     `seqlen_q = 1 + drafts`; the first query token is the last generated one.
     `forced_token`: the token the request's first sample row emits this step
     whatever its logits say (a "golden" token, docs/contract.md §2); None = sample.
-    The engine checks it lies inside the vocabulary.
+    The engine checks it lies inside the vocabulary. `ledger_record` (bytes, not a
+    field): the values the ledger reads, packed once the fields are validated.
     """
+
+    __slots__ = ("ledger_record", "__dict__", "__weakref__")  # the record outside vars(seq), as SamplingParams
+
+    def __setstate__(self, state: tuple[dict, dict | None]) -> None:
+        _set_state(self, state)
 
     request_id: Hashable
     is_prompt: bool
@@ -262,6 +347,12 @@ class SeqMeta:
         problem = self.problem()
         if problem:
             raise ValueError(f"request {self.request_id!r}: {problem}")
+        forced = -1 if self.forced_token is None else self.forced_token
+        # Not a field: this view of the step as one `SEQ_RECORD`; a batch of them joined is
+        # what `prepare_sampler_inputs` reads, in one go.
+        object.__setattr__(self, "ledger_record", _SEQ_PACKER.pack(
+            self.is_prompt, self.seqlen_q, self.seqlen_k, self.prompt_len, self.num_generated, self.mtp_read_slot,
+            self.mtp_write_slot, forced) + self.params.ledger_record)
 
     def problem(self) -> str | None:
         """The first invalid field as 'field=value: why', or None when valid."""

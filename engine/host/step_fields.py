@@ -115,3 +115,5 @@ STEP_FIELDS: tuple[StepField, ...] = (
 PARAM_FIELDS: tuple[StepField, ...] = tuple(f for f in STEP_FIELDS if f.param is not None)
 # What `SamplerInputs` hands straight to the staging (`StepArrays.from_inputs`).
 FROM_LEDGER_FIELDS: tuple[StepField, ...] = tuple(f for f in STEP_FIELDS if f.from_ledger)
+# A `row_drafts` value: the row's draft is read from the draft-info pool inside the graph.
+READ_FROM_POOL = -2

@@ -26,7 +26,7 @@ structured request.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any, Hashable, Sequence
+from typing import TYPE_CHECKING, Hashable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -51,30 +51,20 @@ def ban_token(row: np.ndarray, token: int) -> None:
     words[token >> 5] &= np.uint32(~(1 << (token & 31)) & 0xFFFFFFFF)
 
 
-def _encoded_vocabulary(tokenizer: Any, vocab_size: int) -> tuple[list[str] | list[bytes], str]:
-    """The vocabulary as xgrammar's TokenizerInfo takes it, and its vocab type name.
+@runtime_checkable
+class GrammarTokenizer(Protocol):
+    """What structured output needs of a tokenizer: its vocabulary as xgrammar reads it
+    (`ChatMLTokenizer`, `ByteChatMLTokenizer` and `PlainTokenizer` of engine/models/tokenizer.py
+    and `HFChatTokenizer` (over a transformers tokenizer) implement it)."""
 
-    A `tokenizers.Tokenizer`-backed byte-level BPE (`ChatMLTokenizer`) gives
-    its encoded tokens ("Ġword"); the byte tokenizer of the demo gives raw
-    bytes. Special tokens (`<|im_end|>`, ...) and ids past the tokenizer get
-    an empty string, which xgrammar never lets a grammar produce as text (a
-    stop id stays allowed where the grammar may end)."""
-    from engine.models.tokenizer import ByteChatMLTokenizer
-
-    encoded: list = [""] * vocab_size
-    if isinstance(tokenizer, ByteChatMLTokenizer):
-        for i in range(min(256, vocab_size)):
-            encoded[i] = bytes([i])
-        return encoded, "RAW"
-    inner = getattr(tokenizer, "tokenizer", None)
-    if inner is None or not hasattr(inner, "get_added_tokens_decoder"):
-        raise ValueError(f"tokenizer: a {type(tokenizer).__name__}; structured output needs a ChatMLTokenizer "
-                         "(a byte-level BPE over tokenizers.Tokenizer) or a ByteChatMLTokenizer")
-    special = {i for i, added in inner.get_added_tokens_decoder().items() if added.special}
-    for token, i in inner.get_vocab(with_added_tokens=True).items():
-        if i < vocab_size and i not in special:
-            encoded[i] = token
-    return encoded, "BYTE_LEVEL"
+    def grammar_vocabulary(self, vocab_size: int) -> tuple[list[str] | list[bytes], str]:
+        """(tokens, vocab type) for xgrammar's `TokenizerInfo`: per id below `vocab_size`
+        (the model's, which may exceed the tokenizer's) the token as the vocab type encodes
+        it ("RAW": raw bytes; "BYTE_LEVEL": a byte-level BPE's encoded string, "Ġword").
+        Special tokens (`<|im_end|>`, ...) and ids past the tokenizer get an empty string,
+        which xgrammar never lets a grammar produce as text (a stop id stays allowed where
+        the grammar may end)."""
+        ...
 
 
 class GrammarCache:
@@ -84,10 +74,10 @@ class GrammarCache:
     `vocab_size` is the model's (the logits' width), which may exceed the
     tokenizer's; `stop_token_ids` end a complete grammar (the model's EOS)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: GrammarTokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
         import xgrammar as xgr
 
-        encoded, vocab_type = _encoded_vocabulary(tokenizer, vocab_size)
+        encoded, vocab_type = tokenizer.grammar_vocabulary(vocab_size)
         self.stop_token_ids = [int(t) for t in stop_token_ids]
         self.info = xgr.TokenizerInfo(encoded, xgr.VocabType[vocab_type], vocab_size=vocab_size,
                                       stop_token_ids=self.stop_token_ids)
@@ -221,7 +211,7 @@ class TokenConstraints:
     engine's EOS, which ends a complete grammar together with the request's
     own stop_token_ids."""
 
-    def __init__(self, vocab_size: int, tokenizer: Any | None = None, eos_token_id: int | None = None) -> None:
+    def __init__(self, vocab_size: int, tokenizer: object | None = None, eos_token_id: int | None = None) -> None:
         self.vocab_size = vocab_size
         self.words = bitmask_words(vocab_size)
         self.tokenizer = tokenizer
@@ -248,14 +238,21 @@ class TokenConstraints:
             if self.tokenizer is None:
                 raise ValueError(f"request {request_id!r}: params.{kind}: structured output needs a tokenizer: "
                                  "PersistentBatch(..., tokenizer=)")
+            if not isinstance(self.tokenizer, GrammarTokenizer):
+                raise ValueError(f"request {request_id!r}: params.{kind}: structured output needs a tokenizer with "
+                                 f"grammar_vocabulary() (GrammarTokenizer), got a {type(self.tokenizer).__name__}")
             if not stops:
                 raise ValueError(f"request {request_id!r}: params.{kind}: structured output needs a stop id to end "
                                  "on (EngineConfig.eos_token_id, or params.stop_token_ids)")
-            grammars = self.grammars()
+            try:
+                grammars = self.grammars()
+            except ValueError as err:  # the tokenizer's vocabulary is not one xgrammar can read
+                raise ValueError(f"request {request_id!r}: params.{kind}: {err}") from None
             matcher = grammars.matcher(grammars.compiled(request_id, kind, text), stops)
         return TokenConstraint(matcher, params.bad_words or (), stops)
 
     def grammars(self) -> GrammarCache:
+        """The grammar cache over `tokenizer` (a `GrammarTokenizer`), made on first use."""
         if self._grammars is None:
             stops = [] if self.eos_token_id is None else [self.eos_token_id]
             self._grammars = GrammarCache(self.tokenizer, self.vocab_size, stops)

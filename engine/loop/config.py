@@ -32,10 +32,19 @@ class LoopConfig:
     # while the request ahead of it that shares it prefills it.
     prefix_sharing: bool = True
     min_shared_prefix: int = 16
+    # Seeds of requests that bring none. None (the default): each gets a fresh one from the
+    # OS's entropy when it is submitted, reported in `Completion.seed` (rerun with it to
+    # reproduce the completion). An int: fully reproducible runs; the engine derives each
+    # seed from this base and the request id (`EngineConfig.seed_base`), the same every run.
+    seed_base: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefix_sharing, bool):
             raise ValueError(f"LoopConfig.prefix_sharing={self.prefix_sharing!r}: must be a bool")
+        if self.seed_base is not None and (isinstance(self.seed_base, bool) or not isinstance(self.seed_base, int)
+                                           or not 0 <= self.seed_base < 2**64):
+            raise ValueError(f"LoopConfig.seed_base={self.seed_base!r}: must be None (fresh seeds) or an int in "
+                             "[0, 2**64)")
         for name, minimum in (("max_num_reqs", 1), ("token_budget", 1), ("max_draft_tokens", 0),
                               ("ngram_max", 1), ("default_max_tokens", 1), ("min_shared_prefix", 1)):
             value = getattr(self, name)
@@ -70,7 +79,7 @@ def engine_config_for(config: LoopConfig, model: CausalLM, engine_config: Engine
     loop's largest step, `eos_token_id` from the model, `draft_pool_slots=1`
     (no draft-info pool: the loop's n-gram drafts go in as `draft_tokens`),
     `max_control_slots` to `max_num_reqs` (every request may use penalties,
-    logit bias or allowed tokens).
+    logit bias or allowed tokens), `seed_base` from `LoopConfig.seed_base`.
     Everything else (device, graphs, buckets, sampler, seeds) is the
     caller's. **Raises** ValueError naming a field whose value the loop
     cannot honour, the value and what the loop needs.
@@ -96,6 +105,10 @@ def engine_config_for(config: LoopConfig, model: CausalLM, engine_config: Engine
                                    "running request)"),
         "compaction_keep_tokens": _Need(None, lambda v: v is None,
                                         "None: the loop's model produces a row for every query token"),
+        # The loop owns the choice between fresh and derived seeds (LoopConfig.seed_base).
+        "seed_base": _Need(config.seed_base or 0, lambda v: v == config.seed_base,
+                           f"the seed base from LoopConfig(seed_base=...) (now {config.seed_base!r}; None draws fresh "
+                           "seeds at submission): set it there"),
     }
     defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.name in needs}
     filled = {}

@@ -32,24 +32,25 @@ import dataclasses
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Iterable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import numpy as np
 import torch
 
 from engine.host.params import SamplingParams
-from engine.host.persistent_batch import BatchStep, PersistentBatch
 from engine.loop.config import LoopConfig, engine_config_for
-from engine.loop.requests import (Completion, RunningRequest, StepEvent, check_request_id, checked_prompt,
+from engine.loop.requests import (Completion, RunningRequest, StepEvent, check_request_id, fresh_seed,
                                   sibling_seed)
 from engine.loop.scheduler import ScheduledRequest, choose_shared_prefix, common_prefix_length, schedule
 from engine.loop.stop_strings import OutputText, StopMatch
+from engine.loop.submission import Submission, check_submission
 from engine.models.protocol import CausalLM, ChatTokenizer, ForwardBatch, PrefixCopy
+from engine.step.batch import BatchStep, PersistentBatch
 from engine.step.checkpoint import EngineCheckpoint
 from engine.step.config import EngineConfig
 from engine.step.outputs import StepOutput
 from engine.step.step_engine import StepEngine
-from profiling.ranges import stage
+from engine.trace import stage
 
 
 @dataclass
@@ -117,6 +118,7 @@ class DecodeLoop:
         self._known: set[Hashable] = set()
         self.families: dict[Hashable, tuple[Hashable, ...]] = {}  # request id of n > 1 -> its samples' ids
         self.stats = LoopStats()
+        self.last_step: BatchStep | None = None  # the ledger and staged arrays of the last step run (`explain()`)
 
     # -- submission -----------------------------------------------------------------
 
@@ -133,54 +135,13 @@ class DecodeLoop:
         a flat sequence of int token ids (list, tuple, range, integer numpy array or
         tensor); `arrival_step`: the step of the loop's clock (`stats.steps`) from
         which it may be admitted. With `params.n > 1` the request runs as n samples
-        keyed `(request_id, j)`, j = 0..n-1 (see `sibling_seed`)."""
-        check_request_id(request_id)
-        if request_id in self._known:
-            raise ValueError(f"request {request_id!r}: request_id was already submitted")
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}")
-        sample_ids = [request_id] if params.n == 1 else [(request_id, j) for j in range(params.n)]
-        taken = [sample_id for sample_id in sample_ids if sample_id in self._known]
-        if taken:
-            raise ValueError(f"request {request_id!r}: params.n={params.n}: the id {taken[0]!r} of one of its samples "
-                             "was already submitted")
-        if self.tokenizer is None:
-            if params.stop:
-                raise ValueError(f"request {request_id!r}: params.stop={params.stop!r}: stop strings need a tokenizer "
-                                 "(DecodeLoop(..., tokenizer=...))")
-            if params.structured is not None:
-                kind, text = params.structured
-                raise ValueError(f"request {request_id!r}: params.{kind}={text!r}: structured output needs a "
-                                 "tokenizer (DecodeLoop(..., tokenizer=...))")
-        prompt = checked_prompt(request_id, prompt_tokens, self.model.vocab_size)
-        self.batch.check_controls(request_id, params)
-        if isinstance(arrival_step, bool) or not isinstance(arrival_step, (int, np.integer)) or arrival_step < 0:
-            raise ValueError(f"request {request_id!r}: arrival_step={arrival_step!r}: must be an int >= 0")
-        arrival_step = int(arrival_step)
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.config.default_max_tokens
-        # The last generated token is never fed back, so the cache needs one
-        # slot less than prompt + max_tokens; drafts may run max_draft past it.
-        needed = len(prompt) + max_tokens - 1 + self.config.max_draft_tokens
-        if needed > self.model.max_context:
-            raise ValueError(
-                f"request {request_id!r}: prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) needs a "
-                f"context of {needed} but the model's max_context is {self.model.max_context}"
-            )
-        stop_ids = self.engine.stop_ids_for(request_id, params)  # raises for too many or out-of-vocabulary ids
-        if params.min_tokens and len(np.unique(stop_ids[stop_ids >= 0])) == self.model.vocab_size:
-            # Every id is suppressed until min_tokens: the first step would have nothing to sample.
-            raise ValueError(
-                f"request {request_id!r}: params.stop_token_ids={params.stop_token_ids} with EOS cover the whole "
-                f"vocabulary ({self.model.vocab_size} ids) while min_tokens={params.min_tokens}: no token could be sampled"
-            )
-        self.batch.check_constraints(request_id, params)  # bad words, structured output (compiled, cached)
-        top_n = params.num_logprobs
-        if top_n > self.engine.config.sampler.max_logprobs:
-            raise ValueError(
-                f"request {request_id!r}: params.logprobs={top_n}: more than max_logprobs="
-                f"{self.engine.config.sampler.max_logprobs}"
-            )
+        keyed `(request_id, j)`, j = 0..n-1 (see `sibling_seed`). A request without
+        a seed gets a fresh one here, from the OS's entropy, unless
+        `LoopConfig.seed_base` is set (then the engine derives it)."""
+        prompt, params, sample_ids, max_tokens, arrival_step = self._checked(request_id, prompt_tokens, params,
+                                                                             arrival_step)
+        if params.seed is None and self.config.seed_base is None:
+            params = dataclasses.replace(params, seed=fresh_seed())
         self._known.add(request_id)
         self._known.update(sample_ids)
         if params.n > 1:
@@ -198,6 +159,33 @@ class DecodeLoop:
             if params.stop:
                 request.text = OutputText(self.tokenizer, params.stop, params.include_stop_str_in_output)
             self.waiting.insert(position + j, (arrival_step, request))
+
+    def check(self, request_id: Hashable, prompt_tokens: Sequence[int], params: SamplingParams | None = None, *,
+              arrival_step: int = 0) -> None:
+        """Every check `submit` runs, without queuing anything: a caller with several
+        requests checks them all before it submits the first."""
+        self._checked(request_id, prompt_tokens, params, arrival_step)
+
+    def _checked(self, request_id: Hashable, prompt_tokens: Sequence[int], params: SamplingParams | None,
+                 arrival_step: int) -> Submission:
+        return check_submission(request_id, prompt_tokens, params, arrival_step, known=self._known,
+                                tokenizer=self.tokenizer, model=self.model, batch=self.batch, config=self.config)
+
+    def forget(self, request_id: Hashable) -> Completion | list[Completion]:
+        """Hand over a finished request's completion (all n for a request with n > 1) and
+        drop every record of it, so a long-lived loop keeps nothing per finished request.
+        **Raises** ValueError for a request that is unknown or has not finished."""
+        check_request_id(request_id)
+        family = self.families.get(request_id)
+        sample_ids = family or (request_id,)
+        unfinished = [sample_id for sample_id in sample_ids if sample_id not in self.finished]
+        if unfinished:
+            state = "has not finished" if unfinished[0] in self._known else "is unknown"
+            raise ValueError(f"request {unfinished[0]!r}: {state}, nothing to forget")
+        done = [self.finished.pop(sample_id) for sample_id in sample_ids]
+        self._known.difference_update((request_id, *sample_ids))
+        self.families.pop(request_id, None)
+        return done if family else done[0]
 
     def abort(self, request_id: Hashable) -> Completion | list[Completion]:
         """Stop a queued or running request (between steps): it gives back its batch
@@ -358,7 +346,8 @@ class DecodeLoop:
             self.model.forward(token_ids, forward_batch.positions(), forward_batch, out=self.engine.source)
         t2 = time.perf_counter()
         with stage("ledger"):
-            prepared = self.batch.prepare_rows(rows, seqlen_q, seqlen_k, draft_tokens=self._draft_tokens(batch))
+            prepared = self.last_step = self.batch.prepare_rows(rows, seqlen_q, seqlen_k,
+                                                                draft_tokens=self._draft_tokens(batch))
         out = self.engine.run(self.engine.source, prepared.inputs, prepared.arrays, host_start=t2)
         t3 = time.perf_counter()
         events, left = self._apply(batch, prepared, out, undo)
@@ -505,26 +494,3 @@ class DecodeLoop:
         self.release_retained()
         return self.finished
 
-
-def generate(
-    model: CausalLM,
-    prompts: Iterable[Sequence[int]],
-    params: SamplingParams | Sequence[SamplingParams] | None = None,
-    *,
-    config: LoopConfig | None = None,
-    engine_config: EngineConfig | None = None,
-    tokenizer: ChatTokenizer | None = None,
-) -> list[Completion | list[Completion]]:
-    """Run every prompt to completion; completions in prompt order. A prompt whose params
-    have `n > 1` gets the list of its n completions in place of one. `tokenizer`: the
-    model's, for `Completion.text`, stop strings and structured output."""
-    prompts = list(prompts)
-    if params is None or isinstance(params, SamplingParams):
-        params = [params or SamplingParams()] * len(prompts)
-    if len(params) != len(prompts):
-        raise ValueError(f"params: {len(params)} entries for {len(prompts)} prompts")
-    loop = DecodeLoop(model, config, engine_config=engine_config, tokenizer=tokenizer)
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
-        loop.submit(i, prompt, p)
-    done = loop.run()
-    return [done[i] if p.n == 1 else [done[(i, j)] for j in range(p.n)] for i, p in enumerate(params)]

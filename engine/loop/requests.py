@@ -2,6 +2,7 @@
 while it runs, and what it hands back (its completion, per-step events)."""
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from typing import Hashable
@@ -24,6 +25,12 @@ def check_request_id(request_id: Hashable) -> None:
         raise ValueError(f"request_id={request_id!r}: must be hashable") from None
 
 
+def fresh_seed() -> int:
+    """A seed from the OS's entropy (`os.urandom`), in [0, 2**64): what a request that
+    brings none gets at submission, unless `LoopConfig.seed_base` asks for derived ones."""
+    return int.from_bytes(os.urandom(8), "little")
+
+
 def sibling_seed(seed: int, j: int) -> int:
     """The seed of sample `j` of a request with `n > 1` and a seed: `j = 0` keeps the seed
     itself (so n = 1 and the first of n samples agree), `j > 0` takes the j-th output of a
@@ -37,10 +44,11 @@ def sibling_seed(seed: int, j: int) -> int:
     return z ^ (z >> 31)
 
 
-def checked_prompt(request_id: Hashable, prompt_tokens: object, vocab_size: int) -> np.ndarray:
+def checked_prompt(request_id: Hashable, prompt_tokens: object, vocab_size: int, *, label: str | None = None) -> np.ndarray:
     """[prompt_len] int64 from a flat sequence of int ids in [0, vocab_size). Nothing is
-    coerced: a float, a bool, a string or a nested list is a caller's bug, not a token."""
-    where = f"request {request_id!r}: prompt_tokens"
+    coerced: a float, a bool, a string or a nested list is a caller's bug, not a token.
+    `label`: how errors name the prompt (default `request <id>: prompt_tokens`)."""
+    where = label or f"request {request_id!r}: prompt_tokens"
     if isinstance(prompt_tokens, torch.Tensor):
         if prompt_tokens.dtype.is_floating_point or prompt_tokens.dtype.is_complex or prompt_tokens.dtype == torch.bool:
             raise ValueError(f"{where}: a tensor of {prompt_tokens.dtype}, not of integer token ids")
@@ -51,7 +59,10 @@ def checked_prompt(request_id: Hashable, prompt_tokens: object, vocab_size: int)
         if prompt_tokens.ndim != 1:
             raise ValueError(f"{where}: shape {prompt_tokens.shape}, must be 1-D")
         tokens = prompt_tokens.tolist()  # Python ints: range checks below cannot overflow
-    elif isinstance(prompt_tokens, SequenceABC) and not isinstance(prompt_tokens, (str, bytes, bytearray)):
+    elif isinstance(prompt_tokens, str):
+        raise ValueError(f"{where}={prompt_tokens!r}: text, not token ids; encode it first "
+                         "(tokenizer.encode(text)), or use engine.LLM, which takes text")
+    elif isinstance(prompt_tokens, SequenceABC) and not isinstance(prompt_tokens, (bytes, bytearray)):
         tokens = list(prompt_tokens)
         for i, token in enumerate(tokens):
             if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
@@ -61,7 +72,7 @@ def checked_prompt(request_id: Hashable, prompt_tokens: object, vocab_size: int)
             f"{where}={prompt_tokens!r}: must be a sequence of int token ids, not a {type(prompt_tokens).__name__}"
         )
     if not tokens:
-        raise ValueError(f"request {request_id!r}: prompt is empty (at least one token is needed)")
+        raise ValueError(f"{label or f'request {request_id!r}: prompt'} is empty (at least one token is needed)")
     for i, token in enumerate(tokens):
         if not 0 <= token < vocab_size:
             raise ValueError(f"{where}[{i}]={int(token)}: outside [0, {vocab_size})")

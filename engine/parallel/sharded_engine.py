@@ -35,10 +35,10 @@ from engine.step.lm_head import LMHead, checked_head_weight
 from engine.step.outputs import StepOutput
 from engine.step.prompt_logprobs import PromptRowResults
 from engine.step.staging import StepArrays
+from engine.step.static_buffers import StepBuffers
 from engine.step.step_engine import StepEngine
+from engine.trace import stage
 from graphs.replay import CaptureReport
-from graphs.static_buffers import StepBuffers
-from profiling.ranges import stage
 
 
 @dataclass(frozen=True)
@@ -229,8 +229,8 @@ class ShardedStepEngine(StepEngine):
                 seed_base=self.config.seed_base,
             )
             self.validate(hidden_states, inputs)
-            stop_ids = self.stop_id_matrix(seqs)
-            arrays = self.step_arrays(inputs, stop_ids, draft_tokens=draft_tokens)
+            stop_ids = self.stop_rule.matrix(seqs)
+            arrays = self.drafts.step_arrays(inputs, stop_ids, draft_tokens=draft_tokens)
             row_drafts = arrays.row_drafts if arrays.row_drafts is not None else np.full(inputs.num_sample_rows, -1, np.int64)
             return StepPlan(inputs, stop_ids, row_drafts)
 

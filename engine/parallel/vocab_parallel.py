@@ -49,11 +49,12 @@ from engine.sampling.candidates import decide_on_candidates, order_candidates
 from engine.sampling.errors import PLACEHOLDER_TOKEN, RowError, fail_rows
 from engine.sampling.logprobs import candidate_raw_logprobs
 from engine.sampling.normaliser import BLOCK, block_sums, log_block_total
+from engine.sampling.row_params import RowParams
 from engine.sampling.rows import expand_rows
+from engine.sampling.sample_output import SampleOutput
 from engine.sampling.sampler import SamplerConfig, sample
 from engine.sampling.suppression import suppression_and_shift
 from engine.step.prompt_logprobs import PromptRowResults, prompt_rows_of
-from graphs.step_fields import RowParams, SampleOutput
 
 STRATEGIES = ("gather", "candidates")
 

@@ -16,7 +16,7 @@ from enum import IntEnum
 
 import torch
 
-from graphs.step_fields import SampleOutput
+from engine.sampling.sample_output import SampleOutput
 
 
 class RowError(IntEnum):

@@ -21,7 +21,7 @@ import torch
 from typing import TYPE_CHECKING
 
 from engine.sampling.normaliser import raw_log_normaliser
-from graphs.step_fields import SampleOutput
+from engine.sampling.sample_output import SampleOutput
 
 if TYPE_CHECKING:
     from engine.sampling.thresholds import RowDistribution

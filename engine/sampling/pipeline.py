@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,14 +42,13 @@ from engine.sampling.logit_bias import apply_logit_bias_
 from engine.sampling.logprobs import RowLogprobs, processed_row_logprobs, raw_logprobs
 from engine.sampling.penalties import apply_penalties_
 from engine.sampling.row_max import first_max
+from engine.sampling.row_params import RowParams
 from engine.sampling.rows import SamplingRows, expand_rows
+from engine.sampling.sample_output import SampleOutput
+from engine.sampling.sampler_config import SamplerConfig
 from engine.sampling.suppression import StopSlots, suppress_stop_ids_
 from engine.sampling.thresholds import RowDistribution, row_distribution
 from engine.sampling.token_bitmask import apply_token_bitmask
-from graphs.step_fields import RowParams, SampleOutput
-
-if TYPE_CHECKING:
-    from engine.sampling.sampler import SamplerConfig
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from functools import cached_property
 
 import torch
 
-from graphs.step_fields import RowParams
+from engine.sampling.row_params import RowParams
 
 
 class SamplingRows:

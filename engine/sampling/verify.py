@@ -47,11 +47,11 @@ from engine.sampling.draw import gumbel_race, inverse_cdf
 from engine.sampling.filters import top_k_mask
 from engine.sampling.rng import ACCEPT, RESIDUAL, uniform
 from engine.sampling.row_max import first_max
+from engine.sampling.row_params import RowParams
 from engine.sampling.rows import expand_rows
 from engine.sampling.sampler import controlled_scores
 from engine.sampling.suppression import suppressed_scores
 from engine.sampling.thresholds import row_distribution
-from graphs.step_fields import RowParams
 
 _NONE = torch.iinfo(torch.int64).max  # scatter-min identity: "no rejection seen"
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.host.step_fields import READ_FROM_POOL
 from engine.ops import gather
 from engine.sampling.errors import RowError, fail_rows
 from engine.sampling.rows import expand_rows
@@ -27,8 +28,7 @@ from engine.sampling.suppression import suppressed_scores
 from engine.sampling.verify import accept_strict, draft_in_top_k, target_probs, verify_rejection
 from engine.step.config import EngineConfig
 from engine.step.controls import SamplingControls
-from graphs.static_buffers import StepBuffers
-from graphs.step_fields import READ_FROM_POOL
+from engine.step.static_buffers import StepBuffers
 
 
 @dataclass(frozen=True)

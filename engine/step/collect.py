@@ -10,26 +10,48 @@
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+from typing import Sequence
+
 import numpy as np
 import torch
 
 from engine.sampling.exact import sample_exact
 from engine.sampling.logprobs import token_logprobs
+from engine.sampling.sample_output import SampleOutput
 from engine.step.body import verify_drafts
 from engine.step.config import EngineConfig, EngineStats
 from engine.step.controls import SamplingControls
 from engine.step.staging import StepArrays
-from graphs.static_buffers import StepBuffers
-from graphs.step_fields import SampleOutput
-from profiling.ranges import stage
+from engine.step.static_buffers import StepBuffers
+from engine.trace import stage
+
+
+@dataclass
+class CollectedRows:
+    """A step's results on the host, copied out of the static outputs before the next replay."""
+
+    tokens: np.ndarray  # [rows] int64: each sample row's token (rejection mode: the emitted one)
+    logprob: np.ndarray  # [rows] f32: its logprob
+    rank: np.ndarray  # [rows] int64
+    error: np.ndarray  # [rows] int64 `RowError`
+    top_ids: np.ndarray | None = None  # [rows, N] int64; None: no request asked for top logprobs
+    top_logprobs: np.ndarray | None = None  # [rows, N] f32
+    num_accepted: np.ndarray | None = None  # [n] int64: drafts accepted per request (`collect` sets it)
+
+    @classmethod
+    def concatenate(cls, parts: Sequence[CollectedRows]) -> CollectedRows:
+        """The parts of a step run a slice of requests at a time, in order."""
+        joined = {f.name: [getattr(part, f.name) for part in parts] for f in fields(cls)}
+        return cls(**{name: None if values[0] is None else np.concatenate(values) for name, values in joined.items()})
 
 
 def collect(buffers: StepBuffers, config: EngineConfig, bucket: int, arrays: StepArrays, stats: EngineStats, *,
             want_top: bool, want_logprobs: bool = True, controls: SamplingControls | None = None,
-            exact_rows: bool = False) -> dict[str, np.ndarray]:
+            exact_rows: bool = False) -> CollectedRows:
     """Redo flagged rows exactly, re-verify if needed, and copy the real rows
     out: per sample row tokens, logprob, rank, error (and top_ids /
-    top_logprobs with `want_top`), per request num_accepted. Host arrays.
+    top_logprobs with `want_top`), per request num_accepted.
     `controls`: the sampling-control state when the step ran a controls
     graph (`buffers.logits` hold the controlled logits, raw logprobs come
     from its unprocessed ones, and the counts follow the exact rows' draws).
@@ -55,30 +77,35 @@ def collect(buffers: StepBuffers, config: EngineConfig, bucket: int, arrays: Ste
     with stage("output copy"):
         result = _host_results(b.outputs(rows), want_top=want_top)
         k = config.max_draft_tokens
-        result["num_accepted"] = b.num_accepted[:n].to("cpu", copy=True).numpy() if k else np.zeros(n, np.int64)
+        result.num_accepted = b.num_accepted[:n].to("cpu", copy=True).numpy() if k else np.zeros(n, np.int64)
         if k and config.verify_mode == "rejection":
             emitted = b.emitted[:rows].to("cpu", copy=True).numpy()
             # A failed row emits nothing: no residual draw to rescore.
-            changed = np.flatnonzero((emitted >= 0) & (emitted != result["tokens"]) & (result["error"] == 0))
+            changed = np.flatnonzero((emitted >= 0) & (emitted != result.tokens) & (result.error == 0))
             if len(changed):
                 # A residual draw is not the row's own draw: its logprob and rank differ.
                 unprocessed = b.logits if controls is None else controls.unprocessed
                 _rescore(unprocessed[changed], emitted[changed], result, changed)
-            result["tokens"] = np.where(emitted >= 0, emitted, result["tokens"])
+            result.tokens = np.where(emitted >= 0, emitted, result.tokens)
     return result
 
 
-def _rescore(logits: torch.Tensor, tokens: np.ndarray, result: dict, rows: np.ndarray) -> None:
+def _rescore(logits: torch.Tensor, tokens: np.ndarray, result: CollectedRows, rows: np.ndarray) -> None:
     """Raw logprob and rank of `tokens` at `rows` (rejection mode's residual draws)."""
     raw = logits.to(torch.float32)
     logprob, rank = token_logprobs(raw, torch.as_tensor(tokens, device=raw.device))
-    result["logprob"][rows] = logprob.cpu().numpy()
-    result["rank"][rows] = rank.cpu().numpy()
+    result.logprob[rows] = logprob.cpu().numpy()
+    result.rank[rows] = rank.cpu().numpy()
 
 
-def _host_results(out: SampleOutput, *, want_top: bool) -> dict[str, np.ndarray]:
+def _host_results(out: SampleOutput, *, want_top: bool) -> CollectedRows:
     """Copy the real rows of the outputs to the host. A copy also on CPU, where
     `.cpu()` would return the static buffer itself and the next step would
     overwrite the results under the caller's feet."""
-    names = ("tokens", "logprob", "rank", "error") + (("top_ids", "top_logprobs") if want_top else ())
-    return {name: getattr(out, name).to("cpu", copy=True).numpy() for name in names}
+
+    def host(tensor: torch.Tensor) -> np.ndarray:
+        return tensor.to("cpu", copy=True).numpy()
+
+    return CollectedRows(tokens=host(out.tokens), logprob=host(out.logprob), rank=host(out.rank), error=host(out.error),
+                         top_ids=host(out.top_ids) if want_top else None,
+                         top_logprobs=host(out.top_logprobs) if want_top else None)

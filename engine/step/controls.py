@@ -36,7 +36,7 @@ from engine.sampling.errors import RowError
 from engine.sampling.pipeline import ControlRows
 from engine.sampling.token_bitmask import BITS_PER_WORD, bitmask_words
 from engine.step.config import EngineConfig
-from graphs.static_buffers import StepBuffers
+from engine.step.static_buffers import StepBuffers
 
 log = logging.getLogger(__name__)
 

@@ -18,10 +18,10 @@ import numpy as np
 import torch
 
 from engine.host.ledger import SamplerInputs
+from engine.host.step_fields import READ_FROM_POOL
 from engine.step.config import EngineConfig
 from engine.step.staging import StepArrays
 from engine.step.validation import type_name
-from graphs.step_fields import READ_FROM_POOL
 
 DRAFT_MASS_TOLERANCE = 1e-3  # |sum(exp(draft_logprobs)) - 1| accepted per draft (float32 sums)
 

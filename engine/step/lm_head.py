@@ -21,14 +21,14 @@ import numpy as np
 import torch
 
 from engine.host.ledger import SamplerInputs
+from engine.invariance import choose_block_gemm, lm_head_candidates, warn_not_invariant
 from engine.ops import BlockGemm, get_logits
 from engine.sampling.sampler import TOP_K_MODES, SamplerConfig, sample
 from engine.step.config import EngineConfig, EngineStats
 from engine.step.controls import SamplingControls
-from engine.step.invariance import choose_block_gemm, lm_head_candidates, warn_not_invariant
 from engine.step.prompt_logprobs import PromptRowResults, compute_prompt_logprobs
+from engine.step.static_buffers import StepBuffers
 from engine.step.validation import type_name
-from graphs.static_buffers import StepBuffers
 
 
 class LMHead(ABC):
@@ -135,7 +135,7 @@ class LocalHead(LMHead):
         self.config = config
         self.vocab_size, self.hidden_size = self.weight.shape
         self.dtype = self.weight.dtype
-        # The block GEMM, probed here (engine.step.invariance): the first kernel of
+        # The block GEMM, probed here (engine.invariance): the first kernel of
         # BLOCK_KERNELS (oneDNN's, MKL's packed weights, mm) at the configured block that
         # holds, else at a fallback block size.
         if config.batch_invariant:

@@ -14,6 +14,7 @@ import numpy as np
 
 from engine.host.ledger import SamplerInputs
 from engine.sampling.errors import RowError
+from engine.step.collect import CollectedRows
 from engine.step.prompt_logprobs import PromptLogprob
 
 # StepOutput.errors causes of a failed sample row (`RowError` codes).
@@ -75,7 +76,7 @@ def row_errors(inputs: SamplerInputs, row_error: np.ndarray) -> list[str | None]
 
 def assemble(
     inputs: SamplerInputs,
-    result: dict[str, np.ndarray],
+    result: CollectedRows,
     prompt_lp: list[list[PromptLogprob] | None],
     errors: list[str | None],
     bucket: int | None,
@@ -84,7 +85,7 @@ def assemble(
     """The StepOutput of a step from its collected rows (`engine.step.collect`: per
     sample row tokens, logprob, rank, top ids / logprobs; per request num_accepted)."""
     tokens, logprobs, num_accepted = [], [], []
-    drawn = result["tokens"]
+    drawn = result.tokens
     for i in range(inputs.num_reqs):
         if errors[i] is not None:
             # A failed request emits nothing; its placeholder rows stay inside.
@@ -95,7 +96,7 @@ def assemble(
         lo = int(inputs.sample_offsets[i])
         # Row j's token is keyed by the position it produces, exactly as in
         # plain decoding; rows past the first rejected draft emit nothing.
-        accepted = int(result["num_accepted"][i]) if not inputs.is_prompt[i] else 0
+        accepted = int(result.num_accepted[i]) if not inputs.is_prompt[i] else 0
         num_accepted.append(accepted)
         if inputs.is_prompt[i] and not inputs.is_last_chunk[i]:
             emitted = range(0)  # the token sampled for a non-last chunk is discarded
@@ -109,10 +110,10 @@ def assemble(
         logprobs.append(
             [
                 TokenLogprob(
-                    int(result["tokens"][r]),
-                    float(result["logprob"][r]),
-                    int(result["rank"][r]),
-                    tuple(zip(result["top_ids"][r, :n_top].tolist(), result["top_logprobs"][r, :n_top].tolist()))
+                    int(result.tokens[r]),
+                    float(result.logprob[r]),
+                    int(result.rank[r]),
+                    tuple(zip(result.top_ids[r, :n_top].tolist(), result.top_logprobs[r, :n_top].tolist()))
                     if n_top
                     else (),
                 )

@@ -146,7 +146,7 @@ def compute_prompt_logprobs(
     ([num_reqs] int, 0 = off) switches on top-k-space mode per request; use
     `prompt_row_logprobs` for a per-row k. `kernel`: the batch-invariant block
     GEMM of `lm_head_weight` to run (the engine passes the one its probe
-    verified, `engine.step.invariance`); None: `get_logits`' unchecked default.
+    verified, `engine.invariance`); None: `get_logits`' unchecked default.
     """
     counts = inputs.prompt_row_counts
     rows, targets, num_top = prompt_rows_of(inputs)

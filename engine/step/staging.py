@@ -2,14 +2,14 @@
 
 `StepArrays` holds what `StepBuffers.load` copies: one attribute per
 declared per-step field (`engine/host/step_fields.py`), under the same
-names, plus the drafts' distributions for the rejection-mode buffer and
-the token bitmask, which travel in copies of their own. Its
-attributes, `from_inputs` and the split into parts all derive from the
-declaration.
+names and in the same order (tests/test_step_fields.py holds them equal),
+plus the drafts' distributions for the rejection-mode buffer and the token
+bitmask, which travel in copies of their own. `from_inputs` and the split
+into parts derive from the declaration.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, make_dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -21,21 +21,38 @@ from engine.host.step_fields import FROM_LEDGER_FIELDS, STEP_FIELDS
 if TYPE_CHECKING:
     import torch
 
-# One attribute per declared field; None: the step stages padding only
-# (no drafts, no forced token, ...).
-_StagedFields = make_dataclass(
-    "_StagedFields", [(f.name, "np.ndarray | None", field(default=None)) for f in STEP_FIELDS]
-)
-
 
 @dataclass
-class StepArrays(_StagedFields):
+class StepArrays:
     """Host arrays one step stages, in batch order (sample rows / requests).
 
     Per-row fields have one entry per sample row, per-request ones one per
     request (`stop_ids` [n, max_stop_ids], the next drafts [n, max_draft]);
-    `eos_suppression_rows` lists row numbers, as the ledger hands them."""
+    `eos_suppression_rows` lists row numbers, as the ledger hands them. A
+    field left None stages padding only (no drafts, no forced token, ...)."""
 
+    # The declared per-step fields (engine/host/step_fields.py), in its order.
+    selected_token_indices: np.ndarray | None = None  # [rows] model-output row of each sample row
+    row_to_req: np.ndarray | None = None  # [rows]
+    local_step: np.ndarray | None = None  # [rows]
+    sample_positions: np.ndarray | None = None  # [n] int64
+    control_slots: np.ndarray | None = None  # [n] int64, 0 = none
+    temperatures: np.ndarray | None = None  # [n] float32
+    top_ks: np.ndarray | None = None  # [n] int32
+    top_ps: np.ndarray | None = None  # [n] float32
+    min_ps: np.ndarray | None = None  # [n] float32
+    seeds: np.ndarray | None = None  # [n] uint64
+    stop_ids: np.ndarray | None = None  # [n, max_stop_ids] int64, -1 = no id
+    eos_suppression_rows: np.ndarray | None = None  # row numbers
+    forced_tokens: np.ndarray | None = None  # [rows] int64, -1 = none
+    draw_uniforms: np.ndarray | None = None  # [rows] float64
+    row_drafts: np.ndarray | None = None  # [rows] int64, -1 none, READ_FROM_POOL
+    has_draft_probs: np.ndarray | None = None  # [rows] bool
+    mtp_info_read_rows: np.ndarray | None = None  # [rows]
+    mtp_info_write_slots: np.ndarray | None = None  # [n]
+    next_draft_tokens: np.ndarray | None = None  # [n, max_draft_tokens] int64
+    next_draft_logprobs: np.ndarray | None = None  # [n, max_draft_tokens] float32
+    # What travels in copies of its own:
     draft_probs: dict[int, torch.Tensor] | None = None  # first sample row -> [k, V] q of its drafts
     # [rows, ceil(V / 32)] int32 in xgrammar's packed layout (bit b of word w: token 32 w + b, 1 = allowed;
     # a row of -1 restricts nothing); None: no row is restricted this step. Its own copy, only when set.

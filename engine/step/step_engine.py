@@ -40,26 +40,41 @@ import torch
 
 from engine.host.control_slots import NoControls
 from engine.host.ledger import SamplerInputs
-from engine.host.persistent_batch import SeqMetaFront
 from engine.host.params import SeqMeta
 from engine.host.step_fields import STEP_FIELDS
+from engine.host.stop_ids import StopIds
+from engine.ops import upload
 from engine.sampling.token_bitmask import bitmask_words
 from engine.step.body import StepBody
 from engine.step.checkpoint import EngineCheckpoint, copy_counters, restore_counters
-from engine.step.collect import collect
+from engine.step.collect import CollectedRows, collect
 from engine.step.config import EngineConfig, EngineStats
 from engine.step.controls import SamplingControls
 from engine.step.drafts import StepDrafts
 from engine.step.lm_head import CONTROLLED, LMHead, LocalHead
 from engine.step.outputs import StepOutput, assemble, row_errors
 from engine.step.prompt_logprobs import PromptLogprobAccumulator, PromptLogprobUpdate
+from engine.step.seq_front import SeqMetaFront
 from engine.step.staging import StepArrays
-from engine.step.stop_ids import StopIds
+from engine.step.static_buffers import StepBuffers
 from engine.step.validation import check_hidden_states, check_ledger, check_token_bitmask, is_same_view
+from engine.trace import stage
 from graphs.buckets import BucketTable
-from graphs.replay import CaptureReport, GraphReplayer
-from graphs.static_buffers import StepBuffers
-from profiling.ranges import stage
+from graphs.replay import CaptureProgress, CaptureReport, GraphReplayer, show_capture_progress
+
+
+def check_vocab_fits_sampler(lm_head: torch.Tensor | LMHead, config: EngineConfig) -> None:
+    """A vocabulary smaller than the top-N the sampler allocates for cannot be captured: refuse
+    it here, before any work, naming the field and the fix."""
+    # A weight that is not a float matrix is refused by the head itself, naming its dtype or shape.
+    vocab = lm_head.vocab_size if isinstance(lm_head, LMHead) else (
+        lm_head.shape[0] if isinstance(lm_head, torch.Tensor) and lm_head.dim() == 2
+        and lm_head.dtype.is_floating_point else None)
+    top_n = config.sampler.max_logprobs
+    if vocab is not None and top_n > vocab:
+        raise ValueError(f"EngineConfig.sampler.max_logprobs={top_n}: exceeds the LM head's vocabulary V={vocab}; "
+                         f"build it with EngineConfig(sampler=SamplerConfig(max_logprobs={vocab})) "
+                         "(from engine import SamplerConfig)")
 
 
 class StepEngine:
@@ -73,6 +88,7 @@ class StepEngine:
         config = config or EngineConfig()
         self.config = config
         self.device = config.resolved_device()
+        check_vocab_fits_sampler(lm_head_weight, config)
         self.head = lm_head_weight if isinstance(lm_head_weight, LMHead) else LocalHead(lm_head_weight, config)
         self.weight = self.head.weight  # [V, H], or this rank's [V_rank, H] shard
         self.vocab_size, self.hidden_size = self.head.vocab_size, self.head.hidden_size
@@ -124,14 +140,13 @@ class StepEngine:
         }
         self.prompt_logprobs = PromptLogprobAccumulator()
         self.stats = EngineStats(logits_kernel="plain" if self.logits_kernel is None else self.logits_kernel.name)
-        # step_arrays(inputs, stop_ids, *, draft_tokens, ...): everything a step stages, its drafts checked.
-        self.step_arrays = StepDrafts(self.vocab_size, config).step_arrays
+        # drafts.step_arrays(inputs, stop_ids, *, draft_tokens, ...): everything a step stages, its drafts checked.
+        self.drafts = StepDrafts(self.vocab_size, config)
         # The ids suppressed while a request is short of min_tokens, [max_stop_ids] int64 -1 padded:
-        # stop_ids_for(request_id, params) for one request, stop_id_matrix(seqs) [n, max_stop_ids].
-        stop_ids = StopIds(config.max_stop_ids, self.vocab_size, config.eos_token_id)
-        self.stop_ids_for, self.stop_id_matrix = stop_ids.for_request, stop_ids.matrix
+        # stop_rule.for_request(request_id, params) for one request, stop_rule.matrix(seqs) [n, max_stop_ids].
+        self.stop_rule = StopIds(config.max_stop_ids, self.vocab_size, config.eos_token_id)
         # step(hidden, seqs): SeqMeta lists over a persistent table keyed by request id.
-        self.seq_front = SeqMetaFront(self, capacity=2 * config.max_num_reqs)
+        self.seq_front = SeqMetaFront(config, self.stop_rule, self.control_hook, capacity=2 * config.max_num_reqs)
         self._warned_uncaptured = False
 
     # -- undoing a step ---------------------------------------------------------
@@ -172,10 +187,21 @@ class StepEngine:
         (batch order, from row 0) makes `step(engine.source, seqs)` zero-copy."""
         return self.buffers.source
 
-    def capture(self, progress: bool = False) -> CaptureReport:
+    def capture(self, progress: bool | CaptureProgress = False) -> CaptureReport:
         """Capture one graph per bucket (largest first) of every graph set; on CPU,
-        run each once under the capture safety check. Reports buckets, seconds, pool bytes."""
-        reports = [replayer.capture(progress=progress) for replayer in self.replayers.values()]
+        run each once under the capture safety check. Reports buckets, seconds, pool bytes.
+        `progress`: True draws one bar on stderr over every set's buckets; a callable
+        hears (graphs captured, graphs to capture, bucket) instead."""
+        total = sum(len(replayer.buckets) for replayer in self.replayers.values())
+        hear = show_capture_progress if progress is True else progress
+        reports: list[CaptureReport] = []
+        for replayer in self.replayers.values():
+            offset = sum(len(report.buckets) for report in reports)  # graphs of the sets before this one
+
+            def heard(done: int, _: int, bucket: int, offset: int = offset) -> None:
+                hear(offset + done, total, bucket)
+
+            reports.append(replayer.capture(progress=heard if hear else False))
         first = reports[0]
         pools = None if first.pool_bytes is None else sum(r.pool_bytes or 0 for r in reports)
         return dataclasses.replace(first, seconds=sum(r.seconds for r in reports), pool_bytes=pools,
@@ -207,7 +233,7 @@ class StepEngine:
         start = time.perf_counter()
         with stage("ledger"):
             inputs, stop_ids = self.seq_front.ledger(seqs)
-            arrays = self.step_arrays(
+            arrays = self.drafts.step_arrays(
                 inputs,
                 stop_ids,
                 draft_tokens=draft_tokens,
@@ -310,8 +336,8 @@ class StepEngine:
         if bucket is not None:
             self.stats.bucket_histogram[bucket] = self.stats.bucket_histogram.get(bucket, 0) + 1
         self.stats.steps += 1
-        result = {key: np.concatenate([r[key] for r in results]) for key in results[0]}
-        errors = row_errors(inputs, result["error"])
+        result = CollectedRows.concatenate(results)
+        errors = row_errors(inputs, result.error)
         prompt = None
         if bool((inputs.is_prompt & (inputs.num_prompt_logprobs >= 0)).any()):
             with stage("prompt logprobs"):
@@ -353,25 +379,16 @@ class StepEngine:
             if not is_same_view(hidden_states, b.source):
                 # Not zero-copy: bring only the sample rows into the static
                 # source and point the gather at them.
-                index = _upload(torch.as_tensor(sample_rows, dtype=torch.int64), hidden_states.device)
+                index = upload(torch.as_tensor(sample_rows, dtype=torch.int64), hidden_states.device)
                 b.source[: len(sample_rows)].copy_(hidden_states[index])
                 sample_rows = np.arange(len(sample_rows), dtype=np.int64)
                 self.stats.source_copies += 1
             if arrays.draft_probs:
                 for row, q in arrays.draft_probs.items():
-                    b.draft_probs[row : row + len(q)].copy_(_upload(q, self.device))
+                    b.draft_probs[row : row + len(q)].copy_(upload(q, self.device))
             if arrays.token_bitmask is not None:
                 # Only steps that restrict a row pay for this copy (the masked graphs read it).
                 mask = arrays.token_bitmask
-                b.token_bitmask[: len(mask)].copy_(_upload(torch.from_numpy(mask), self.device))
+                b.token_bitmask[: len(mask)].copy_(upload(torch.from_numpy(mask), self.device))
             b.load(arrays if sample_rows is arrays.selected_token_indices
                    else dataclasses.replace(arrays, selected_token_indices=sample_rows), bucket)
-
-
-def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A per-step host tensor on `device`. To CUDA from pinned memory, non_blocking: a copy
-    from pageable memory makes the host wait for the stream to drain. The caching host
-    allocator keeps the pinned block until the copy has run, so nothing overwrites it."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)

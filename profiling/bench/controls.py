@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from engine import EngineConfig, SamplingParams, StepEngine
-from engine.host.persistent_batch import PersistentBatch
 from engine.sampling.sampler import sample
+from engine.step.batch import PersistentBatch
 from profiling.bench._timing import print_table, ratio
 from profiling.bench.sample import lm_like_logits
 

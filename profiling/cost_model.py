@@ -1,0 +1,410 @@
+"""A kernel-level cost model of a captured step, computed from the ops it dispatches.
+
+`KernelCounter` is a TorchDispatchMode: run one bucket's step function under it
+(on the fake CUDA device of `profiling.fake_cuda`, or on a real GPU) and it
+lists the kernels the step launches, with the bytes each one reads and writes,
+taken from the tensors' shapes, dtypes and strides. `GraphCost` turns that list
+into a modelled replay time, beside the floor of the LM head's compulsory
+traffic. `python -m profiling.cuda_dry_run --cost` prints it for every graph of
+every scenario; docs/cost-model.md says what the model leaves out.
+
+What counts as a kernel (`launches`):
+- every op of a custom namespace (a `torch.library.custom_op` or `triton_op`,
+  e.g. `engine.sample.default`) is one kernel. The ops its own implementation
+  (or fake implementation) dispatches are not seen: a dispatch mode is off the
+  stack while it handles an op, so nothing inside a custom op reaches it;
+- an op none of whose tensors is on the device is host work: no kernel;
+- an aten or prims op launches a kernel unless it is a view (`func.is_view`),
+  an allocation or a metadata change (`NO_KERNEL`: empty, empty_strided,
+  empty_like, resize_, set_, in-place views...), or a query that returns no
+  tensor and writes none (size, stride, device, is_contiguous...; but
+  `_assert_async`, a device-side check, is a kernel). Inside a captured graph
+  an allocation is a pool offset: no node; a fill (`zeros`, `full`, `fill_`,
+  `zero_`) is one.
+
+The bytes of a kernel (`kernel_bytes`), device tensors only (a 0-dim host tensor
+is a kernel argument, not a memory read):
+- a tensor's bytes are the distinct elements its view addresses: a dimension of
+  stride 0 (an expanded tensor) counts once, a strided slice counts the
+  elements it selects, whatever the logical `numel()`;
+- every tensor argument is read whole and every returned tensor that aliases
+  no argument is written whole; the same view passed twice is read once;
+- an argument the op mutates is read and written (an in-place update,
+  `add_`), except where the op overwrites it without reading: `copy_`, the
+  fills and the random fills (`WRITE_ONLY_SELF`), aten's `out=` arguments,
+  and a custom op's mutated argument named `out` or `out_*`;
+- the in-place scatters (`index_put_`, `scatter_`, `index_copy_`...) write
+  only the elements they index (and read them too where they accumulate),
+  `scatter_` reads only as many source elements as it has indices, and their
+  returned alias of `self` adds nothing;
+- the gathers (`index`, `gather`, `index_select`, `take`, `embedding`) read
+  only as many source elements as they produce; `searchsorted` reads
+  log2(n) + 1 elements of its sorted rows per query.
+
+A GEMM therefore reads both operands whole: the kernels that read the LM-head
+weight (any view of its storage) say how many times a step reads it.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+# The defaults of the modelled replay: a CUDA graph pays about 1.3 µs per kernel node on
+# an H100 (Hazy Research, "no bubbles", 2025); a device-to-device copy moved 4.3 TB/s on
+# an H200 here.
+NODE_US = 1.3
+BANDWIDTH_TBS = 4.3
+
+# Ops that launch nothing: allocations (a pool offset inside a graph) and in-place
+# metadata changes. Views are told by `func.is_view`, queries by returning no tensor.
+NO_KERNEL = frozenset({
+    "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "empty_permuted",
+    "resize_", "resize_as_", "set_", "_unsafe_view", "lift_fresh", "as_strided_", "detach_",
+    "squeeze_", "unsqueeze_", "transpose_", "t_", "swapdims_", "_reshape_alias",
+})
+# Ops that launch a kernel though they return no tensor and write none: a device-side check.
+DEVICE_CHECKS = frozenset({"_assert_async"})
+# In-place ops that overwrite `self` without reading it.
+WRITE_ONLY_SELF = frozenset({
+    "copy_", "fill_", "zero_", "uniform_", "normal_", "exponential_", "random_", "bernoulli_",
+    "geometric_", "log_normal_", "cauchy_",
+})
+# In-place scatters: they write only the elements they index; the accumulating ones read them too.
+_SCATTERS = frozenset({"index_put_", "_index_put_impl_", "scatter_", "scatter_add_", "scatter_reduce_",
+                       "index_copy_", "index_add_", "index_fill_", "index_reduce_", "put_"})
+_ACCUMULATING = frozenset({"scatter_add_", "scatter_reduce_", "index_add_", "index_reduce_"})
+# Gathers: the argument they read only as many elements of as they produce.
+_GATHER_SOURCE = {"index": "self", "gather": "self", "index_select": "self", "take": "self",
+                  "embedding": "weight"}
+# Scatters whose source is read only where `index` points.
+_SCATTER_SOURCE = {"scatter_": "src", "scatter_add_": "src", "scatter_reduce_": "src", "put_": "source"}
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One launched kernel: its op and the bytes it moves."""
+
+    op: str  # e.g. "aten.mm.default", "engine.sample.default"
+    read: int  # bytes read from device memory
+    written: int  # bytes written to device memory
+    weight_read: int = 0  # of `read`, bytes of the LM-head weight
+
+    @property
+    def bytes(self) -> int:
+        return self.read + self.written
+
+    def modelled_us(self, node_us: float = NODE_US, bandwidth_tbs: float = BANDWIDTH_TBS) -> float:
+        """max(one graph node, its bytes at the bandwidth), in µs."""
+        return max(node_us, self.bytes / (bandwidth_tbs * 1e6))
+
+
+@dataclass(frozen=True)
+class _Op:
+    """What the cost rules need of an op's schema, worked out once per op."""
+
+    name: str  # the base name: "add_", "index_put_", "sample"
+    custom: bool  # of a custom namespace: one kernel, whatever it does inside
+    no_kernel: bool  # a view, an allocation or an in-place metadata change
+    writes: bool  # mutates an argument
+    arguments: tuple[tuple[str, bool, bool], ...]  # (name, mutated, overwritten without a read)
+    fresh: tuple[bool, ...]  # per return: a new tensor (not an alias of an argument)
+
+
+_OPS: dict[Any, _Op] = {}
+_OWN_NAMESPACES = frozenset({"aten", "prims", "prim", "_c10d_functional", "c10d"})
+
+
+def _op(func: Any) -> _Op:
+    op = _OPS.get(func)
+    if op is None:
+        schema = func._schema
+        name = schema.name.split("::", 1)[1]
+        custom = func.namespace not in _OWN_NAMESPACES
+        arguments = []
+        for a in schema.arguments:
+            mutated = a.alias_info is not None and a.alias_info.is_write
+            write_only = mutated and (a.is_out or name in WRITE_ONLY_SELF
+                                      or (custom and (a.name == "out" or a.name.startswith("out_"))))
+            arguments.append((a.name, mutated, write_only))
+        op = _OPS[func] = _Op(name, custom, not custom and (func.is_view or name in NO_KERNEL),
+                              any(m for _, m, _ in arguments), tuple(arguments),
+                              tuple(r.alias_info is None for r in schema.returns))
+    return op
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+
+
+def _on_device(tensor: torch.Tensor) -> bool:
+    return tensor.device.type != "cpu"
+
+
+def launches(func: Any, args: Sequence[Any], kwargs: dict[str, Any], result: Any) -> bool:
+    """Whether dispatching `func` (an OpOverload) over these arguments, with this `result`,
+    launches a kernel on the device."""
+    op = _op(func)
+    if op.no_kernel:
+        return False
+    results = _tensors(result)
+    if not (op.custom or op.name in DEVICE_CHECKS or op.writes or results):
+        return False  # a query: size, stride, device...
+    # Host work (every tensor on the host) is no node of a device graph.
+    return any(_on_device(t) for t in results) or any(_on_device(t) for t in _tensors((args, kwargs)))
+
+
+def touched_elements(tensor: torch.Tensor) -> int:
+    """The distinct elements a strided view addresses: stride-0 dimensions once, never
+    more than the span from its first to its last element."""
+    if tensor.numel() == 0:
+        return 0
+    sizes, strides = tensor.shape, tensor.stride()
+    distinct = math.prod(size for size, stride in zip(sizes, strides) if stride != 0)
+    span = 1 + sum((size - 1) * abs(stride) for size, stride in zip(sizes, strides))
+    return min(distinct, span)
+
+
+def touched_bytes(tensor: torch.Tensor) -> int:
+    return touched_elements(tensor) * tensor.element_size()
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """The identity of a tensor's storage (shared by all its views; fake or real)."""
+    return tensor.untyped_storage()._cdata
+
+
+def _view_key(tensor: torch.Tensor) -> tuple:
+    return storage_key(tensor), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype
+
+
+def _indexed_elements(name: str, bound: dict[str, Any]) -> int:
+    """The elements of `self` an in-place scatter writes."""
+    self_ = bound["self"]
+    if name in ("index_put_", "_index_put_impl_"):
+        indices = bound["indices"]
+        given = [index for index in indices if index is not None]
+        shape = torch.broadcast_shapes(*(index.shape for index in given)) if given else ()
+        consumed = sum(index.dim() if index.dtype == torch.bool else 1 for index in given)
+        consumed += sum(1 for index in indices if index is None)
+        rest = [size for d, size in enumerate(self_.shape) if d >= consumed or (d < len(indices) and indices[d] is None)]
+        return math.prod(shape) * math.prod(rest)
+    if name in ("index_copy_", "index_add_", "index_fill_", "index_reduce_"):
+        dim = bound["dim"] % max(self_.dim(), 1)
+        return bound["index"].numel() * math.prod(s for d, s in enumerate(self_.shape) if d != dim)
+    return bound["index"].numel()  # scatter_, scatter_add_, scatter_reduce_, put_
+
+
+def kernel_bytes(func: Any, args: Sequence[Any], kwargs: dict[str, Any], result: Any,
+                 weights: frozenset[int] = frozenset()) -> Kernel:
+    """The bytes one launched op reads and writes (module doc); `weights`: the storage
+    keys whose reads count as LM-head weight reads."""
+    op = _op(func)
+    name = op.name
+    # Positional arguments, then keywords, by schema name (those not given are no tensors).
+    bound = {arg_name: args[i] if i < len(args) else kwargs[arg_name]
+             for i, (arg_name, _, _) in enumerate(op.arguments) if i < len(args) or arg_name in kwargs}
+    reads: dict[tuple, int] = {}  # view -> bytes (a view passed twice is read once)
+    weight: dict[tuple, int] = {}
+    written = 0
+
+    def read(tensor: torch.Tensor, nbytes: int | None = None) -> None:
+        if not _on_device(tensor):
+            return
+        key = _view_key(tensor)
+        nbytes = touched_bytes(tensor) if nbytes is None else min(nbytes, touched_bytes(tensor))
+        reads[key] = max(reads.get(key, 0), nbytes)
+        if key[0] in weights:
+            weight[key] = reads[key]
+
+    for arg_name, mutated, write_only in op.arguments:
+        if arg_name not in bound:
+            continue
+        tensors = [t for t in _tensors(bound[arg_name]) if _on_device(t)]
+        if not mutated:
+            if _GATHER_SOURCE.get(name) == arg_name:
+                produced = sum(touched_elements(t) for t in _tensors(result) if _on_device(t))
+                for t in tensors:
+                    read(t, produced * t.element_size())
+            elif _SCATTER_SOURCE.get(name) == arg_name:
+                for t in tensors:
+                    read(t, bound["index"].numel() * t.element_size())
+            elif name == "searchsorted" and arg_name == "sorted_sequence":
+                queries = bound["self"].numel() if isinstance(bound.get("self"), torch.Tensor) else 1
+                for t in tensors:
+                    per_query = int(math.log2(max(t.shape[-1], 1))) + 1  # a binary search's probes
+                    read(t, queries * per_query * t.element_size())
+            else:
+                for t in tensors:
+                    read(t)
+            continue
+        for t in tensors:
+            if name in _SCATTERS and arg_name == "self":
+                nbytes = _indexed_elements(name, bound) * t.element_size()
+                written += nbytes
+                if name in _ACCUMULATING or bool(bound.get("accumulate", False)) or bound.get("reduce") is not None:
+                    read(t, nbytes)
+                continue
+            written += touched_bytes(t)
+            if not write_only:
+                read(t)
+    results = result if isinstance(result, (tuple, list)) and len(op.fresh) > 1 else (result,)
+    for fresh, value in zip(op.fresh, results):
+        if fresh:  # a new tensor (an alias of a mutated argument is counted there)
+            written += sum(touched_bytes(t) for t in _tensors(value) if _on_device(t))
+    return Kernel(str(func), sum(reads.values()), written, sum(weight.values()))
+
+
+class KernelCounter(TorchDispatchMode):
+    """Lists the kernels of the ops dispatched under it (module doc); `weights`: tensors
+    (the LM-head weight) whose reads are counted apart, through any view of their storage."""
+
+    def __init__(self, weights: Iterable[torch.Tensor] = ()) -> None:
+        super().__init__()
+        self.weights = frozenset(storage_key(w) for w in weights)
+        self.kernels: list[Kernel] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        # While this runs the mode is off the stack: what `func` dispatches inside
+        # (a custom op's implementation) never reaches it.
+        result = func(*args, **kwargs)
+        if launches(func, args, kwargs, result):
+            self.kernels.append(kernel_bytes(func, args, kwargs, result, self.weights))
+        return result
+
+
+@dataclass
+class GraphCost:
+    """One captured graph: the kernels of one bucket's step and what they cost."""
+
+    scenario: str  # e.g. "engine", "drafts rejection", "sharded tp=2"
+    graph_set: str  # the engine's name of the graph set (its `replayers` key)
+    bucket: int
+    rows: int  # sample rows of the bucket: bucket * (1 + drafts)
+    vocab: int  # vocabulary rows of the weight this graph reads (a rank's shard when sharded)
+    weight_bytes: int  # one read of the LM-head weight
+    kernels: list[Kernel] = field(default_factory=list)
+    measured_us: float | None = None  # a GPU replay's median, where one was timed
+
+    @property
+    def bytes(self) -> int:
+        return sum(k.bytes for k in self.kernels)
+
+    @property
+    def weight_reads(self) -> float:
+        """How many times the step reads the whole LM-head weight."""
+        return sum(k.weight_read for k in self.kernels) / self.weight_bytes if self.weight_bytes else 0.0
+
+    def floor_bytes(self) -> int:
+        """One read of the weight, one write and one read of the [rows, V] f32 logits."""
+        return self.weight_bytes + 2 * self.rows * self.vocab * 4
+
+    def modelled_us(self, node_us: float = NODE_US, bandwidth_tbs: float = BANDWIDTH_TBS) -> float:
+        return sum(k.modelled_us(node_us, bandwidth_tbs) for k in self.kernels)
+
+    def floor_us(self, bandwidth_tbs: float = BANDWIDTH_TBS) -> float:
+        return self.floor_bytes() / (bandwidth_tbs * 1e6)
+
+    def as_dict(self, node_us: float = NODE_US, bandwidth_tbs: float = BANDWIDTH_TBS,
+                detail: bool = False) -> dict[str, Any]:
+        """The JSON form; `detail`: per op, its kernels, bytes and modelled µs, costliest first."""
+        modelled, floor = self.modelled_us(node_us, bandwidth_tbs), self.floor_us(bandwidth_tbs)
+        out: dict[str, Any] = {
+            "scenario": self.scenario, "graph_set": self.graph_set, "bucket": self.bucket, "rows": self.rows,
+            "vocab": self.vocab, "weight_bytes": self.weight_bytes, "kernels": len(self.kernels), "bytes": self.bytes, "weight_reads": round(self.weight_reads, 3),
+            "modelled_us": round(modelled, 2), "floor_us": round(floor, 2), "ratio": round(modelled / floor, 3),
+        }
+        if self.measured_us is not None:
+            out["measured_us"] = round(self.measured_us, 2)
+        if detail:
+            out["ops"] = [{"op": op, "kernels": n, "bytes": nbytes, "modelled_us": round(us, 2)}
+                          for op, n, nbytes, us in by_op(self.kernels, node_us, bandwidth_tbs)]
+        return out
+
+
+def by_op(kernels: Iterable[Kernel], node_us: float = NODE_US,
+          bandwidth_tbs: float = BANDWIDTH_TBS) -> list[tuple[str, int, int, float]]:
+    """(op, kernels, bytes, modelled µs) per op, costliest first."""
+    table: dict[str, list] = {}
+    for k in kernels:
+        row = table.setdefault(k.op, [0, 0, 0.0])
+        row[0] += 1
+        row[1] += k.bytes
+        row[2] += k.modelled_us(node_us, bandwidth_tbs)
+    return sorted(((op, n, b, us) for op, (n, b, us) in table.items()), key=lambda r: -r[3])
+
+
+def table_lines(costs: Sequence[GraphCost], node_us: float = NODE_US, bandwidth_tbs: float = BANDWIDTH_TBS,
+                detail: bool = False) -> Iterator[str]:
+    """The readable table: one line per graph (and its costliest ops with `detail`)."""
+    measured = any(c.measured_us is not None for c in costs)
+    yield (f"{'scenario':<18} {'graph set':<40} {'bucket':>6} {'rows':>5} {'kernels':>7} {'MB':>9} "
+           f"{'W reads':>7} {'model us':>9} {'floor us':>9} {'ratio':>6}" + (f" {'GPU us':>9}" if measured else ""))
+    for c in costs:
+        modelled, floor = c.modelled_us(node_us, bandwidth_tbs), c.floor_us(bandwidth_tbs)
+        gpu = "" if not measured else f" {c.measured_us:9.1f}" if c.measured_us is not None else f" {'-':>9}"
+        yield (f"{c.scenario:<18} {c.graph_set:<40} {c.bucket:>6} {c.rows:>5} {len(c.kernels):>7} "
+               f"{c.bytes / 1e6:>9.1f} {c.weight_reads:>7.2f} {modelled:>9.1f} {floor:>9.1f} {modelled / floor:>6.2f}{gpu}")
+        if detail:
+            for op, n, nbytes, us in by_op(c.kernels, node_us, bandwidth_tbs)[:8]:
+                yield f"{'':<18}   {op:<40} {n:>4} kernels {nbytes / 1e6:>9.1f} MB {us:>9.1f} us"
+
+
+def calibration(costs: Sequence[GraphCost], node_us: float = NODE_US,
+                bandwidth_tbs: float = BANDWIDTH_TBS) -> dict[str, float] | None:
+    """From the graphs with a measured replay: the median, min and max of measured / modelled,
+    and a least-squares fit measured ≈ kernels * node_us + bytes / bandwidth (one line through
+    every graph: a rough calibration, since the model takes a max per kernel). None: no graph
+    was timed."""
+    timed = [c for c in costs if c.measured_us is not None]
+    if not timed:
+        return None
+    ratios = sorted(c.measured_us / c.modelled_us(node_us, bandwidth_tbs) for c in timed)
+    out = {"graphs_timed": len(timed), "median_ratio": ratios[len(ratios) // 2], "min_ratio": ratios[0],
+           "max_ratio": ratios[-1]}
+    if len(timed) >= 2:
+        terms = np.array([[len(c.kernels), c.bytes / 1e6] for c in timed], dtype=np.float64)  # kernels, MB
+        measured = np.array([c.measured_us for c in timed], dtype=np.float64)
+        (per_kernel, per_mb), *_ = np.linalg.lstsq(terms, measured, rcond=None)
+        out["fit_node_us"] = float(per_kernel)
+        if per_mb > 0:
+            out["fit_bandwidth_tbs"] = float(1.0 / per_mb)  # MB per µs = TB/s
+    return out
+
+
+def calibration_lines(calibrated: dict[str, float] | None) -> Iterator[str]:
+    if calibrated is None:
+        return
+    yield (f"measured / modelled over {calibrated['graphs_timed']} graphs: median {calibrated['median_ratio']:.2f}x "
+           f"(min {calibrated['min_ratio']:.2f}x, max {calibrated['max_ratio']:.2f}x)")
+    if "fit_node_us" in calibrated:
+        bandwidth = calibrated.get("fit_bandwidth_tbs")
+        yield (f"least-squares fit: measured us = kernels x {calibrated['fit_node_us']:.2f} us + bytes / "
+               + (f"{bandwidth:.2f} TB/s" if bandwidth else "(no positive bandwidth term)"))
+
+
+def replay_us(replayer: Any, bucket: int, replays: int, runs: int = 3) -> float:
+    """A captured CUDA graph's replay time in µs: the median over `runs` runs of
+    `replays` back-to-back replays, timed by CUDA events (after 3 warm replays)."""
+    for _ in range(3):
+        replayer.replay(bucket)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            replayer.replay(bucket)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / replays)  # ms -> µs per replay
+    return sorted(times)[len(times) // 2]
