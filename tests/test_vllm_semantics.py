@@ -1,8 +1,11 @@
 """Where `SamplingParams` uses vLLM's names it has vLLM's semantics (issue 26):
 the four cases where the engine once differed from vLLM V1's `Sampler`, each
-through the public path (a `PersistentBatch` step on an engine whose LM head
-is the identity, so the hidden row is the logits row) and, for the kept set,
-through every path that applies the filters.
+the issue's minimal case, through the public path (a `PersistentBatch` step
+on an engine whose LM head is the identity, so the hidden row is the logits
+row), through the independent reference the other tests check the engine
+against (`tests.controls_reference`, the bad-words plain loop of
+test_token_constraints, the numpy sampler reference as test_replay builds its
+rows) and, for the kept set, through every path that applies the filters.
 
 The side-by-side run against vLLM itself is tests/test_vllm_side_by_side.py
 (in the peer venv).
@@ -15,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine import EngineConfig, SamplingParams, StepEngine
+from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine
 from engine.step.batch import PersistentBatch
 from engine.sampling.candidates import decide_on_candidates
 from engine.sampling.exact import kept_sets, sample_reference
@@ -25,6 +28,10 @@ from engine.sampling.sampler import SamplerConfig, sample
 from engine.sampling.suppression import suppression_and_shift
 from engine.sampling.verify import target_probs
 from tests import numpy_sampler_reference as ref
+from tests.controls_reference import controlled_row
+from tests.test_replay import EOS as REPLAY_EOS
+from tests.test_replay import reference_rows
+from tests.test_token_constraints import banned_by_loop
 
 
 def emitted(steps: list[list[float]], prompt: list[int], params: SamplingParams, **config: object
@@ -56,6 +63,12 @@ def test_logit_bias_is_added_before_the_repetition_penalty():
     assert emitted([[2.0, 1.6, -5.0, -5.0]], [0], params) == [1]
 
 
+def test_the_controls_reference_adds_the_bias_before_the_repetition_penalty():
+    row = controlled_row(np.array([2.0, 1.6, -5.0, -5.0], np.float32), [0], [], repetition_penalty=2.0,
+                         logit_bias={0: 1.0})
+    assert row[0] == np.float32(1.5) and row[1] == np.float32(1.6) and int(np.argmax(row)) == 1
+
+
 def test_bad_words_match_their_prefix_on_the_output_only():
     # The prompt ends with 7, the word's prefix: vLLM still allows 9 (no output yet).
     logits = [-5.0] * 10
@@ -65,6 +78,12 @@ def test_bad_words_match_their_prefix_on_the_output_only():
     # Once the output ends with 7, 9 is banned.
     seven = [-5.0] * 7 + [3.0, -5.0, -5.0]
     assert emitted([seven, logits], [5, 7], params) == [7, 8]
+
+
+def test_the_bad_words_reference_reads_the_output_only():
+    # test_token_constraints builds the plain loop's context from the output and the drafts, never the prompt.
+    assert banned_by_loop([], [(7, 9)]) == set()
+    assert banned_by_loop([7], [(7, 9)]) == {9}
 
 
 def test_min_tokens_holds_eos_back_even_with_ignore_eos():
@@ -84,6 +103,19 @@ def test_allowed_tokens_and_the_bitmask_meet_and_a_row_they_empty_fails_as_the_b
     # Nothing left between them: the request fails as the bitmask's (the allowed set alone leaves tokens).
     params = SamplingParams(temperature=0.0, allowed_token_ids=(1, 2), bad_words=((1,), (2,)))
     assert "no token allowed by the token bitmask" in emitted([logits], [5], params)
+
+
+def test_the_replay_reference_holds_eos_back_even_with_ignore_eos():
+    # test_replay's numpy rows for a one-token prefill: EOS 2.0, token 1 1.0, min_tokens=2, ignore_eos.
+    vocab = 8
+    logits = np.full((1, vocab), -5.0, np.float32)
+    logits[0, REPLAY_EOS], logits[0, 1] = 2.0, 1.0
+    weight = np.eye(vocab, dtype=np.float32)
+    for ignore_eos in (True, False):
+        params = SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=ignore_eos)
+        seq = SeqMeta("r", True, 1, 1, 1, [3], params=params)
+        [(emits, [row])] = reference_rows(weight, logits, [seq])
+        assert emits and row.token == 1
 
 
 # Probabilities [0.5, 0.28, 0.12, 0.1], top_p=0.8, min_p=0.21: min-p first drops 0.1
