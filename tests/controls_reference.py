@@ -5,12 +5,15 @@ it): the oracle the controls stages are checked against. One row of fp32
 logits, the request's prompt tokens and the tokens generated before this row
 (accepted output plus the drafts of the request's earlier rows), in order:
 
-1. repetition penalty rp, over every token of the prompt or the output: a
+1. allowed tokens: every token outside the set gets -inf;
+2. logit bias: plus the token's bias;
+3. repetition penalty rp, over every token of the prompt or the output: a
    positive logit is divided by rp, any other multiplied by it;
-2. frequency penalty fp: minus fp times the token's count in the output;
-3. presence penalty pp: minus pp when the token occurs in the output;
-4. logit bias: plus the token's bias;
-5. allowed tokens: every token outside the set gets -inf.
+4. frequency penalty fp: minus fp times the token's count in the output;
+5. presence penalty pp: minus pp when the token occurs in the output.
+
+That is vLLM V1's order: the bias is a logits processor, the penalties come
+after the processors.
 
 Each step rounds to float32, as the engine's fp32 logits do.
 """
@@ -42,14 +45,14 @@ def controlled_row(
     allowed = None if allowed_token_ids is None else set(int(t) for t in allowed_token_ids)
     out = np.empty(len(logits), dtype=np.float32)
     for token, value in enumerate(np.asarray(logits, dtype=np.float32)):
+        if allowed is not None and token not in allowed:
+            value = f32(-np.inf)
+        if token in bias:
+            value = f32(value + f32(bias[token]))
         if token in seen:
             value = f32(value / rp) if value > 0 else f32(value * rp)
         count = counts.get(token, 0)
         value = f32(value - f32(fp * f32(count)))
         value = f32(value - f32(pp * f32(count > 0)))
-        if token in bias:
-            value = f32(value + f32(bias[token]))
-        if allowed is not None and token not in allowed:
-            value = f32(-np.inf)
         out[token] = value
     return out

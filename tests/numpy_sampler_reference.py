@@ -3,17 +3,20 @@
 engine/sampling/sampler.py. It imports nothing from `engine`: it is the oracle the
 fused sampler and the engine are checked against.
 
-Per row, in order: suppressed stop ids leave the row; M = the largest
-remaining raw logit; greedy (T = 0) takes the smallest id holding M; else
-z = (raw - M) / T in float32, p = softmax(z) in float64; top-k keeps z >= the
-k-th largest z; top-p keeps p >= t*, where t* is the p of the first token (by
-decreasing z) at which the mass of the top-k set reaches top_p times that
-set's mass; min-p keeps exp(z) >= min_p (p >= min_p * max p). Masses are
-the integers floor(exp(z) * 2**S), S = 52 - bit_length(V - 1): top-p's walk
-and the draw add those. Every sampled row draws by inverse CDF with one
+Per row, in vLLM V1's order: suppressed stop ids leave the row; M = the
+largest remaining raw logit; greedy (T = 0) takes the smallest id holding M
+and has no filters (vLLM resets them for a greedy request); else z = (raw -
+M) / T in float32, p = softmax(z) in float64; min-p keeps exp(z) >= min_p
+(p >= min_p * max p); top-k keeps z >= the k-th largest z; top-p keeps p >=
+t*, where t* is the p of the first token (by decreasing z) at which the mass
+of the set min-p and top-k kept reaches top_p times that set's mass. Masses
+are the integers floor(exp(z) * 2**S), S = 52 - bit_length(V - 1): top-p's
+walk and the draw add those. Every sampled row draws by inverse CDF with one
 uniform over its kept tokens' masses in token-id order; a forced token
 overrides the draw. Logprobs come from the raw logits ("raw") or from the
-kept masses over their total ("processed").
+kept weights exp(z), held in float32 as the contract's weights are, over
+their total ("processed"; the masses' floor would cost a rare token its
+digits).
 
 Floating point. The engine takes exp in float32 and this reference in
 float64, so a mass may differ by one unit and the two can disagree only
@@ -116,13 +119,20 @@ def sample_row(raw: np.ndarray, spec: RowSpec, *, num_top: int = 0, mode: str = 
 
     order = sorted(range(vocab), key=lambda t: (-z64[t], t))  # z desc, id asc
     kept = alive.copy()
-    k_on = 0 < spec.top_k < vocab
+    # Parameters travel as float32 (the ledger's dtypes): compare against those values.
+    min_p = float(np.float32(spec.min_p))
+    if min_p > 0.0 and not greedy:
+        ratio = np.exp(z64)  # p / max p, since the largest z is 0
+        near = np.abs(ratio - min_p) <= MIN_P_TOL * min_p
+        if np.any(near & alive & (z64 != 0.0)):
+            decided = False
+        kept &= ratio >= min_p
+    k_on = 0 < spec.top_k < vocab and not greedy
     if k_on:
         kth = z64[order[spec.top_k - 1]]
         kept &= z64 >= kth
-    # Parameters travel as float32 (the ledger's dtypes): compare against those values.
     top_p = float(np.float32(spec.top_p))
-    if top_p < 1.0:
+    if top_p < 1.0 and not greedy:
         level = top_p * mass[kept].sum()
         walk = [t for t in order if kept[t]]
         cum = 0.0
@@ -137,13 +147,6 @@ def sample_row(raw: np.ndarray, spec: RowSpec, *, num_top: int = 0, mode: str = 
                 threshold = z64[t]
                 break
         kept &= z64 >= threshold
-    min_p = float(np.float32(spec.min_p))
-    if min_p > 0.0:
-        ratio = np.exp(z64)  # p / max p, since the largest z is 0
-        near = np.abs(ratio - min_p) <= MIN_P_TOL * min_p
-        if np.any(near & alive & (z64 != 0.0)):
-            decided = False
-        kept &= ratio >= min_p
 
     if greedy:
         token = int(np.flatnonzero(alive & (raw == top))[0])
@@ -171,8 +174,9 @@ def sample_row(raw: np.ndarray, spec: RowSpec, *, num_top: int = 0, mode: str = 
             top_logprobs=[float(raw64[t] - lse) for t in by_raw],
             decided=decided,
         )
-    with np.errstate(divide="ignore"):  # a kept token of mass 0 is never drawn: logprob -inf
-        log_q = np.where(kept, np.log(mass) - np.log(mass[kept].sum()), -np.inf)
+    weight32 = weight.astype(np.float32).astype(np.float64)  # a weight below float32's range is 0
+    with np.errstate(divide="ignore"):  # a kept token of weight 0 is never drawn: logprob -inf
+        log_q = np.where(kept, np.log(weight32) - np.log(weight32[kept].sum()), -np.inf)
     token_z = z64[token] if kept[token] else -np.inf
     kept_order = [t for t in order if kept[t]][:num_top]
     top_ids = kept_order + [-1] * (num_top - len(kept_order))

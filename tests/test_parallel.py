@@ -40,7 +40,8 @@ from engine.sampling.row_params import RowParams
 from engine.sampling.rows import expand_rows
 from engine.sampling.sample_output import SampleOutput
 from engine.sampling.sampler import SamplerConfig, sample
-from engine.sampling.thresholds import mass_bits, row_distribution, suppressed_scores
+from engine.sampling.suppression import suppressed_scores
+from engine.sampling.thresholds import mass_bits, row_distribution
 
 VOCAB, HIDDEN, MAX_REQS, MAX_DRAFTS = 4000, 32, 8, 3  # 4000: an uneven last shard with a partial block
 CONFIG = EngineConfig(

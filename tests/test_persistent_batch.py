@@ -130,7 +130,8 @@ def test_update_rewrites_parameters_and_stop_ids_and_a_bad_one_changes_nothing()
     assert step.inputs.temperatures.tolist() == [0.5] and step.arrays.stop_ids[0].tolist() == [EOS, 9, -1, -1]
     batch.update("a", SamplingParams(temperature=0.0, ignore_eos=True, stop_token_ids=(7, 8)))
     step = batch.prepare(["a"], [2], [2])
-    assert step.inputs.temperatures.tolist() == [0.0] and step.arrays.stop_ids[0].tolist() == [7, 8, -1, -1]
+    # ignore_eos: EOS does not end the request, but min_tokens still holds it back (vLLM).
+    assert step.inputs.temperatures.tolist() == [0.0] and step.arrays.stop_ids[0].tolist() == [EOS, 7, 8, -1]
     with pytest.raises(ValueError, match=r"request 'a': params.stop_token_ids: 5 stop ids"):
         batch.update("a", SamplingParams(stop_token_ids=(2, 3, 4, 5)))
     assert batch.prepare(["a"], [2], [2]).inputs == step.inputs

@@ -284,7 +284,7 @@ def reference_rows(weight: np.ndarray, hidden: np.ndarray, seqs) -> list[tuple[b
             rows, first_position = [out_offset + j for j in range(s.seqlen_q)], s.seqlen_k - s.seqlen_q + 1
         out_offset += s.seqlen_q
         emits = not s.is_prompt or s.seqlen_k == s.prompt_len
-        stop = tuple(([EOS] if not p.ignore_eos else []) + list(p.stop_token_ids))
+        stop = (EOS, *p.stop_token_ids)  # EOS is held back under min_tokens even with ignore_eos (vLLM)
         row_results = []
         for j, row in enumerate(rows):
             spec = ref.RowSpec(p.temperature, p.top_k, p.top_p, p.min_p, p.seed, first_position + j,

@@ -11,12 +11,13 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from engine.sampling import exact as exact_module
-from engine.sampling import filters, rng, thresholds
-from engine.sampling import sampler as sampler_module
+from engine.sampling import filters, rng, suppression, thresholds
+from engine.sampling import pipeline as pipeline_module
 from engine.sampling import verify as verify_module
 from engine.sampling.exact import EXACT_CHUNK_ROWS, kept_sets, sample_exact, sample_reference
 from engine.sampling.errors import PLACEHOLDER_TOKEN, RowError
 from engine.sampling.logprobs import token_logprobs
+from engine.sampling.pipeline import TorchStages
 from engine.sampling.row_params import RowParams
 from engine.sampling.rows import expand_rows
 from engine.sampling.sample_output import SampleOutput
@@ -240,6 +241,8 @@ def _expected_distribution(x: np.ndarray, temperature: float, top_k: int, top_p:
     z = (x - x.max()) / temperature
     p = np.exp(z) / np.exp(z).sum()
     keep = np.ones_like(p, dtype=bool)
+    if min_p > 0:  # min-p first, as vLLM
+        keep &= p >= min_p * p.max()
     if top_k:
         keep &= z >= np.sort(z)[::-1][top_k - 1]
     if top_p < 1:
@@ -247,8 +250,6 @@ def _expected_distribution(x: np.ndarray, temperature: float, top_k: int, top_p:
         order = np.argsort(-q, kind="stable")
         reach = np.flatnonzero(np.cumsum(q[order]) >= top_p)
         keep &= q >= q[order[reach[0]]]
-    if min_p > 0:
-        keep &= p >= min_p * p.max()
     return np.where(keep, p, 0) / np.where(keep, p, 0).sum()
 
 
@@ -493,7 +494,7 @@ def test_sampler_reference_and_verify_paths_agree_on_the_kept_set(monkeypatch, p
     if plant is not None:
         name, planted = plant(module)
         monkeypatch.setattr(module, name, planted)
-        for user in (sampler_module, verify_module, exact_module):  # the names the paths imported
+        for user in (pipeline_module, verify_module, exact_module):  # the names the paths imported
             if hasattr(user, name):
                 monkeypatch.setattr(user, name, planted)
     cfg = SamplerConfig(max_logprobs=0)
@@ -546,16 +547,16 @@ def test_suppression_gives_one_verdict_per_token():
         expected[r, [t for t in stop_ids[r] if t >= 0 and suppress[r]]] = True
     scores = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0))
     scores[expected] = math.inf
-    masked = thresholds.suppressed_scores(scores, rows)
+    masked = suppression.suppressed_scores(scores, rows)
     assert torch.equal(masked, torch.where(expected, -math.inf, scores))
     scores[3, 3] = math.nan  # an unsuppressed NaN stays, and every value comes back
     before = scores.clone()
-    in_place, restore, at_stops = thresholds.suppress_in_place(scores, rows)
-    assert in_place.data_ptr() == scores.data_ptr()
+    stops = suppression.suppress_stop_ids_(scores, rows)
+    assert stops.scores.data_ptr() == scores.data_ptr()
     slots = rows.stop_ids.clamp(max=vocab - 1)
-    assert torch.equal(at_stops.nan_to_num(nan=7.0), before.gather(1, slots).nan_to_num(nan=7.0))
-    assert torch.equal(in_place.nan_to_num(nan=7.0), torch.where(expected, -math.inf, before).nan_to_num(nan=7.0))
-    restore()
+    assert torch.equal(stops.before.nan_to_num(nan=7.0), before.gather(1, slots).nan_to_num(nan=7.0))
+    assert torch.equal(stops.scores.nan_to_num(nan=7.0), torch.where(expected, -math.inf, before).nan_to_num(nan=7.0))
+    stops.restore()
     assert torch.equal(scores.view(torch.int32), before.view(torch.int32))
 
 
@@ -579,10 +580,11 @@ def test_sample_hands_back_its_logits_unchanged_even_when_it_raises():
                                   RowError.LOGITS_NOT_FINITE, 0]
     assert torch.equal(logits.view(torch.int32), before.view(torch.int32))
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("planted")
+    class Broken(TorchStages):
+        def kept_set(self, *args, **kwargs):
+            raise RuntimeError("planted")
     with pytest.raises(RuntimeError, match="planted"):
-        sample(logits, params, SamplerConfig(candidate_cap=64, max_logprobs=2), distribution=broken)
+        sample(logits, params, SamplerConfig(candidate_cap=64, max_logprobs=2), stages=Broken())
     assert torch.equal(logits.view(torch.int32), before.view(torch.int32))
 
 
@@ -644,7 +646,7 @@ def test_every_variant_that_can_serve_a_batch_gives_the_full_samplers_bits(batch
     chunked = sample(logits, params, dataclasses.replace(full, chunk_rows=2), compute_logprobs=False).tokens
     assert torch.equal(chunked, want)
     # The kept sets themselves, every row (greedy ones too): a cut one token off shows here.
-    masked = thresholds.suppressed_scores(logits, rows)
+    masked = suppression.suppressed_scores(logits, rows)
     best = masked.amax(-1)
     d = thresholds.row_distribution(masked, best, rows)
     kept = d.kept
@@ -675,15 +677,21 @@ def test_greedy_stage_fails_non_finite_rows_like_the_full_sampler(vocab):
     assert greedy.tokens[[1, 3, 4]].tolist() == [PLACEHOLDER_TOKEN] * 3
 
 
-def test_a_greedy_variant_asked_for_logprobs_computes_them():
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_a_greedy_variant_asked_for_logprobs_computes_them(mode):
     """The greedy fast path computes no logprobs: a call that wants them takes the
-    general path, whose tokens and logprobs are the full sampler's."""
+    general path, whose tokens and logprobs are the full sampler's. A greedy row's
+    filters are off (as vLLM): its processed logprobs are the whole row's softmax."""
     logits = torch.randn(4, 1024, generator=torch.Generator().manual_seed(4))
-    params = _params(4, temperature=0.0)
-    greedy = sample(logits, params, SamplerConfig(max_logprobs=3, stages="greedy"))
-    full = sample(logits, params, SamplerConfig(max_logprobs=3))
-    for name in ("tokens", "logprob", "rank", "top_ids", "top_logprobs", "error"):
-        assert torch.equal(getattr(greedy, name), getattr(full, name)), name
+    params = _params(4, temperature=0.0, top_k=np.array([0, 3, 0, 2]), top_p=np.array([1.0, 1.0, 0.5, 0.9]),
+                     min_p=np.array([0.0, 0.0, 0.0, 0.3]))
+    for stages in ("greedy", "plain"):
+        lean = sample(logits, params, SamplerConfig(max_logprobs=3, stages=stages, logprobs_mode=mode))
+        full = sample(logits, params, SamplerConfig(max_logprobs=3, logprobs_mode=mode))
+        for name in ("tokens", "logprob", "rank", "top_ids", "top_logprobs", "error"):
+            assert torch.equal(getattr(lean, name), getattr(full, name)), (stages, name)
+    softmax = torch.log_softmax(logits.double(), -1)
+    torch.testing.assert_close(full.top_logprobs.double(), softmax.topk(3).values, rtol=0, atol=1e-5)
 
 
 def test_expanded_rows_follow_their_requests_and_replace_only_known_controls():

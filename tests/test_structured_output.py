@@ -72,7 +72,7 @@ def test_smollm2_masks_equal_xgrammar_from_the_hugging_face_tokenizer(smollm2):
     info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab, stop_token_ids=[eos])
     schema = json.dumps({"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}})
     reference = xgr.GrammarMatcher(xgr.GrammarCompiler(info, max_threads=1).compile_json_schema(schema))
-    ours = TokenConstraints(vocab, tok, eos).make("r", SamplingParams(json_schema=schema), [1])
+    ours = TokenConstraints(vocab, tok, eos).make("r", SamplingParams(json_schema=schema))
     special = np.array([i for i, t in tok.tokenizer.get_added_tokens_decoder().items() if t.special and i != eos])
     text = tok.encode('{"name": "Ada", "age": 36}')
     for n in range(len(text) + 1):

@@ -182,8 +182,8 @@ def test_bad_words_hold_and_a_masked_request_is_the_same_alone_in_a_crowd_and_re
     replayed = decode_run(make_engine(use_graphs=True), crowd_requests, 12)
     assert alone["m"] == crowd["m"]
     assert crowd == replayed
-    tokens = [3, 4] + [t for t, _ in alone["m"][0]]
-    assert all(t % 2 for t in tokens[2:])  # every even token is a one-token bad word
+    tokens = [t for t, _ in alone["m"][0]]  # a word's prefix is matched on the output only
+    assert all(t % 2 for t in tokens)  # every even token is a one-token bad word
     for a, b in zip(tokens, tokens[1:]):
         assert (a, b) != (3, 5)
     for a, b, c in zip(tokens, tokens[1:], tokens[2:]):

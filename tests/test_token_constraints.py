@@ -85,7 +85,7 @@ def check_spec(kind: str, text: str, seed: int) -> None:
     emitted, drafts = path[:cut], path[cut : cut + 3]
     if rng.random() < 0.3 and drafts:
         drafts[-1] = ord("Z")  # a draft the grammar rejects: later rows are never emitted
-    constraint = constraints().make("r", SamplingParams(**{kind: text}), [5, 6])
+    constraint = constraints().make("r", SamplingParams(**{kind: text}))
     constraint.advance(emitted)
     rows = np.full((1 + len(drafts), WORDS), -1, dtype=np.int32)
     constraint.fill(rows, drafts)
@@ -117,7 +117,7 @@ def test_schema_and_grammar_masks_equal_a_fresh_matcher(spec, seed):
 
 
 def test_rollback_restores_the_mask():
-    c = constraints().make("r", SamplingParams(regex="a(bc)+d"), [1])
+    c = constraints().make("r", SamplingParams(regex="a(bc)+d"))
     before = np.full((1, WORDS), -1, dtype=np.int32)
     c.fill(before, ())
     c.advance([ord("a"), ord("b")])
@@ -153,15 +153,14 @@ def test_bad_words_ban_exactly_what_a_plain_loop_bans(seed):
     vocab = int(rng.integers(2, 80))
     small = int(rng.integers(2, min(vocab, 6) + 1))  # a small alphabet makes matches likely
     words = [tuple(int(t) for t in rng.integers(0, small, int(rng.integers(1, 4)))) for _ in range(int(rng.integers(1, 5)))]
-    prompt = [int(t) for t in rng.integers(0, small, int(rng.integers(1, 6)))]
     output = [int(t) for t in rng.integers(0, small, int(rng.integers(0, 6)))]
     drafts = [int(t) for t in rng.integers(0, small, int(rng.integers(0, 4)))]
-    c = TokenConstraints(vocab).make("r", SamplingParams(bad_words=tuple(words)), prompt)
+    c = TokenConstraints(vocab).make("r", SamplingParams(bad_words=tuple(words)))
     c.advance(output)
     rows = np.full((1 + len(drafts), -(-vocab // 32)), -1, dtype=np.int32)
     c.fill(rows, drafts)
     for j in range(len(rows)):
-        context = prompt + output + drafts[:j]
+        context = output + drafts[:j]  # never the prompt (vLLM matches a word on the output only)
         got = {t for t in range(vocab) if not (int(rows[j, t // 32]) >> (t % 32)) & 1}
         assert got == banned_by_loop(context, words), (context, words, j)
 
@@ -314,7 +313,7 @@ def test_every_tokenizer_reads_its_byte_level_vocabulary_as_xgrammar_reads_a_tra
         if reference.is_terminated():
             continue
         want = mask(reference)
-        constraint = constraints.make("r", SamplingParams(regex=regex), [2])
+        constraint = constraints.make("r", SamplingParams(regex=regex))
         constraint.advance(path)
         got = np.full((1, 1), -1, dtype=np.int32)
         constraint.fill(got, ())

@@ -90,7 +90,7 @@ STEP_FIELDS: tuple[StepField, ...] = (
     StepField("seeds", np.uint64, "req", 0, "sample", "params.seed",
               "RNG seed of the request (derived from its id when params.seed is None)"),
     StepField("stop_ids", np.int64, "req", -1, "sample", "engine",
-              "EOS (unless ignore_eos) and params.stop_token_ids, -1 = no id", width="stop"),
+              "EOS (also under ignore_eos) and params.stop_token_ids, -1 = no id", width="stop"),
     StepField("eos_suppression_rows", np.bool_, "row", False, "sample", "ledger",
               "rows whose EOS and stop ids are masked: fewer than min_tokens generated", host_form="row numbers"),
     StepField("forced_tokens", np.int64, "row", -1, "sample", "ledger",

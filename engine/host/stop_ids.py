@@ -1,5 +1,7 @@
 """The ids a request must not produce while it is short of `min_tokens`: EOS
-(unless `ignore_eos`) and its `stop_token_ids` (docs/contract.md §2, EOS suppression)."""
+and its `stop_token_ids` (docs/contract.md §2, EOS suppression). EOS is held
+back even with `ignore_eos`, as vLLM does: `ignore_eos` only keeps EOS from
+ending the request."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,10 +21,10 @@ class StopIds:
     eos_token_id: int | None
 
     def for_request(self, request_id: Hashable, params: SamplingParams) -> np.ndarray:
-        """[width] int64: EOS (unless ignore_eos) and the request's stop ids, -1 padded."""
+        """[width] int64: EOS (with or without ignore_eos) and the request's stop ids, -1 padded."""
         row = np.full(self.width, -1, dtype=np.int64)
         ids = list(params.stop_token_ids)
-        if self.eos_token_id is not None and not params.ignore_eos:
+        if self.eos_token_id is not None and self.eos_token_id not in ids:
             ids.insert(0, self.eos_token_id)
         if not ids:
             return row

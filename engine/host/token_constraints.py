@@ -10,8 +10,9 @@ b of word w stands for token 32 w + b, 1 = allowed. The device side applies it
   `GrammarMatcher` per request follows the tokens it emits. When the grammar
   is complete only the stop ids remain allowed, so the request ends on EOS.
 - Bad words (`SamplingParams.bad_words`): a word's last token is banned on a
-  row whose context (prompt + output + the drafts before the row) ends with
-  the rest of the word; a one-token word is always banned.
+  row whose output (the tokens emitted so far and the drafts before the row;
+  never the prompt, as vLLM) ends with the rest of the word; a one-token word
+  is always banned.
 - Drafts: row j of a request verifying k drafts gets the mask of the state
   after drafts 0..j-1. The matcher is advanced over them and rolled back. A
   draft the grammar rejects is never accepted (its row cannot draw it), so
@@ -107,14 +108,12 @@ class GrammarCache:
 class TokenConstraint:
     """One request's constraint: a grammar matcher, bad words, or both.
 
-    `context` holds the prompt's last tokens (as many as the longest bad word
-    needs) and every token the request emitted since it was made."""
+    `output` holds every token the request emitted since it was made."""
 
     def __init__(
         self,
         matcher: xgrammar.GrammarMatcher | None,
         bad_words: Sequence[Sequence[int]],
-        prompt_tokens: Sequence[int],
         stop_token_ids: Sequence[int],
     ) -> None:
         self.matcher = matcher
@@ -122,10 +121,7 @@ class TokenConstraint:
         self.single_bans = np.array(sorted({w[0] for w in bad_words if len(w) == 1}), dtype=np.int64)
         self._single_mask: np.ndarray | None = None  # [words] int32: all ones but the one-token bad words
         self.longer_words = tuple(tuple(w) for w in bad_words if len(w) > 1)
-        keep = max((len(w) - 1 for w in self.longer_words), default=0)
-        prompt = [int(t) for t in prompt_tokens]
-        self.prompt_tail = prompt[len(prompt) - keep :] if keep else []
-        self.context_needed = keep
+        self.context_needed = max((len(w) - 1 for w in self.longer_words), default=0)
         self.output: list[int] = []
         self.matched = 0  # leading output tokens the matcher accepted
         self.off_grammar = False  # an emitted token the matcher rejected (a forced token): nothing is allowed after it
@@ -144,7 +140,7 @@ class TokenConstraint:
                     ban_token(self._single_mask, int(token))
             rows &= self._single_mask
         if self.longer_words:
-            tail = (self.prompt_tail + self.output)[-self.context_needed :]
+            tail = self.output[-self.context_needed :]
             for j in range(len(rows)):
                 self._ban_words(rows[j], tail + [int(d) for d in drafts[:j]])
 
@@ -223,7 +219,7 @@ class TokenConstraints:
         self._grammars: GrammarCache | None = None
         self.of: dict[int, TokenConstraint] = {}
 
-    def make(self, request_id: Hashable, params: SamplingParams, prompt_tokens: Sequence[int]) -> TokenConstraint | None:
+    def make(self, request_id: Hashable, params: SamplingParams) -> TokenConstraint | None:
         """The constraint `params` asks for (None: none). Every check runs here:
         ValueError naming the request, the field and the value."""
         structured = params.structured
@@ -253,7 +249,7 @@ class TokenConstraints:
             except ValueError as err:  # the tokenizer's vocabulary is not one xgrammar can read
                 raise ValueError(f"request {request_id!r}: params.{kind}: {err}") from None
             matcher = grammars.matcher(grammars.compiled(request_id, kind, text), stops)
-        return TokenConstraint(matcher, params.bad_words or (), prompt_tokens, stops)
+        return TokenConstraint(matcher, params.bad_words or (), stops)
 
     def grammars(self) -> GrammarCache:
         """The grammar cache over `tokenizer` (a `GrammarTokenizer`), made on first use."""

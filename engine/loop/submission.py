@@ -78,7 +78,7 @@ def check_submission(
             f"request {request_id!r}: params.stop_token_ids={params.stop_token_ids} with EOS cover the whole "
             f"vocabulary ({model.vocab_size} ids) while min_tokens={params.min_tokens}: no token could be sampled"
         )
-    batch.check_constraints(request_id, params, prompt)  # bad words, structured output (compiled, cached)
+    batch.check_constraints(request_id, params)  # bad words, structured output (compiled, cached)
     top_n = params.num_logprobs
     if top_n > engine.config.sampler.max_logprobs:
         raise ValueError(

@@ -1,7 +1,8 @@
 """Allowed tokens (docs/contract.md §2): a restricted request samples only from its set.
 
-Applied after the penalties and the logit bias: every token outside the set
-gets logit -inf. The set is packed like the structured-output bitmask (bit b
+The first of the logits processors (vLLM's order, `engine.sampling.pipeline`):
+every token outside the set gets logit -inf, which the bias and the
+penalties after it leave as it is. The set is packed like the structured-output bitmask (bit b
 of int32 word w is token 32w + b); unrestricted rows keep every logit.
 """
 from __future__ import annotations

@@ -9,9 +9,9 @@ raw logit <= the C-th one, the boundary, so a z <= the boundary's z.
 
 - The kept set: top-k keeps z >= the k-th largest z. When that cut is a valid
   candidate's z strictly above the boundary's, every token top-k keeps is a
-  candidate, and top-p (its level is a fraction of the top-k set's mass) and
-  min-p only remove tokens from that set: the filters over the candidates
-  give the full row's kept set.
+  candidate, and min-p and top-p (its level is a fraction of the mass min-p
+  and top-k keep) only remove tokens from that set: the filters over the
+  candidates give the full row's kept set.
 - The masses are the full row's (`token_masses` with the row's V), integers
   whose sums are exact, so top-p's walk over the candidates crosses its
   level where the full row's does.

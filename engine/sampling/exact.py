@@ -17,11 +17,13 @@ import torch
 
 from engine.sampling import filters as filters_module
 from engine.sampling.normaliser import block_sums
+from engine.sampling.pipeline import TorchStages
 from engine.sampling.row_params import RowParams
 from engine.sampling.rows import SamplingRows, expand_rows
 from engine.sampling.sample_output import SampleOutput
 from engine.sampling.sampler import SamplerConfig, sample
-from engine.sampling.thresholds import RowDistribution, processed_scores, suppressed_scores, token_masses
+from engine.sampling.suppression import suppressed_scores
+from engine.sampling.thresholds import RowDistribution, processed_scores, token_masses
 
 # Rows sorted at once: a large batch goes in slices (rows are independent,
 # the bits do not depend on the slicing).
@@ -42,6 +44,18 @@ def sorted_row_distribution(masked: torch.Tensor, best: torch.Tensor, rows: Samp
     kept = torch.zeros_like(masked, dtype=torch.bool).scatter_(1, zs_ids, ks.kept) & (masked > -math.inf)
     weights = z.exp() * kept.to(z.dtype)
     return RowDistribution(shift, z, kept, weights, block_sums(weights))
+
+
+class ReferenceStages(TorchStages):
+    """The sampler's stages with the kept set (temperature, min-p, top-k, top-p) found
+    by the sorted walk."""
+
+    def kept_set(self, masked: torch.Tensor, best: torch.Tensor, rows: SamplingRows, **variant: object
+                 ) -> RowDistribution:
+        return sorted_row_distribution(masked, best, rows, **variant)
+
+
+REFERENCE_STAGES = ReferenceStages()
 
 
 def sample_exact(
@@ -72,7 +86,7 @@ def sample_exact(
         sample(logits[part], params.rows(part), full, sub, compute_logprobs=compute_logprobs,
                unprocessed=None if unprocessed is None else unprocessed[part],
                token_bitmask=None if token_bitmask is None else token_bitmask[part],
-               distribution=sorted_row_distribution)
+               stages=REFERENCE_STAGES)
         names = ("tokens", "error", "needs_exact") + (("logprob", "rank", "top_ids", "top_logprobs") if compute_logprobs else ())
         for name in names:
             getattr(out, name)[part] = getattr(sub, name)

@@ -1,4 +1,4 @@
-"""The kept set by sorting (docs/contract.md §2): top-k -> top-p -> min-p, defined on values.
+"""The kept set by sorting (docs/contract.md §2): min-p -> top-k -> top-p, defined on values.
 
 The reference path (`engine.sampling.exact`) and the vocab-parallel candidate
 exchange sort each row (or its candidates) by (z desc, id asc) and apply the
@@ -6,15 +6,17 @@ definitions in a walk; the sampler finds the same thresholds by radix select
 (`engine.sampling.thresholds`) and the two agree bit for bit. Over processed
 logits z with masses w (`thresholds.token_masses`, float64 integers):
 
-- top-k keeps every token whose z >= the k-th largest z (ties at the cut kept).
-- top-p works on the set top-k kept (as engines do): walking tokens by
+- min-p keeps exp(z) >= min_p (the largest token has exp(0) = 1: this is
+  p >= min_p * max p).
+- top-k keeps every token whose z >= the k-th largest z (ties at the cut
+  kept). Both cuts keep the tokens above a value: their order does not matter.
+- top-p works on the set min-p and top-k kept (as vLLM does: min-p is a
+  logits processor that runs before its top-k / top-p): walking tokens by
   decreasing z, z* is the z of the first token at which the running mass
-  reaches top_p * (the top-k set's mass); it keeps every token with z >= z*,
+  reaches top_p * (that set's mass); it keeps every token with z >= z*,
   ties included. The sums are exact, so the walk's order within a tie does
   not matter and the cut is the smallest set of whole z-levels that holds that
   much mass.
-- min-p keeps exp(z) >= min_p (the largest token has exp(0) = 1: this is
-  p >= min_p * max p).
 
 Every test is a threshold on z, so the kept set is a prefix of the sorted row.
 `top_k_mask` is the same top-k cut over unsorted values (top-k-space
@@ -49,7 +51,7 @@ def kth_largest(sorted_desc: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 
 def kept_set(zs: torch.Tensor, weights: torch.Tensor, masses: torch.Tensor, rows: SamplingRows) -> KeptSet:
-    """Apply top-k, top-p and min-p to sorted tokens.
+    """Apply min-p, top-k and top-p to sorted tokens.
 
     Parameters: `zs` [rows, M] f32 processed logits in (z desc, id asc) order,
     -inf (not valid) last; `weights` [rows, M] f32 their exp(z); `masses`
@@ -58,15 +60,15 @@ def kept_set(zs: torch.Tensor, weights: torch.Tensor, masses: torch.Tensor, rows
     row. Returns: `KeptSet`. Capture-safe.
     """
     alive = zs > -math.inf
+    keep_m = alive & (~rows.m_on[:, None] | (weights >= rows.min_p.to(torch.float32)[:, None]))
     kth_z = kth_largest(zs, rows.top_k)
-    in_k = alive & (~rows.k_on[:, None] | (zs >= kth_z[:, None]))
+    in_k = keep_m & (~rows.k_on[:, None] | (zs >= kth_z[:, None]))
     cum = torch.where(in_k, masses, 0.0).cumsum(-1)  # [rows, M] f64 integers: exact
     reached = cum >= (rows.top_p * cum[:, -1])[:, None]
     first = reached.to(torch.int8).argmax(-1, keepdim=True)  # the first index whose running mass reaches the level
     p_z = zs.gather(1, first).squeeze(1)
     keep_p = ~rows.p_on[:, None] | (zs >= p_z[:, None])
-    keep_m = ~rows.m_on[:, None] | (weights >= rows.min_p.to(torch.float32)[:, None])
-    return KeptSet(in_k & keep_p & keep_m, kth_z, p_z)
+    return KeptSet(in_k & keep_p, kth_z, p_z)
 
 
 def top_k_mask(values: torch.Tensor, k_rows: torch.Tensor, max_k: int | None = None) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """Logit bias (docs/contract.md §2): a per-request map token id -> value added to the logit.
 
-Applied after the penalties and before the allowed-token mask. A request's
+Applied after the masks (allowed tokens, token bitmask, EOS suppression) and
+before the penalties, as vLLM's logit-bias processor: the repetition penalty
+scales the biased logit, and a masked token stays -inf. A request's
 pairs sit in fixed-width rows padded with (token 0, bias 0.0): adding 0.0
 changes no logit, so padding needs no mask, and since the real ids of a
 request are distinct each token receives at most one nonzero addend, whatever

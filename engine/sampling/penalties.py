@@ -1,6 +1,7 @@
 """Penalties (docs/contract.md §2): repetition, frequency and presence, vLLM's semantics.
 
-Per row, over fp32 logits, in this order:
+Per row, over fp32 logits, after the masks and the logit bias (vLLM applies
+its penalties after its logits processors), in this order:
 
 - repetition (`rp`, 1 = off): every token seen in the prompt or the output so
   far: a positive logit is divided by rp, any other multiplied by it;

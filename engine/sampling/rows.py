@@ -59,8 +59,9 @@ class SamplingRows:
 
     @cached_property
     def k_on(self) -> torch.Tensor:
-        """[rows] bool: top-k on (0 < k < V)."""
-        return (self._top_k > 0) & (self._top_k < self._vocab)
+        """[rows] bool: top-k on (0 < k < V, and not greedy: as vLLM, a greedy
+        request has no filters, so its processed logprobs are over every token)."""
+        return (self._top_k > 0) & (self._top_k < self._vocab) & ~self.greedy
 
     @cached_property
     def top_k(self) -> torch.Tensor:
@@ -74,8 +75,8 @@ class SamplingRows:
 
     @cached_property
     def p_on(self) -> torch.Tensor:
-        """[rows] bool."""
-        return self.top_p < 1
+        """[rows] bool: top-p on (< 1, and not greedy)."""
+        return (self.top_p < 1) & ~self.greedy
 
     @cached_property
     def min_p(self) -> torch.Tensor:
@@ -84,8 +85,8 @@ class SamplingRows:
 
     @cached_property
     def m_on(self) -> torch.Tensor:
-        """[rows] bool."""
-        return self.min_p > 0
+        """[rows] bool: min-p on (> 0, and not greedy)."""
+        return (self.min_p > 0) & ~self.greedy
 
     @cached_property
     def seed(self) -> torch.Tensor:

@@ -6,12 +6,14 @@ order keys instead of sorting it:
 
 - order key: the bits of the float32 -z as an int32 (0 for z = 0, growing as
   z falls; a valid z is <= 0). Equal z, equal key; a smaller key is a larger z.
-- top-k: the smallest key t whose count {key <= t} reaches k.
-- top-p: the smallest key t whose mass {key <= t, kept by top-k} reaches
-  top_p times the top-k set's mass, with the masses of `token_masses`:
-  integers held in float64, so every sum is exact in any order and the cut
-  is the same on every path, device and batch layout.
-- min-p: exp(z) >= min_p, elementwise (the largest token has exp(0) = 1).
+- min-p: exp(z) >= min_p, elementwise (the largest token has exp(0) = 1);
+  first, as vLLM applies it (a logits processor before top-k and top-p).
+- top-k: the smallest key t whose count {key <= t} reaches k. Min-p and
+  top-k both keep the tokens above a cut, so their order does not matter.
+- top-p: the smallest key t whose mass {key <= t, kept by min-p and top-k}
+  reaches top_p times the mass that min-p and top-k kept, with the masses
+  of `token_masses`: integers held in float64, so every sum is exact in any
+  order and the cut is the same on every path, device and batch layout.
 
 The draw then weighs each kept token by its mass (`engine.sampling.draw`).
 
@@ -24,7 +26,6 @@ the same sets (tested); it stays as the reference path.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +33,6 @@ import torch
 from engine.sampling.filters import kth_largest
 from engine.sampling.normaliser import block_sums, mass_bits, token_masses
 from engine.sampling.rows import SamplingRows
-from engine.sampling.suppression import suppressed_at
 from engine.sampling.temperature import processed_logits
 
 KEY_BITS = 31  # order keys are nonnegative int32 values: the sign bit of -z is never set for z <= 0
@@ -118,37 +118,6 @@ class RowDistribution:
         return token_masses(self.weights) / torch.where(total > 0, total, torch.ones_like(total))
 
 
-def suppressed_scores(scores: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
-    """`scores` [rows, V] f32 with suppressed stop ids at -inf: a new tensor
-    (a copy and a scatter of the few stop-id slots). Capture-safe."""
-    vocab = scores.shape[1]
-    slots = rows.stop_ids.clamp(max=vocab - 1)  # [rows, S]
-    # Every slot naming the same token writes the same value (see suppression.py).
-    value = torch.where(suppressed_at(slots, rows), -math.inf, scores.gather(1, slots))
-    return scores.clone().scatter_(1, slots, value)
-
-
-def suppress_in_place(scores: torch.Tensor, rows: SamplingRows
-                      ) -> tuple[torch.Tensor, Callable[[], None], torch.Tensor]:
-    """`suppressed_scores` without the copy: the suppressed stop ids of `scores` [rows, V]
-    f32 are set to -inf in place (a gather and a scatter of the few stop-id slots), and the
-    returned call writes their values back. The caller reads the masked scores, and nothing
-    else reads `scores`, until it makes that call (in a `finally`, so an exception leaves
-    `scores` as it came). A whole-row copy costs about as much as `exp` over the rows on a
-    CPU (1 ms per [64, 49152]). A `scores` whose rows are not dense in memory gets
-    `suppressed_scores`' copy, and the call does nothing. Returns: (the masked scores,
-    the restoring call, `scores`' own values at the stop-id slots [rows, S], which the
-    caller's finite check reads). Capture-safe."""
-    vocab = scores.shape[1]
-    slots = rows.stop_ids.clamp(max=vocab - 1)  # [rows, S]
-    original = scores.gather(1, slots)
-    if not scores.is_contiguous():
-        return suppressed_scores(scores, rows), lambda: None, original
-    # Duplicate slots name one token, so they gather, suppress and restore one value (suppression.py).
-    scores.scatter_(1, slots, torch.where(suppressed_at(slots, rows), -math.inf, original))
-    return scores, lambda: scores.scatter_(1, slots, original), original
-
-
 def top_k_keys(masked: torch.Tensor, shift: torch.Tensor, rows: SamplingRows, width: int) -> torch.Tensor:
     """The order key of each row's k-th largest z, from a topk of `width`
     scores (every row's k must be <= width, or top-k off). Parameters:
@@ -180,7 +149,7 @@ def _top_k_cut(keys: torch.Tensor, masked: torch.Tensor, shift: torch.Tensor, ro
 
 def _top_p_cut(keys: torch.Tensor, mass: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     """[rows, 1] int32: the largest order key top-p keeps (`KEY_MAX` where it is off), over
-    `mass` [rows, V], the masses of the tokens top-k kept (0 elsewhere)."""
+    `mass` [rows, V], the masses of the tokens min-p and top-k kept (0 elsewhere)."""
     t_p = radix_threshold(keys, mass, rows.top_p * mass.sum(-1))
     return torch.where(rows.p_on, t_p, KEY_MAX)[:, None]
 
@@ -194,22 +163,22 @@ def _min_p_floor(rows: SamplingRows) -> torch.Tensor:
 def _filtered_weights(masked: torch.Tensor, shift: torch.Tensor, z: torch.Tensor, weights: torch.Tensor,
                       rows: SamplingRows, top_k: str, top_k_width: int, top_p: bool) -> RowDistribution:
     """`row_distribution`'s weights without its kept mask. An invalid token's weight is
-    exp(-inf) = 0 already, so each cut only zeroes the weights past it: top-k's, then
-    top-p's over the masses of what top-k left (the same masses as the masked ones),
-    then min-p's, which keeps a weight >= min_p (a NaN, on a failed row, is zeroed)."""
+    exp(-inf) = 0 already, so each cut only zeroes the weights past it: min-p's, which
+    keeps a weight >= min_p (a NaN, on a failed row, is zeroed), then top-k's, then
+    top-p's over the masses of what they left (the same masses as the masked ones)."""
+    weights = torch.where(weights >= _min_p_floor(rows), weights, 0.0)
     keys = order_keys(z) if top_k != "none" or top_p else None
     if top_k != "none":
         weights.masked_fill_(keys > _top_k_cut(keys, masked, shift, rows, top_k, top_k_width), 0.0)
     if top_p:
         weights.masked_fill_(keys > _top_p_cut(keys, token_masses(weights), rows), 0.0)
-    weights = torch.where(weights >= _min_p_floor(rows), weights, 0.0)
     return RowDistribution(shift, z, None, weights, block_sums(weights))
 
 
 def row_distribution(masked: torch.Tensor, best: torch.Tensor, rows: SamplingRows, *, filters: bool = True,
                      top_k: str = "radix", top_k_width: int = 0, top_p: bool = True,
                      kept_set: bool = True) -> RowDistribution:
-    """Temperature, filters and the draw's weights over whole rows.
+    """Temperature -> min-p -> top-k -> top-p, and the draw's weights, over whole rows.
 
     Parameters: `masked` [rows, V] f32 scores with invalid tokens at -inf
     (`suppressed_scores`), `best` [rows] f32 their row maximum; `rows` their
@@ -225,17 +194,16 @@ def row_distribution(masked: torch.Tensor, best: torch.Tensor, rows: SamplingRow
     """
     shift, z = processed_scores(masked, best, rows)
     weights = z.exp()
-    kept = None
+    kept = masked > -math.inf if kept_set else None  # without filters: every valid token
     if filters and not kept_set:
         return _filtered_weights(masked, shift, z, weights, rows, top_k, top_k_width, top_p)
     if filters:
+        kept &= weights >= _min_p_floor(rows)
         keys = order_keys(z) if top_k != "none" or top_p else None
-        kept = masked > -math.inf
         if top_k != "none":
             kept &= keys <= _top_k_cut(keys, masked, shift, rows, top_k, top_k_width)
         if top_p:
-            mass = token_masses(weights.masked_fill(~kept, 0.0))  # the top-k set's masses, 0 elsewhere
+            mass = token_masses(weights.masked_fill(~kept, 0.0))  # the masses min-p and top-k kept, 0 elsewhere
             kept &= keys <= _top_p_cut(keys, mass, rows)
-        kept &= weights >= _min_p_floor(rows)
         weights.masked_fill_(~kept, 0.0)  # a fresh tensor; a bool-to-float multiply costs 4x more on CPU
     return RowDistribution(shift, z, kept, weights, block_sums(weights))

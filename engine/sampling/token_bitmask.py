@@ -5,11 +5,12 @@ one row of int32 words per sample row, in xgrammar's packed layout: bit b of
 word w stands for token 32 w + b, 1 = allowed; a row of all ones (-1 words)
 restricts nothing. The host builds it (`engine/host/token_constraints.py`).
 
-It applies after the penalties, the logit bias and the allowed-token mask and
-before EOS suppression: a disallowed token's score becomes -inf, so every
-later stage (the candidates, the filters, the draws, processed logprobs,
-verification's target distribution) sees only allowed tokens. Raw logprobs
-read the logits before any control and do not see it.
+It is the first of the logits processors (vLLM's model runner applies the
+structured-output bitmask before its sampler): a disallowed token's score
+becomes -inf, so every later stage (the allowed tokens, the bias and the
+penalties, which leave -inf as it is; the candidates, the filters, the draws,
+processed logprobs, verification's target distribution) sees only allowed
+tokens. Raw logprobs read the logits before any control and do not see it.
 
 A row whose mask leaves no finite score fails on its own
 (`RowError.NO_TOKEN_ALLOWED`). Its scores stay as they were, finite, so the
@@ -41,15 +42,18 @@ def unpack_token_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
     return ((words[:, :, None] & bits) != 0).view(words.shape[0], -1)[:, :vocab]  # [rows, W * 32] -> [rows, V]
 
 
-def apply_token_bitmask(scores: torch.Tensor, words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_token_bitmask(scores: torch.Tensor, words: torch.Tensor, *, in_place: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Disallowed tokens to -inf.
 
-    Parameters: `scores` [rows, V] f32, the logits after the controls before
-    this stage; `words` [rows, ceil(V / 32)] int32, the rows' bitmasks, same
-    device. Returns: the masked scores [rows, V] f32 (a new tensor; a row
-    with no allowed finite score keeps its scores), and [rows] bool, the rows
-    the mask leaves nothing to sample. Capture-safe.
+    Parameters: `scores` [rows, V] f32, the logits; `words` [rows, ceil(V /
+    32)] int32, the rows' bitmasks, same device; `in_place`: write `scores`
+    itself (else a new tensor). Returns: the masked scores [rows, V] f32 (a
+    row with no allowed finite score keeps its scores), and [rows] bool, the
+    rows the mask leaves nothing to sample. Applying it twice changes
+    nothing more. Capture-safe.
     """
     allowed = unpack_token_bitmask(words, scores.shape[1])  # [rows, V] bool
     nothing_allowed = ~(allowed & (scores > -math.inf)).any(-1)  # [rows]
-    return scores.masked_fill(~allowed & ~nothing_allowed[:, None], -math.inf), nothing_allowed
+    banned = ~allowed & ~nothing_allowed[:, None]
+    return (scores.masked_fill_(banned, -math.inf) if in_place else scores.masked_fill(banned, -math.inf)), nothing_allowed

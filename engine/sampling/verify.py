@@ -53,7 +53,8 @@ from engine.sampling.row_max import first_max
 from engine.sampling.row_params import RowParams
 from engine.sampling.rows import expand_rows
 from engine.sampling.sampler import controlled_scores
-from engine.sampling.thresholds import row_distribution, suppressed_scores
+from engine.sampling.suppression import suppressed_scores
+from engine.sampling.thresholds import row_distribution
 
 _NONE = torch.iinfo(torch.int64).max  # scatter-min identity: "no rejection seen"
 

@@ -90,7 +90,7 @@ class PersistentBatch:
 
     def add(self, request_id: Hashable, prompt_tokens: Sequence[int], params: SamplingParams | None = None) -> int:
         """Take a row (returned) for a new request; its stop ids are the
-        engine's (EOS unless ignore_eos, plus params.stop_token_ids).
+        engine's (EOS, even with ignore_eos, plus params.stop_token_ids).
         **Raises** ValueError naming the request and the field (nothing is
         written), RuntimeError when the batch or the draft-info pool is full."""
         params = SamplingParams() if params is None else params
@@ -98,7 +98,7 @@ class PersistentBatch:
             raise ValueError(f"request {request_id!r}: prompt_tokens=None: the batch needs the prompt")
         if request_id in self.table.row_of:
             raise ValueError(f"request {request_id!r}: request_id is already in the table")
-        constraint = self.check_constraints(request_id, params, prompt_tokens)
+        constraint = self.check_constraints(request_id, params)
         if self.draft_slots is None or len(self.table) == self.table.capacity:
             row = self.table.add(request_id, params, prompt_tokens)  # a full table raises before a slot is taken
         else:
@@ -113,13 +113,12 @@ class PersistentBatch:
             self._constrained[row] = True
         return row
 
-    def check_constraints(self, request_id: Hashable, params: SamplingParams,
-                          prompt_tokens: Sequence[int]) -> TokenConstraint | None:
+    def check_constraints(self, request_id: Hashable, params: SamplingParams) -> TokenConstraint | None:
         """The token constraint `params` asks for (None: none), every check run:
         bad words inside the vocabulary, the structured-output spec compiled
         (cached by kind and text), a tokenizer present. **Raises** ValueError
         naming the request, the field and the value; changes nothing."""
-        return self.constraints.make(request_id, params, prompt_tokens)
+        return self.constraints.make(request_id, params)
 
     def update(self, request_id: Hashable, params: SamplingParams) -> None:
         """New sampling parameters for a request in the batch (validated first).

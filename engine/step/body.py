@@ -2,7 +2,7 @@
 
     gather       the sample rows of the hidden-state source    -> buffers.hidden
     drafts       each row's draft (the caller's or the pool's)  -> buffers.resolved_drafts
-    LM head      logits, the sampling controls (controls graphs) and the draw -> buffers.out
+    LM head      logits and the sampler's stages (engine.sampling.pipeline) -> buffers.out
     hidden check rows whose hidden state is not finite fail
     verify       the rows' draws against their drafts           -> buffers.num_accepted
     draft pool   next step's proposals into the write slots
@@ -22,7 +22,9 @@ import torch
 from engine.host.step_fields import READ_FROM_POOL
 from engine.ops import gather
 from engine.sampling.errors import RowError, fail_rows
+from engine.sampling.rows import expand_rows
 from engine.sampling.sampler import controlled_scores
+from engine.sampling.suppression import suppressed_scores
 from engine.sampling.verify import accept_strict, draft_in_top_k, target_probs, verify_rejection
 from engine.step.config import EngineConfig
 from engine.step.controls import SamplingControls
@@ -111,7 +113,10 @@ def verify_drafts(buffers: StepBuffers, config: EngineConfig, bucket: int,
     if config.verify_mode == "strict":
         allowed = None
         if k_req is not None:
+            # The top-k of the scores the rows drew from: the bitmask and the suppressed stop
+            # ids applied (again: a graph set with controls left them in b.logits already).
             scores, _ = controlled_scores(b.logits[:rows], mask)
+            scores = suppressed_scores(scores, expand_rows(params, scores.shape[1]))
             allowed = draft_in_top_k(scores, drafts, k_req[params.row_to_req], config.sampler.candidate_cap)
         accept_strict(b.out.tokens[:rows], drafts, params.row_to_req, params.local_step, bucket,
                       draft_allowed=allowed, out=b.num_accepted[:bucket])

@@ -12,10 +12,12 @@ leaves; the step stages each request's slot (`control_slots`, 0 = none).
     allowed_words [slots, ceil(V/32)] int32, restricted [slots] bool
     unprocessed   [max_rows, V] f32  the logits before the controls (raw logprobs)
 
-Inside the captured step (`apply`, `count`): the controls rewrite
-`buffers.logits` in place, after a copy of the unprocessed logits, so every
-path that reads the logits afterwards (the sampler, the exact rows, draft
-verification) sees the controlled ones; then the tokens the step emits are
+Inside the captured step (`rows`, `count`): each sample row's controls,
+gathered from its request's slot, go to the sampler
+(`engine.sampling.pipeline.ControlRows`), which keeps a copy of the
+unprocessed logits and applies them to `buffers.logits` in place, in vLLM's
+order, so every path that reads the logits afterwards (the exact rows, draft
+verification) sees the processed ones; then the tokens the step emits are
 added to the counts, on the device. The host copies what each replay counted
 (one small copy beside the outputs') so that `StepEngine.rollback` can take
 back the last step, or a step that raised after its replay.
@@ -30,10 +32,8 @@ import torch
 
 from engine.host.control_slots import first_control, uses_controls
 from engine.host.params import SamplingParams
-from engine.sampling.allowed_tokens import apply_allowed_tokens_
 from engine.sampling.errors import RowError
-from engine.sampling.logit_bias import apply_logit_bias_
-from engine.sampling.penalties import apply_penalties_
+from engine.sampling.pipeline import ControlRows
 from engine.sampling.token_bitmask import BITS_PER_WORD, bitmask_words
 from engine.step.config import EngineConfig
 from engine.step.static_buffers import StepBuffers
@@ -52,7 +52,7 @@ class SamplingControls:
     """The control slots of one engine and their static buffers (see the module docstring).
 
     The host side (`check`, `join`, `rewrite`, `leave`) is what the request
-    tables call; the device side (`apply`, `count`, `recount`) runs inside
+    tables call; the device side (`rows`, `count`, `recount`) runs inside
     the step of the engine's controls graphs."""
 
     def __init__(self, config: EngineConfig, vocab_size: int, max_rows: int, device: torch.device):
@@ -171,27 +171,25 @@ class SamplingControls:
 
     # -- device side: inside the step -------------------------------------------
 
-    def apply(self, buffers: StepBuffers, bucket: int) -> None:
-        """Penalties -> logit bias -> allowed tokens on `buffers.logits`, in place,
-        after keeping the unprocessed logits in `self.unprocessed`; capture-safe.
-        Row j of a request counts the drafts its rows 0..j-1 verify as generated."""
+    def rows(self, buffers: StepBuffers, bucket: int) -> ControlRows:
+        """The controls of the bucket's sample rows, gathered from their slots, for the
+        sampler to apply; capture-safe. Row j of a request counts the drafts its rows
+        0..j-1 verify as generated."""
         b = buffers
         rows = b.rows_for(bucket)
-        logits = b.logits[:rows]  # [rows, V] f32
-        self.unprocessed[:rows].copy_(logits)
         slot = self.row_slots(b, bucket)  # [rows]
         counts = self.counts[slot]  # [rows, V] int32, a copy
         for d in range(1, b.rows_per_req):
             # Row r at local step s >= d: the draft of row r - d (same request) was generated before it.
             earlier = b.inputs.local_step[:rows] >= d  # [rows] bool
-            source = (torch.arange(rows, device=logits.device) - d).clamp(min=0)
+            source = (torch.arange(rows, device=counts.device) - d).clamp(min=0)
             draft = b.resolved_drafts[:rows][source]  # [rows] int64, -1 = none
             counts.scatter_add_(1, draft.clamp(0, self.vocab_size - 1)[:, None],
                                 (earlier & (draft >= 0)).to(torch.int32)[:, None])
-        pen = self.penalties[slot]  # [rows, 3]
-        apply_penalties_(logits, counts, self.prompt_words[slot], pen[:, 0], pen[:, 1], pen[:, 2])
-        apply_logit_bias_(logits, self.bias_ids[slot], self.bias_values[slot])
-        apply_allowed_tokens_(logits, self.allowed_words[slot], self.restricted[slot])
+        return ControlRows(counts=counts, prompt_words=self.prompt_words[slot], penalties=self.penalties[slot],
+                           bias_ids=self.bias_ids[slot], bias_values=self.bias_values[slot],
+                           allowed_words=self.allowed_words[slot], restricted=self.restricted[slot],
+                           unprocessed=self.unprocessed[:rows])
 
     def row_slots(self, buffers: StepBuffers, bucket: int) -> torch.Tensor:
         """[rows] int64: the control slot of each sample row of the bucket."""

@@ -185,15 +185,16 @@ class LocalHead(LMHead):
             block_rows=self.config.block_rows,
             kernel=self.logits_kernel,
         )
-        unprocessed = token_bitmask = None
+        controls = token_bitmask = None
         if graphs in (CONTROLLED, MASKED) and self.controls is not None:
             # In a masked step without controls every staged slot is 0 (neutral).
-            self.controls.apply(b, bucket)  # b.logits now hold the controlled logits
-            unprocessed = self.controls.unprocessed[:rows]
+            controls = self.controls.rows(b, bucket)
         if graphs == MASKED:
             token_bitmask = b.token_bitmask[:rows]
+        # Every stage, in vLLM's order (engine.sampling.pipeline); with controls, b.logits
+        # hold the processed scores afterwards (what verification reads).
         sample(b.logits[:rows], b.params(bucket), self.samplers[graphs], out=b.outputs(rows),
-               unprocessed=unprocessed, token_bitmask=token_bitmask)
+               controls=controls, token_bitmask=token_bitmask)
 
     def graphs_for(self, inputs: SamplerInputs, rows: int, stats: EngineStats) -> str:
         """Without lighter sets, `FILTERED`. A step where a request wants
@@ -206,9 +207,8 @@ class LocalHead(LMHead):
             return FILTERED
         greedy = inputs.temperatures == 0
         logprobs = bool((inputs.num_logprobs >= 0).any())
-        # Raw logprobs ignore a greedy request's filters; processed ones report its kept set.
-        counts = np.ones_like(greedy) if logprobs and self.samplers[FILTERED].logprobs_mode == "processed" else ~greedy
-        k_on = counts & (inputs.top_ks > 0) & (inputs.top_ks < self.vocab_size)
+        # A greedy request has no filters (as vLLM): its processed logprobs are over every token.
+        k_on = ~greedy & (inputs.top_ks > 0) & (inputs.top_ks < self.vocab_size)
         top_k = "none" if not k_on.any() else "topk" if inputs.top_ks[k_on].max() <= self.config.sampler.candidate_cap else "radix"
         if logprobs:
             return FILTERED if top_k == "radix" else filter_graphs(top_k, True, logprobs=True)

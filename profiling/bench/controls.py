@@ -4,9 +4,9 @@
 [--vocab 128256] [--repeats N] [--json]`. B decode requests over fp32 logits
 shaped like a language model's (`sample.lm_like_logits`), temperature 0.8,
 top-p 0.9. "plain": the engine's sampler with the controls off (`sample`);
-each other column: the controls graph's work on the same rows, i.e. the copy
-of the unprocessed logits, the stage(s) (`SamplingControls.apply`) and the
-same sampler. Cases:
+each other column: the controls graph's work on the same rows, i.e. the
+rows' controls gathered (`SamplingControls.rows`) and the same sampler, which
+copies the unprocessed logits and applies them. Cases:
 penalties (repetition 1.2, frequency 0.5, presence 0.5 over a 512-token prompt
 and 256 generated tokens), a 256-entry logit bias, 1024 allowed tokens, all
 three together ("all"), a per-row token bitmask allowing half the vocabulary
@@ -79,18 +79,16 @@ def _staged_engine(batch: int, vocab: int, controls: dict, rng: np.random.Genera
 
 def _sampler(engine: StepEngine, batch: int, saved: torch.Tensor, controlled: bool,
              token_bitmask: torch.Tensor | None = None):
-    """One timed call: restore the logits, (apply the controls,) sample (through the
-    bitmask when given)."""
+    """One timed call: restore the logits, (gather the rows' controls,) sample (the
+    sampler applies them, and the bitmask when given)."""
     b, cfg = engine.buffers, engine.config.sampler
     params, out = b.params(batch), b.outputs(batch)
     logits = b.logits[:batch]
-    unprocessed = engine.controls.unprocessed[:batch] if controlled else None
 
     def run() -> None:
         logits.copy_(saved)
-        if controlled:
-            engine.controls.apply(b, batch)
-        sample(logits, params, cfg, out, unprocessed=unprocessed, token_bitmask=token_bitmask)
+        controls = engine.controls.rows(b, batch) if controlled else None
+        sample(logits, params, cfg, out, controls=controls, token_bitmask=token_bitmask)
 
     return run
 
