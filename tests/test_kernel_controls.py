@@ -1,10 +1,11 @@
 """The controls kernel (engine/sampling/kernels/controls.py) against the torch path, under
 Triton's interpreter on CPU tensors.
 
-References: the torch stage functions composed in the order of vLLM's sampler that the
-torch path adopts (allowed tokens -> logit bias -> penalties, then the sampler's token
-bitmask and EOS/stop suppression), and `SamplingControls.apply` itself where today's
-order (penalties before the bias) gives the same values: rows without a logit bias.
+References: the torch stage functions composed in vLLM V1's order, which the torch path
+adopts (`engine.sampling.pipeline` on h-vllm): allowed tokens -> token bitmask -> EOS/stop
+suppression (a per-row loop here) -> logit bias -> penalties; and `SamplingControls.apply`
+itself where main's order (penalties -> bias -> allowed tokens, then the bitmask) gives
+the same values and flags: no logit bias, no logit a penalty overflows.
 Random batches (tests/kernel_batches.py): drafts 0..K per request, pool reads, padding
 rows, every control, NaN and -inf rows, rows the bitmask leaves nothing.
 """
@@ -24,10 +25,7 @@ from hypothesis import strategies as st
 from engine.sampling.allowed_tokens import apply_allowed_tokens_
 from engine.sampling.logit_bias import apply_logit_bias_
 from engine.sampling.penalties import apply_penalties_
-from engine.sampling.rows import expand_rows
-from engine.sampling.thresholds import suppressed_scores
 from engine.sampling.token_bitmask import apply_token_bitmask, bitmask_words
-from engine.sampling.row_params import RowParams
 from tests.kernel_batches import Batch, batches, same_values
 
 triton = pytest.importorskip("triton")
@@ -119,25 +117,36 @@ def draft_counts(batch: Batch, c: Controls) -> torch.Tensor:
     return counts
 
 
+def suppressed(x: torch.Tensor, batch: Batch, c: Controls) -> torch.Tensor:
+    """EOS/stop suppression, row by row: a row flagged in `eos_rows` gives its request's stop ids -inf."""
+    x = x.clone()
+    for r in range(batch.rows):
+        if c.eos_rows[r]:
+            for stop in c.stop_ids[int(batch.row_to_req[r])].tolist():
+                if stop >= 0:
+                    x[r, stop] = float("-inf")
+    return x
+
+
 def masked_and_suppressed(x: torch.Tensor, batch: Batch, c: Controls) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sampler's token bitmask, then its EOS/stop suppression, over controlled scores `x`."""
+    """The token bitmask, then the EOS/stop suppression, over scores `x`; and the rows the bitmask fails."""
     nothing = torch.zeros(batch.rows, dtype=torch.bool)
     if c.bitmask is not None:
         x, nothing = apply_token_bitmask(x, c.bitmask)
-    params = dataclasses.replace(RowParams.neutral(batch.num_reqs, batch.rows, NUM_STOPS), stop_ids=c.stop_ids,
-                                 row_to_req=batch.row_to_req, local_step=batch.local_step, eos_suppression_rows=c.eos_rows)
-    return suppressed_scores(x, expand_rows(params, batch.vocab)), nothing
+    return suppressed(x, batch, c), nothing
 
 
 def vllm_order(batch: Batch, c: Controls) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch stage functions in vLLM's order: allowed tokens -> logit bias -> penalties."""
+    """The torch stage functions in vLLM's order: allowed tokens -> token bitmask -> suppression
+    -> logit bias -> penalties."""
     slot = c.control_slots[batch.row_to_req]
     x = batch.logits.clone()
     apply_allowed_tokens_(x, c.allowed_words[slot], c.restricted[slot])
+    x, nothing = masked_and_suppressed(x, batch, c)
     apply_logit_bias_(x, c.bias_ids[slot], c.bias_values[slot])
     pen = c.penalties[slot]
     apply_penalties_(x, draft_counts(batch, c), c.prompt_words[slot], pen[:, 0], pen[:, 1], pen[:, 2])
-    return masked_and_suppressed(x, batch, c)
+    return x, nothing
 
 
 def op_args(batch: Batch, c: Controls, out: SimpleNamespace, masked_rows: torch.Tensor | None, programs: int,
@@ -225,11 +234,15 @@ class _Buffers:
 @settings(max_examples=max(EXAMPLES // 3, 3), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batch=batches(), seed=st.integers(0, 2**32 - 1))
 def test_controls_kernel_equals_sampling_controls_apply(batch: Batch, seed: int):
-    """Today's `SamplingControls.apply` (slots filled by `join`) where the two orders agree: no logit bias."""
+    """Main's `SamplingControls.apply` (slots filled by `join`) where the two orders agree: no logit
+    bias, and no finite logit a penalty takes to -inf (the bitmask's verdict reads the scores after
+    the penalties there, before them in vLLM's order): logits within +-1e30."""
     from engine.host.params import SamplingParams
     from engine.step.config import EngineConfig
     from engine.step.controls import SamplingControls
 
+    finite = batch.logits.isfinite()
+    batch = dataclasses.replace(batch, logits=torch.where(finite, batch.logits.clamp(-1e30, 1e30), batch.logits))
     rng = np.random.default_rng(seed)
     c = random_controls(rng, batch, bias=False)
     state = SamplingControls(EngineConfig(max_control_slots=c.counts.shape[0] - 1, max_logit_bias=MAX_BIAS,
@@ -285,3 +298,24 @@ def test_apply_controls_refuses_what_it_cannot_read():
                                    (21, torch.zeros(2, 1, dtype=torch.int32), "token_bitmask")):
         with pytest.raises(ValueError, match=message):
             torch.ops.engine.apply_controls(*args[:position], bad, *args[position + 1:])
+
+
+def test_bitmask_verdict_reads_the_scores_before_the_penalties():
+    """A row whose one allowed token has a huge negative logit that the repetition penalty takes
+    to -inf: in vLLM's order the bitmask saw a finite score, so the row is not the bitmask's failure."""
+    vocab = 40
+    logits = torch.full((1, vocab), float("-inf"))
+    logits[0, 5] = -3e38
+    batch = Batch(vocab, 0, torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                  torch.ones(1, dtype=torch.bool), torch.full((1,), -1), torch.zeros(1, dtype=torch.int64),
+                  torch.full((1,), vocab - 1), logits, 1)
+    c = random_controls(np.random.default_rng(1), batch, bias=False, bitmask=False)
+    c.control_slots[:] = 1
+    c.restricted[1] = False
+    c.penalties[1] = torch.tensor([2.0, 0.0, 0.0])
+    c.prompt_words[1] = torch.from_numpy(pack(np.array([5]), vocab).astype(np.int32))
+    c.bitmask = torch.from_numpy(pack(np.array([5]), vocab).astype(np.int32))[None]
+    expected, nothing = vllm_order(batch, c)
+    assert not nothing[0] and expected[0, 5] == float("-inf")
+    out = run_kernel(batch, c)
+    check(batch, c, out, expected, nothing, torch.ones(1, dtype=torch.bool))

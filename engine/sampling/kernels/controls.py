@@ -1,13 +1,16 @@
 """The sampling controls as one Triton kernel: `engine::apply_controls`, the CUDA twin of
 `SamplingControls.apply` plus the sampler's token bitmask and EOS/stop suppression.
 
-Per sample row, in the torch path's order (docs/contract.md §2): allowed tokens ->
-logit bias -> penalties (repetition over prompt + output, frequency and presence over
-the output; row j of a request counts the drafts of its rows 0..j-1 as generated) ->
-token bitmask (structured output, bad words) -> EOS/stop suppression under min_tokens.
-The order among the -inf masks changes no value (a masked token stays -inf through
-bias and penalties); it matters for one flag, `nothing_allowed`: no token the bitmask
-allows has a finite score after the controls (`token_bitmask.apply_token_bitmask`).
+Per sample row, vLLM V1's order as the torch path runs it (docs/contract.md §2,
+`engine.sampling.pipeline`): allowed tokens -> token bitmask (structured output, bad
+words) -> EOS/stop suppression under min_tokens -> logit bias -> penalties (repetition
+over prompt + output, frequency and presence over the output; row j of a request counts
+the drafts of its rows 0..j-1 as generated). The kernel computes the masks last: a
+masked token is -inf, which the bias and the penalties leave as it is, so the values
+are the same. The order matters for one flag, `nothing_allowed`: no token the bitmask
+allows has a finite score after the allowed tokens, before the bias and the penalties
+(`token_bitmask.apply_token_bitmask`); a penalty that overflows a huge logit to -inf
+does not fail the row as the bitmask's.
 
 Design
 - Grid (rows, split): program (r, c) owns tokens [c * chunk, (c + 1) * chunk) of row r,
@@ -80,7 +83,7 @@ def _controlled(x, tokens, mask, bias, slot, restricted, pen_on, rp, fp, pp, dra
                 ADD_BIAS: tl.constexpr, MAX_DRAFTS: tl.constexpr, DRAFT_P2: tl.constexpr, NUM_STOPS: tl.constexpr,
                 STOP_P2: tl.constexpr):
     """The controls of `tokens` [N] int, raw logits `x` [N] f32, lanes `mask`. Returns (the
-    output [N] f32, the score before the bitmask and the suppression [N] f32, the bitmask's verdict [N] i1).
+    output [N] f32, the score after the allowed tokens alone [N] f32, the bitmask's verdict [N] i1).
 
     A flag that is a scalar masks a load through `tl.where(flag, mask, False)`: Triton's
     interpreter types `mask & flag` as int32 there, which a load refuses as its mask.
@@ -88,6 +91,7 @@ def _controlled(x, tokens, mask, bias, slot, restricted, pen_on, rp, fp, pp, dra
     # Allowed tokens.
     word = tl.load(allowed_words_ptr + slot * words + (tokens >> 5), mask=tl.where(restricted, mask, False), other=0)
     x = tl.where(restricted, tl.where(((word >> (tokens & 31)) & 1) != 0, x, float("-inf")), x)
+    permitted = x  # what the bitmask's verdict reads (vLLM's order: the masks before the bias)
     # Logit bias.
     if ADD_BIAS:
         x = x + bias
@@ -110,7 +114,7 @@ def _controlled(x, tokens, mask, bias, slot, restricted, pen_on, rp, fp, pp, dra
     lanes = tl.arange(0, STOP_P2)
     for s in tl.static_range(NUM_STOPS):
         y = tl.where(tokens == tl.sum(tl.where(lanes == s, stops, 0), axis=0), float("-inf"), y)
-    return y, x, allowed
+    return y, permitted, allowed
 
 
 @triton.jit
@@ -128,7 +132,7 @@ def _control_range(logits_row_ptr, out_row_ptr, lo, hi, use_bitmask, bitmask_row
         y, v, allowed = _controlled(x, tokens, inside, 0.0, slot, restricted, pen_on, rp, fp, pp, drafts, use_bitmask,
                                     stops, bitmask_row_ptr, counts_ptr, prompt_words_ptr, allowed_words_ptr, vocab,
                                     words, False, MAX_DRAFTS, DRAFT_P2, NUM_STOPS, STOP_P2)
-        # A bias never changes whether a score is finite (|bias| <= 100 vanishes next to an overflow).
+        # The verdict reads the scores before the bias: the bias pass below need not redo it.
         seen = inside & allowed & (v > float("-inf"))
         any_allowed = tl.maximum(any_allowed, tl.max(seen.to(tl.int32), axis=0))
         tl.store(out_row_ptr + tokens, y, mask=inside)
