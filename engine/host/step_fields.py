@@ -83,6 +83,8 @@ STEP_FIELDS: tuple[StepField, ...] = (
               "absolute position of the token the request's first sample row produces"),
     StepField("control_slots", np.int64, "req", 0, "controls", "engine",
               "sampling-control slot (penalties, logit bias, allowed tokens) of the request, 0 = none"),
+    StepField("masked_rows", np.bool_, "row", False, "controls", "step(token_bitmask)",
+              "rows whose token bitmask restricts them this step (the kernel head's controls skip the others)"),
     StepField("temperatures", np.float32, "req", 1.0, "sample", "params.temperature", "temperature, 0 = greedy"),
     StepField("top_ks", np.int32, "req", 0, "sample", "params.top_k", "top-k, 0 = off"),
     StepField("top_ps", np.float32, "req", 1.0, "sample", "params.top_p", "top-p, 1 = off"),

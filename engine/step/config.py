@@ -11,6 +11,9 @@ from engine.step.prompt_logprobs import DEFAULT_CHUNK_ROWS
 from graphs.buckets import BucketTable
 
 VERIFY_MODES = ("strict", "rejection")
+# How a local LM head runs its step: "torch" (torch ops, a graph set per sampler variant),
+# "triton" (fused Triton kernels, one graph per bucket), "auto" (triton on CUDA, torch elsewhere).
+KERNELS = ("auto", "triton", "torch")
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,9 @@ class EngineConfig:
     max_allowed_token_ids: int = 1024  # allowed_token_ids per request, as vLLM
     seed_base: int = 0  # salts the seeds of requests that bring none
     check_addresses_each_replay: bool = False  # debug: verify static addresses before every replay
+    # The local head's implementation (`KERNELS`). "triton" off CUDA runs the kernels in
+    # Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported): for tests.
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         def positive(name: str, minimum: int = 1) -> None:
@@ -84,6 +90,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.sampler={self.sampler!r}: must be a SamplerConfig")
         if not isinstance(self.sampler_variants, bool):
             raise ValueError(f"EngineConfig.sampler_variants={self.sampler_variants!r}: must be a bool")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"EngineConfig.kernels={self.kernels!r}: must be one of {KERNELS}")
         BucketTable(self.max_num_reqs, self.buckets)  # raises naming the bad bucket
 
     @property
@@ -102,6 +110,12 @@ class EngineConfig:
     def draft_pool(self) -> bool:
         """Whether drafts may come from the draft-info pool (slot 0 padding plus real slots)."""
         return self.pool_slots > 1
+
+    def resolved_kernels(self) -> str:
+        """ "triton" or "torch": `kernels`, with "auto" triton on CUDA, torch elsewhere."""
+        if self.kernels != "auto":
+            return self.kernels
+        return "triton" if self.resolved_device().type == "cuda" else "torch"
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -15,7 +15,9 @@ the prompt logprobs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -25,6 +27,7 @@ from engine.invariance import choose_block_gemm, lm_head_candidates, warn_not_in
 from engine.ops import BlockGemm, get_logits
 from engine.sampling.sampler import TOP_K_MODES, SamplerConfig, sample
 from engine.step.config import EngineConfig, EngineStats
+from engine.step.body import StepBody
 from engine.step.controls import SamplingControls
 from engine.step.prompt_logprobs import PromptRowResults, compute_prompt_logprobs
 from engine.step.static_buffers import StepBuffers
@@ -41,6 +44,11 @@ class LMHead(ABC):
     graph_sets: tuple[str, ...]  # one set of captured graphs each (`StepEngine.replayers`), default first
     # The graph set of steps with a token bitmask (docs/contract.md §2); None: the head cannot apply one.
     masked_graphs: str | None = None
+    # The graph set of steps where a request holds a control slot (`attach_controls`).
+    controls_graphs: str = "controls"
+    # Whether the controls rewrite `buffers.logits` in place (the unprocessed logits then
+    # live in `SamplingControls.unprocessed`); False: `buffers.logits` stay unprocessed.
+    controls_in_place = True
     logits_kernel: BlockGemm | None = None  # the verified block GEMM, None: get_logits' own blocks
     batch_invariant_verified: bool = False
     stats: object | None = None  # the head's own counters, saved and restored with the engine's
@@ -65,6 +73,17 @@ class LMHead(ABC):
     @abstractmethod
     def logits_and_sample(self, bucket: int, graphs: str) -> None:
         """Inside the graph of `graphs`: from `buffers.hidden` to the sampler's `buffers.out`."""
+
+    def step_body(self, graphs: str, buffers: StepBuffers, config: EngineConfig,
+                  controls: SamplingControls | None) -> Callable[[int], None]:
+        """The captured step of graph set `graphs`, called with the bucket (`GraphReplayer`'s
+        step function): gather, drafts, this head's `logits_and_sample`, the hidden check,
+        verification, counts (`engine.step.body.StepBody`). `controls`: the engine's
+        sampling-control state, or None."""
+        applies = controls is not None and graphs in (self.controls_graphs, self.masked_graphs)
+        return StepBody(buffers, config, functools.partial(self.logits_and_sample, graphs=graphs),
+                        controls=controls if applies else None,
+                        token_bitmask=buffers.token_bitmask if graphs == self.masked_graphs else None)
 
     @abstractmethod
     def graphs_for(self, inputs: SamplerInputs, rows: int, stats: EngineStats) -> str:
@@ -109,7 +128,7 @@ CPU_CHUNK_ROWS = 64
 # top-k), the draw without the filters' passes, the argmax alone.
 FILTERED, PLAIN, GREEDY = filter_graphs("radix", True), "plain", "greedy"
 # The graph set of steps where some request holds a control slot: plain steps never pay for the controls.
-CONTROLLED = "controls"
+CONTROLLED = LMHead.controls_graphs
 # The graph set of steps that restrict a row by the token bitmask; it applies the controls too.
 MASKED = "masked"
 

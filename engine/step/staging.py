@@ -37,6 +37,7 @@ class StepArrays:
     local_step: np.ndarray | None = None  # [rows]
     sample_positions: np.ndarray | None = None  # [n] int64
     control_slots: np.ndarray | None = None  # [n] int64, 0 = none
+    masked_rows: np.ndarray | None = None  # [rows] bool: the rows `token_bitmask` restricts
     temperatures: np.ndarray | None = None  # [n] float32
     top_ks: np.ndarray | None = None  # [n] int32
     top_ps: np.ndarray | None = None  # [n] float32

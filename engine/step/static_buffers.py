@@ -44,6 +44,7 @@ class StepInputs:
     local_step: torch.Tensor  # [max_rows] int64
     sample_positions: torch.Tensor  # [max_reqs] int64
     control_slots: torch.Tensor  # [max_reqs] int64
+    masked_rows: torch.Tensor  # [max_rows] bool
     temperatures: torch.Tensor  # [max_reqs] f32
     top_ks: torch.Tensor  # [max_reqs] int32
     top_ps: torch.Tensor  # [max_reqs] f32

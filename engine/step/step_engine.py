@@ -30,7 +30,6 @@ LM head runs in fixed row blocks and the sampler's arithmetic is per row.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 import warnings
 from typing import Sequence
@@ -45,13 +44,13 @@ from engine.host.step_fields import STEP_FIELDS
 from engine.host.stop_ids import StopIds
 from engine.ops import upload
 from engine.sampling.token_bitmask import bitmask_words
-from engine.step.body import StepBody
 from engine.step.checkpoint import EngineCheckpoint, copy_counters, restore_counters
 from engine.step.collect import CollectedRows, collect
 from engine.step.config import EngineConfig, EngineStats
 from engine.step.controls import SamplingControls
 from engine.step.drafts import StepDrafts
-from engine.step.lm_head import CONTROLLED, LMHead, LocalHead
+from engine.step.kernel_head import local_head
+from engine.step.lm_head import LMHead
 from engine.step.outputs import StepOutput, assemble, row_errors
 from engine.step.prompt_logprobs import PromptLogprobAccumulator, PromptLogprobUpdate
 from engine.step.seq_front import SeqMetaFront
@@ -81,7 +80,8 @@ class StepEngine:
     """The captured tail of an inference step (docs/contract.md §4, §6).
 
     `lm_head_weight` is the LM head's weight [vocab, hidden] on the engine's
-    device (a `LocalHead` computes the logits), or the `LMHead` strategy that
+    device (a `LocalHead` computes the logits, or with `EngineConfig.kernels` "triton" a
+    `KernelHead`), or the `LMHead` strategy that
     holds it (the vocab-parallel head of `ShardedStepEngine`)."""
 
     def __init__(self, lm_head_weight: torch.Tensor | LMHead, config: EngineConfig | None = None):
@@ -89,7 +89,7 @@ class StepEngine:
         self.config = config
         self.device = config.resolved_device()
         check_vocab_fits_sampler(lm_head_weight, config)
-        self.head = lm_head_weight if isinstance(lm_head_weight, LMHead) else LocalHead(lm_head_weight, config)
+        self.head = lm_head_weight if isinstance(lm_head_weight, LMHead) else local_head(lm_head_weight, config)
         self.weight = self.head.weight  # [V, H], or this rank's [V_rank, H] shard
         self.vocab_size, self.hidden_size = self.head.vocab_size, self.head.hidden_size
         self.logits_kernel, self.batch_invariant_verified = self.head.logits_kernel, self.head.batch_invariant_verified
@@ -131,9 +131,7 @@ class StepEngine:
                   **(self.controls.static_tensors() if self.controls else {})}
         # One replayer per graph set of the head: a captured graph fixes its sampler variant and collectives.
         self.replayers: dict[str, GraphReplayer] = {
-            graphs: GraphReplayer(StepBody(self.buffers, config, functools.partial(self.head.logits_and_sample, graphs=graphs),
-                                           controls=self.controls if graphs in (CONTROLLED, self.head.masked_graphs) else None,
-                                           token_bitmask=self.buffers.token_bitmask if graphs == self.head.masked_graphs else None),
+            graphs: GraphReplayer(self.head.step_body(graphs, self.buffers, config, self.controls),
                                   self.buckets, static, self.device,
                                   check_addresses_each_replay=config.check_addresses_each_replay)
             for graphs in self.head.graph_sets
@@ -298,7 +296,7 @@ class StepEngine:
         if arrays.token_bitmask is not None:
             graphs = self.head.masked_graphs
         elif controlled:
-            graphs = CONTROLLED
+            graphs = self.head.controls_graphs
         else:
             graphs = self.head.graphs_for(inputs, sum(self.buffers.rows_for(p) for _, _, p in parts), self.stats)
         replayer = self.replayers[graphs]
@@ -328,7 +326,7 @@ class StepEngine:
             self.head.before_exact_rows(graphs, part_bucket, len(part.row_to_req))
             results.append(collect(self.buffers, self.config, part_bucket, part, self.stats,
                                    want_top=want_top, want_logprobs=want_logprobs,
-                                   controls=self.controls if controlled else None,
+                                   controls=self.controls if controlled and self.head.controls_in_place else None,
                                    exact_rows=self.head.flags_exact_rows))
             if controlled:
                 self.controls.collected(self.buffers.rows_for(part_bucket))
@@ -390,5 +388,6 @@ class StepEngine:
                 # Only steps that restrict a row pay for this copy (the masked graphs read it).
                 mask = arrays.token_bitmask
                 b.token_bitmask[: len(mask)].copy_(upload(torch.from_numpy(mask), self.device))
+                arrays = dataclasses.replace(arrays, masked_rows=(mask != -1).any(1))  # a row of -1 words: unrestricted
             b.load(arrays if sample_rows is arrays.selected_token_indices
                    else dataclasses.replace(arrays, selected_token_indices=sample_rows), bucket)

@@ -1,0 +1,130 @@
+"""The LM head as fused Triton kernels: one captured graph per bucket (`KernelHead`).
+
+The torch-op head (`LocalHead`) captures a graph set per sampler variant (greedy, plain,
+filters, logprobs, controls, masked), because a captured graph fixes which torch ops run.
+Here every row takes its own branch inside the kernels, on flags read on the device, so
+one graph per bucket serves every step:
+
+    lm head      the gathered hidden rows x the weight        -> buffers.logits (unprocessed)
+    controls     engine::apply_controls: allowed tokens, token bitmask, EOS/stop suppression,
+                 logit bias, penalties (drafts counted); rows without any skip  -> scores
+    sample       engine::sample_rows: greedy, temperature, min-p, top-k, top-p, the draw,
+                 logprobs; a skipped row reads its logits                       -> buffers.out
+    hidden check engine::fail_non_finite_hidden                                 -> buffers.out
+    verify       engine::verify_residual_chunks (rejection), engine::verify_step: drafts,
+                 the draft pool's writes, the emitted tokens into the penalty counts
+
+The stages run in vLLM's order (engine/sampling/pipeline.py, whose torch ops are the CPU
+path and the reference). Logprobs are computed for every row in the configured mode
+(`SamplerConfig.logprobs_mode`): no step-level variant drops them.
+
+`EngineConfig(kernels="triton")` picks this head for a local weight ("auto": on CUDA). Off
+CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1): slow, for tests.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.host.ledger import SamplerInputs
+from engine.invariance import choose_block_gemm, lm_head_candidates, warn_not_invariant
+from engine.ops import gather, get_logits
+from engine.step.config import EngineConfig, EngineStats
+from engine.step.controls import SamplingControls
+from engine.step.lm_head import LMHead, LocalHead, checked_head_weight
+from engine.step.prompt_logprobs import PromptRowResults, compute_prompt_logprobs
+from engine.step.static_buffers import StepBuffers
+
+if TYPE_CHECKING:
+    from engine.step.kernel_step import KernelState
+
+# The kernel head's one graph set.
+KERNELS = "kernels"
+
+
+def local_head(lm_head_weight: torch.Tensor, config: EngineConfig) -> LMHead:
+    """The head of a local weight [V, H]: `KernelHead` where `config.resolved_kernels()` is
+    "triton", else `LocalHead`."""
+    if config.resolved_kernels() == "triton":
+        return KernelHead(lm_head_weight, config)
+    return LocalHead(lm_head_weight, config)
+
+
+class KernelHead(LMHead):
+    """The whole LM head on this device, its captured step as fused Triton kernels: one
+    graph set, `KERNELS`, for plain, greedy, filtered, logprob, controlled and masked
+    steps alike (see the module docstring)."""
+
+    supports_controls = True
+    controls_in_place = False  # the controlled scores go to `scores`; `buffers.logits` stay unprocessed
+    graph_sets = (KERNELS,)
+    masked_graphs = KERNELS
+    controls_graphs = KERNELS
+
+    def __init__(self, lm_head_weight: torch.Tensor, config: EngineConfig) -> None:
+        if config.top_k_space_verify:
+            raise ValueError("EngineConfig.top_k_space_verify=True: not served by the Triton kernels "
+                             "(EngineConfig.kernels='triton'); use kernels='torch'")
+        device = config.resolved_device()
+        self.weight = checked_head_weight(lm_head_weight, device, "lm_head_weight")
+        self.config = config
+        self.vocab_size, self.hidden_size = self.weight.shape
+        self.dtype = self.weight.dtype
+        if config.batch_invariant:
+            self.logits_kernel, self.batch_invariant_verified = choose_block_gemm(
+                lm_head_candidates(self.weight, config.block_rows))
+            if not self.batch_invariant_verified:
+                warn_not_invariant(f"the LM head {tuple(self.weight.shape)} {self.weight.dtype} on {device}")
+        self.buffers: StepBuffers | None = None
+        self.controls: SamplingControls | None = None
+        self.state: KernelState | None = None
+
+    def attach(self, buffers: StepBuffers) -> None:
+        # Imported here: triton is imported only where a kernel runs, never by the torch path.
+        from engine.step.kernel_step import KernelState
+
+        self.buffers = buffers
+        # The control kernel always runs (the bitmask, the stop ids); without control slots
+        # it reads the neutral slot 0 of a state of its own (no rows of it: nothing is counted).
+        neutral = SamplingControls(replace(self.config, max_control_slots=0), self.vocab_size, 0, buffers.logits.device)
+        self.state = KernelState.allocate(buffers, self.config, neutral)
+
+    def attach_controls(self, controls: SamplingControls) -> None:
+        self.controls = controls
+        self.state = replace(self.state, controls=controls, counts=True)
+
+    def static_tensors(self) -> dict[str, torch.Tensor]:
+        return self.state.static_tensors()
+
+    def step_body(self, graphs: str, buffers: StepBuffers, config: EngineConfig,
+                  controls: SamplingControls | None) -> Callable[[int], None]:
+        from engine.step.kernel_step import KernelStep
+
+        return KernelStep(self)
+
+    def logits_and_sample(self, bucket: int, graphs: str) -> None:
+        """The lm head, the controls and the sampler of `bucket` (`KernelStep` runs the rest)."""
+        from engine.step.kernel_step import logits_and_sample
+
+        logits_and_sample(self, bucket)
+
+    def logits(self, bucket: int) -> None:
+        """The lm head: the bucket's sample rows gathered from the source, their fp32 logits
+        into `buffers.logits`; batch-invariant with the probed block GEMM."""
+        b = self.buffers
+        rows = b.rows_for(bucket)
+        gather(b.source, b.inputs.selected_token_indices[:rows], out=b.hidden[:rows])  # [rows, H]
+        get_logits(b.hidden[:rows], self.weight, out=b.logits[:rows], batch_invariant=self.config.batch_invariant,
+                   block_rows=self.config.block_rows, kernel=self.logits_kernel)
+
+    def graphs_for(self, inputs: SamplerInputs, rows: int, stats: EngineStats) -> str:
+        return KERNELS
+
+    def prompt_logprobs(self, hidden_states: torch.Tensor, inputs: SamplerInputs) -> PromptRowResults:
+        return compute_prompt_logprobs(hidden_states, self.weight, inputs,
+                                       chunk_rows=self.config.prompt_logprobs_chunk_rows,
+                                       batch_invariant=self.config.batch_invariant, kernel=self.logits_kernel)
+

@@ -1,0 +1,149 @@
+"""The kernel head's captured step (`engine.step.kernel_head`): at most a dozen kernels, one graph per bucket.
+
+    lm head       gather + LM-head GEMM                         -> buffers.hidden, buffers.logits
+    controls      engine::apply_controls (vLLM's logits processors, the bitmask, stop ids)
+                                                                -> state.scores, row_controlled
+    sample        engine::sample_rows                           -> buffers.out (+ kept weights)
+    hidden check  engine::fail_non_finite_hidden                -> buffers.out
+    verify        engine::verify_residual_chunks (rejection),
+                  engine::verify_step (drafts, draft pool, penalty counts)
+                                                                -> num_accepted, emitted, pool, counts
+
+Every kernel reads per-row flags on the device (a row without controls is skipped by the
+controls kernel and read from the logits by the sampler; a greedy row makes one pass), so
+nothing about the step's rows is fixed at capture. It is the torch path's `StepBody` over
+`LocalHead` (engine/step/body.py, lm_head.py), which stays the CPU implementation and the
+reference these kernels are tested against.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.sampling.kernels.controls import apply_controls
+from engine.sampling.kernels.hidden_check import fail_non_finite_hidden
+from engine.sampling.kernels.sample import KeptWeights, SampleScratch, sample_rows
+from engine.sampling.kernels.verify import split_for, verify_residual_chunks, verify_step
+from engine.step.config import EngineConfig
+from engine.step.controls import SamplingControls
+from engine.step.static_buffers import StepBuffers
+
+if TYPE_CHECKING:
+    from engine.step.kernel_head import KernelHead
+
+
+@dataclass(frozen=True)
+class KernelState:
+    """The kernel head's own static buffers, allocated once for the engine's largest bucket."""
+
+    scores: torch.Tensor  # [max_rows, V] f32: the controlled scores of the rows the controls touched
+    row_controlled: torch.Tensor  # [max_rows] bool: the row's scores are in `scores` (else its logits)
+    nothing_allowed: torch.Tensor  # [max_rows] bool: the token bitmask allows no token of the row
+    arrivals: torch.Tensor  # [max_rows] int32: the controls kernel's scratch, zero between launches
+    scratch: SampleScratch  # the sampler's histograms and block masses
+    kept: KeptWeights | None  # rejection mode: the draws as verification reads them
+    residual_sums: torch.Tensor | None  # [max_reqs, split, 2] int64: rejection mode's residual chunk sums
+    controls: SamplingControls  # the engine's control slots, or a neutral state of slot 0 alone
+    counts: bool = False  # whether the step adds its emitted tokens to `controls.counts`
+
+    @classmethod
+    def allocate(cls, buffers: StepBuffers, config: EngineConfig, controls: SamplingControls) -> KernelState:
+        rows, vocab = buffers.logits.shape
+        device = buffers.logits.device
+        reqs = buffers.num_accepted.shape[0]
+        rejection = config.max_draft_tokens > 0 and config.verify_mode == "rejection"
+        return cls(
+            scores=torch.zeros(rows, vocab, dtype=torch.float32, device=device),
+            row_controlled=torch.zeros(rows, dtype=torch.bool, device=device),
+            nothing_allowed=torch.zeros(rows, dtype=torch.bool, device=device),
+            arrivals=torch.zeros(rows, dtype=torch.int32, device=device),
+            scratch=SampleScratch.allocate(rows, vocab, device),
+            kept=KeptWeights.allocate(rows, vocab, device) if rejection else None,
+            residual_sums=(torch.zeros(reqs, split_for(reqs, vocab), 2, dtype=torch.int64, device=device)
+                           if rejection else None),
+            controls=controls,
+        )
+
+    def static_tensors(self) -> dict[str, torch.Tensor]:
+        """By name, every tensor the graph reads or writes that is the head's own."""
+        tensors = {"kernels.scores": self.scores, "kernels.row_controlled": self.row_controlled,
+                   "kernels.nothing_allowed": self.nothing_allowed, "kernels.arrivals": self.arrivals,
+                   "kernels.hist": self.scratch.hist, "kernels.block_mass": self.scratch.block_mass}
+        if self.kept is not None:
+            tensors.update({"kernels.kept_weights": self.kept.weights, "kernels.mass_total": self.kept.mass_total,
+                            "kernels.one_hot_tokens": self.kept.one_hot_tokens,
+                            "kernels.residual_sums": self.residual_sums})
+        if not self.counts:  # the engine's own control state is among the engine's static tensors
+            tensors.update({f"kernels.neutral_{name}": tensor
+                            for name, tensor in self.controls.static_tensors().items()})
+        return tensors
+
+
+def logits_and_sample(head: KernelHead, bucket: int) -> None:
+    """The lm head, then the controls and the sampler as one kernel each (vLLM's stage
+    order, engine/sampling/pipeline.py)."""
+    b, s, config = head.buffers, head.state, head.config
+    f = b.inputs
+    rows = b.rows_for(bucket)
+    head.logits(bucket)  # [rows, V] f32 in b.logits: unprocessed, as the finite check and raw logprobs read them
+    c = s.controls
+    masked = b.token_bitmask is not None
+    # Stages 3-7: allowed tokens, token bitmask, EOS/stop suppression, logit bias, penalties.
+    apply_controls(
+        b.logits[:rows], s.scores[:rows], s.row_controlled[:rows], s.nothing_allowed[:rows], s.arrivals[:rows],
+        b.resolved_drafts[:rows], f.row_to_req[:rows], f.local_step[:rows], f.control_slots[:bucket],
+        f.row_drafts[:rows], f.mtp_info_read_rows[:rows], b.pool_tokens,
+        c.counts, c.prompt_words, c.penalties, c.bias_ids, c.bias_values, c.allowed_words, c.restricted,
+        f.stop_ids[:bucket], f.eos_suppression_rows[:rows],
+        b.token_bitmask[:rows] if masked else None, f.masked_rows[:rows] if masked else None,
+        max_drafts=config.max_draft_tokens,
+    )
+    # Stages 8-14: greedy, temperature, min-p, top-k, top-p, the draw, logprobs.
+    sample_rows(s.scores[:rows], b.params(bucket), b.outputs(rows), s.scratch, logits=b.logits[:rows],
+                nothing_allowed=s.nothing_allowed[:rows], logprobs=config.sampler.logprobs_mode,
+                row_controlled=s.row_controlled[:rows], kept=s.kept)
+
+
+@dataclass(frozen=True)
+class KernelStep:
+    """The kernel head's step of one bucket (`GraphReplayer`'s step function)."""
+
+    head: KernelHead
+
+    def __call__(self, bucket: int) -> None:
+        head = self.head
+        b, s, config = head.buffers, head.state, head.config
+        f = b.inputs
+        rows = b.rows_for(bucket)
+        logits_and_sample(head, bucket)
+        # After the sampler (whose codes it overrides), before verification (which reads them).
+        fail_non_finite_hidden(b.hidden[:rows], b.outputs(rows))
+        k = config.max_draft_tokens
+        if not k and not s.counts:
+            return  # no drafts to verify, no tokens to count
+        mode = "none" if not k else config.verify_mode
+        if mode == "rejection":
+            verify_residual_chunks(b.resolved_drafts[:rows], f.row_to_req[:rows], f.local_step[:rows],
+                                   s.kept.weights[:rows], s.kept.mass_total[:rows], s.kept.one_hot_tokens[:rows],
+                                   b.draft_probs[:rows], f.has_draft_probs[:rows], f.seeds[:bucket],
+                                   f.sample_positions[:bucket], s.residual_sums[:bucket])
+        rejection = mode == "rejection"
+        pool = k > 0 and config.draft_pool
+        c = s.controls
+        verify_step(
+            b.out.tokens[:rows], b.out.error[:rows], b.resolved_drafts[:rows], f.row_to_req[:rows],
+            f.local_step[:rows], b.num_accepted[:bucket], b.emitted[:rows] if rejection else None,
+            s.kept.weights[:rows] if rejection else None, s.kept.mass_total[:rows] if rejection else None,
+            s.kept.one_hot_tokens[:rows] if rejection else None, b.draft_probs[:rows] if rejection else None,
+            f.has_draft_probs[:rows] if rejection else None, f.seeds[:bucket] if rejection else None,
+            f.sample_positions[:bucket] if rejection else None, s.residual_sums[:bucket] if rejection else None,
+            None, None,
+            f.mtp_info_write_slots[:bucket] if pool else None, f.next_draft_tokens[:bucket] if pool else None,
+            f.next_draft_logprobs[:bucket] if pool else None, b.pool_tokens if pool else None,
+            b.pool_logprobs if pool else None,
+            f.control_slots[:bucket] if s.counts else None, c.counts if s.counts else None,
+            c.counted_index[:rows] if s.counts else None,
+            mode, k, b.rows_per_req,
+        )
