@@ -46,6 +46,7 @@ weight (any view of its storage) say how many times a step reads it.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -267,9 +268,10 @@ class KernelCounter(TorchDispatchMode):
     """Lists the kernels of the ops dispatched under it (module doc); `weights`: tensors
     (the LM-head weight) whose reads are counted apart, through any view of their storage."""
 
-    def __init__(self, weights: Iterable[torch.Tensor] = ()) -> None:
+    def __init__(self, weights: Iterable[torch.Tensor] = (), passes: dict[str, int] | None = None) -> None:
         super().__init__()
         self.weights = frozenset(storage_key(w) for w in weights)
+        self.passes = passes or {}
         self.kernels: list[Kernel] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -278,8 +280,20 @@ class KernelCounter(TorchDispatchMode):
         # (a custom op's implementation) never reaches it.
         result = func(*args, **kwargs)
         if launches(func, args, kwargs, result):
-            self.kernels.append(kernel_bytes(func, args, kwargs, result, self.weights))
+            kernel = kernel_bytes(func, args, kwargs, result, self.weights)
+            if str(func) in self.passes:
+                kernel = with_passes(kernel, args[0], self.passes[str(func)])
+            self.kernels.append(kernel)
         return result
+
+
+def with_passes(kernel: Kernel, row_input: torch.Tensor, passes: int) -> Kernel:
+    """The passes rule for a custom op that streams over its first argument (the [rows, V]
+    scores) `passes` times: that argument is read `passes` times instead of once. 0: the
+    rows it serves skip the op (a per-row flag), which then moves no bytes, only its node."""
+    if passes == 0:
+        return dataclasses.replace(kernel, read=0, written=0, weight_read=0)
+    return dataclasses.replace(kernel, read=kernel.read + (passes - 1) * touched_bytes(row_input))
 
 
 @dataclass

@@ -69,6 +69,7 @@ from engine.host.params import SamplingParams, SeqMeta
 from engine.parallel.sharded_engine import ParallelConfig, ShardedStepEngine
 from engine.parallel.vocab_parallel import VocabShards
 from engine.step.config import EngineConfig
+from engine.step.kernel_head import KERNELS
 from engine.step.lm_head import CONTROLLED, FILTERED, GREEDY, PLAIN
 from engine.step.step_engine import StepEngine
 from graphs.buckets import BucketTable
@@ -79,6 +80,16 @@ from profiling.cost_model import (BANDWIDTH_TBS, NODE_US, GraphCost, KernelCount
 from profiling.fake_cuda import FakeCuda, project_path
 
 
+# The kernel head's one graph serves every kind of row; what its kernels move depends on
+# the rows (engine/sampling/kernels/sample.py: passes over a row by row kind, raw logprobs
+# always computed; the controls kernel skips a row without controls). The cost run prices
+# the graph once per row mix: (name, passes of engine::sample_rows, of engine::apply_controls).
+ROW_MIXES = {
+    "engine": (("full sampler", 9, 0), ("plain", 3, 0), ("greedy", 2, 0)),
+    "drafts": (("full sampler", 9, 0), ("greedy", 2, 0), ("controls", 9, 1)),
+}
+
+
 @dataclass(frozen=True)
 class DryRunConfig:
     hidden: int = 7168
@@ -87,6 +98,7 @@ class DryRunConfig:
     max_num_reqs: int = 64
     max_draft_tokens: int = 3
     tp: int = 2  # ranks of the sharded engine (this process plays rank 0)
+    kernels: str = "auto"  # EngineConfig.kernels of the engines: "auto" (on CUDA) runs the Triton kernel head
     model: LlamaConfig = field(default_factory=lambda: LlamaConfig(
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
         num_kv_heads=3, head_dim=64, max_position=2048))  # SmolLM2-135M's shape
@@ -214,9 +226,15 @@ class _Run:
                 self.capture(name, engine.replayers[key])
             return
         for graph_set in tuple(engine.replayers) if self.all_graph_sets else tuple(sets.values()):
-            self._cost(scenario, graph_set, engine)
+            if graph_set != KERNELS:
+                self._cost(scenario, graph_set, engine)
+                continue
+            for mix, sample_passes, control_passes in ROW_MIXES["drafts" if engine.config.max_draft_tokens else "engine"]:
+                passes = {"engine.sample_rows.default": sample_passes, "engine.apply_controls.default": control_passes}
+                self._cost(scenario, graph_set, engine, label=f"{KERNELS} ({mix})", passes=passes)
 
-    def _cost(self, scenario: str, graph_set: str, engine: StepEngine) -> None:
+    def _cost(self, scenario: str, graph_set: str, engine: StepEngine, label: str | None = None,
+              passes: dict[str, int] | None = None) -> None:
         """Each bucket of one graph set, run once under the kernel counter
         (`profiling.cost_model`); on a real GPU also captured, and each bucket's replay
         timed (the median of `replays`-replay runs)."""
@@ -227,12 +245,12 @@ class _Run:
         if self.cuda is None:
             replayer.capture(progress=False)
         for bucket in sorted(self.buckets or replayer.buckets):
-            counter = KernelCounter(weights=(weight,))
+            counter = KernelCounter(weights=(weight,), passes=passes)
             counts = replayer.counts()
             with counter:
                 replayer.run_eager(bucket)
             replayer.restore_counts(counts)
-            cost = GraphCost(scenario, graph_set, bucket, engine.buffers.rows_for(bucket), weight.shape[0],
+            cost = GraphCost(scenario, label or graph_set, bucket, engine.buffers.rows_for(bucket), weight.shape[0],
                              weight.numel() * weight.element_size(), counter.kernels)
             if self.cuda is None:
                 cost.measured_us = replay_us(replayer, bucket, self.replays)
@@ -258,11 +276,19 @@ class _Run:
             self.report.pageable_copies.update(self.cuda.pageable_copies - copies)
 
 
+def _sets(engine: StepEngine, name: str, torch_sets: dict[str, str]) -> dict[str, str]:
+    """The graph sets a scenario checks (report name -> replayers key): the kernel head's
+    one, or the torch head's `torch_sets` (name suffix -> key)."""
+    if KERNELS in engine.replayers:
+        return {name: KERNELS}
+    return {name + suffix: key for suffix, key in torch_sets.items()}
+
+
 def _engine(run: _Run) -> None:
     cfg = run.cfg
     engine = StepEngine(run.weight(cfg.vocab, cfg.hidden),
-                        EngineConfig(device="cuda", max_num_reqs=cfg.max_num_reqs, eos_token_id=2))
-    run.graph_sets("engine", engine, {"engine": FILTERED, "engine plain": PLAIN, "engine greedy": GREEDY})
+                        EngineConfig(device="cuda", max_num_reqs=cfg.max_num_reqs, eos_token_id=2, kernels=cfg.kernels))
+    run.graph_sets("engine", engine, _sets(engine, "engine", {"": FILTERED, " plain": PLAIN, " greedy": GREEDY}))
     if run.costing:
         return
     n = min(5, cfg.max_num_reqs)
@@ -281,9 +307,9 @@ def _drafts(run: _Run, mode: str) -> None:
     cfg, k = run.cfg, run.cfg.max_draft_tokens
     engine = StepEngine(run.weight(cfg.vocab, cfg.hidden), EngineConfig(
         device="cuda", max_num_reqs=cfg.max_num_reqs, max_draft_tokens=k, verify_mode=mode,
-        max_control_slots=cfg.max_num_reqs, max_logit_bias=8, max_allowed_token_ids=64))
-    run.graph_sets(f"drafts {mode}", engine, {f"drafts {mode}": FILTERED, f"drafts {mode} plain": PLAIN,
-                                              f"drafts {mode} greedy": GREEDY, f"drafts {mode} controls": CONTROLLED})
+        max_control_slots=cfg.max_num_reqs, max_logit_bias=8, max_allowed_token_ids=64, kernels=cfg.kernels))
+    run.graph_sets(f"drafts {mode}", engine, _sets(engine, f"drafts {mode}", {
+        "": FILTERED, " plain": PLAIN, " greedy": GREEDY, " controls": CONTROLLED}))
     if run.costing:
         return
     n = min(4, cfg.max_num_reqs)
@@ -426,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-reqs", type=int, default=DryRunConfig.max_num_reqs)
     parser.add_argument("--drafts", type=int, default=DryRunConfig.max_draft_tokens)
     parser.add_argument("--tp", type=int, default=DryRunConfig.tp)
+    parser.add_argument("--kernels", choices=("auto", "triton", "torch"), default=DryRunConfig.kernels,
+                        help="EngineConfig.kernels of the engines (auto: the Triton kernel head on CUDA)")
     parser.add_argument("--tiny-model", action="store_true", help="LlamaConfig.tiny() instead of SmolLM2-135M's shape")
     parser.add_argument("--real-cuda", action="store_true",
                         help="the twin: the same scenarios on this machine's GPU, capturing real CUDA graphs")
@@ -453,14 +481,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--node-us {args.node_us} must be >= 0, --bandwidth-tbs {args.bandwidth_tbs} > 0, "
                      f"--replays {args.replays} >= 1")
     cfg = DryRunConfig(hidden=args.hidden, vocab=args.vocab, dtype=_DTYPES[args.dtype], max_num_reqs=args.max_num_reqs,
-                       max_draft_tokens=args.drafts, tp=args.tp,
+                       max_draft_tokens=args.drafts, tp=args.tp, kernels=args.kernels,
                        **({"model": LlamaConfig.tiny()} if args.tiny_model else {}))
     if args.buckets and not set(args.buckets) <= set(BucketTable(cfg.max_num_reqs).buckets):
         parser.error(f"--buckets {args.buckets}: each must be one of {BucketTable(cfg.max_num_reqs).buckets}")
     device = "real" if args.real_cuda else "fake"
     if not args.json:
         print(f"{device}-CUDA {'cost run' if args.cost else 'dry run'}: H={cfg.hidden}, V={cfg.vocab}, {args.dtype}, "
-              f"max_num_reqs={cfg.max_num_reqs}, drafts={cfg.max_draft_tokens}, tp={cfg.tp}"
+              f"max_num_reqs={cfg.max_num_reqs}, drafts={cfg.max_draft_tokens}, tp={cfg.tp}, kernels={cfg.kernels}"
               + ("" if args.cost else f", model {cfg.model.num_layers}x{cfg.model.hidden_size}"))
     try:
         report = run(cfg, real_cuda=args.real_cuda, cost=args.cost, replays=args.replays,
