@@ -12,13 +12,17 @@ Design
   a global barrier per pass; one program keeps the chain on one SM with no barrier. The
   row's repeated passes then hit L2 (a [64, 129280] f32 row block is 33 MB).
 - Passes over the row, by row kind (V tokens read per pass; the draw also reads the one
-  block of 1024 tokens it lands in), whatever the row's values:
-    greedy, no logprobs ................................ 1
-    greedy + raw logprobs .............................. 2
-    greedy + processed logprobs ........................ 2 (+ the cuts: processed logprobs report the kept set)
+  block of 1024 tokens it lands in), whatever the row's values (tests/test_kernel_passes.py
+  counts the interpreter's loads of the row and holds the kernel to this table):
+    greedy or forced, no logprobs ...................... 1 (pass 1 finds the token; nothing else runs)
+    greedy or forced + raw logprobs .................... 2
+    greedy or forced + processed logprobs .............. 2 (+ the cuts: processed logprobs report the kept set)
     sampled, no cut or min-p only ...................... 2, 3 with logprobs
     each of top-k and top-p ............................ +3 (radix passes of 11, 10 and 10 bits)
     worst: sampled, top-k and top-p, logprobs .......... 9
+  Greedy costs one pass because the cuts, the draw and the logprob passes each sit behind a
+  per-row branch (`needs_distribution`, the logprobs mode) that a greedy row without
+  logprobs never enters: pass 1's running maximum and its first index are the token.
   More than 4 with both cuts: each exact cut is a selection over 31-bit keys and top-p's
   level needs top-k's exact cut first; a Triton program cannot hold a 129280-token row on
   chip nor keep a wide weighted histogram in shared memory, so each digit reads the row again.
@@ -129,7 +133,8 @@ def _sample_kernel(
     shift = tl.where(best > -float("inf"), best, 0.0)
     token_known = greedy | (forced >= 0)
     known_token = tl.where(forced >= 0, forced, best_id)
-    needs_distribution = (~greedy | (LOGPROBS == 2)) & ~failed
+    # A forced token skips the draw: its row needs the kept set only for processed logprobs.
+    needs_distribution = (~token_known | (LOGPROBS == 2)) & ~failed
 
     # The cuts, vLLM's order: min-p (elementwise), top-k over every token, top-p over what both leave.
     cut = tl.full((), KEY_MAX, tl.int32)
@@ -176,7 +181,7 @@ def _sample_kernel(
 
     # The draw: the first token whose running kept mass exceeds u * total (engine.sampling.draw).
     drawn = best_id
-    if needs_distribution & ~greedy:
+    if needs_distribution & ~token_known:
         tl.debug_barrier()
         block_idx = tl.arange(0, BLOCKS_PAD)
         block_cum = tl.cumsum(tl.load(blocks_row + block_idx, mask=block_idx < NUM_BLOCKS, other=0,
