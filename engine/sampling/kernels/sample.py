@@ -12,13 +12,17 @@ Design
   a global barrier per pass; one program keeps the chain on one SM with no barrier. The
   row's repeated passes then hit L2 (a [64, 129280] f32 row block is 33 MB).
 - Passes over the row, by row kind (V tokens read per pass; the draw also reads the one
-  block of 1024 tokens it lands in), whatever the row's values:
-    greedy, no logprobs ................................ 1
-    greedy + raw logprobs .............................. 2
-    greedy + processed logprobs ........................ 2 (+ the cuts: processed logprobs report the kept set)
+  block of 1024 tokens it lands in), whatever the row's values (tests/test_kernel_passes.py
+  counts the interpreter's loads of the row and holds the kernel to this table):
+    greedy or forced, no logprobs ...................... 1 (pass 1 finds the token; nothing else runs)
+    greedy or forced + raw logprobs .................... 2
+    greedy or forced + processed logprobs .............. 2 (+ the cuts: processed logprobs report the kept set)
     sampled, no cut or min-p only ...................... 2, 3 with logprobs
     each of top-k and top-p ............................ +3 (radix passes of 11, 10 and 10 bits)
     worst: sampled, top-k and top-p, logprobs .......... 9
+  Greedy costs one pass because the cuts, the draw and the logprob passes each sit behind a
+  per-row branch (`needs_distribution`, the logprobs mode) that a greedy row without
+  logprobs never enters: pass 1's running maximum and its first index are the token.
   More than 4 with both cuts: each exact cut is a selection over 31-bit keys and top-p's
   level needs top-k's exact cut first; a Triton program cannot hold a 129280-token row on
   chip nor keep a wide weighted histogram in shared memory, so each digit reads the row again.
@@ -134,7 +138,8 @@ def _sample_kernel(
     shift = tl.where(best > -float("inf"), best, 0.0)
     token_known = greedy | (forced >= 0)
     known_token = tl.where(forced >= 0, forced, best_id)
-    needs_distribution = (~greedy | (LOGPROBS == 2)) & ~failed
+    # A forced token skips the draw: its row needs the kept set only for processed logprobs.
+    needs_distribution = (~token_known | (LOGPROBS == 2)) & ~failed
 
     # The cuts, vLLM's order: min-p (elementwise), top-k over every token, top-p over what both leave.
     cut = tl.full((), KEY_MAX, tl.int32)
@@ -184,7 +189,7 @@ def _sample_kernel(
 
     # The draw: the first token whose running kept mass exceeds u * total (engine.sampling.draw).
     drawn = best_id
-    if needs_distribution & ~greedy:
+    if needs_distribution & ~token_known:
         tl.debug_barrier()
         block_idx = tl.arange(0, BLOCKS_PAD)
         block_cum = tl.cumsum(tl.load(blocks_row + block_idx, mask=block_idx < NUM_BLOCKS, other=0,
@@ -456,17 +461,18 @@ def _aot_signature() -> dict[str, str]:
 
 def _aot_builds() -> list[dict[str, object]]:
     """The configurations the CUDA step launches, for `profiling.kernel_build` (name, fn,
-    signature, constexprs): the two real vocabularies with 4 stop ids and top-20, raw and
-    processed logprobs (no logprobs compiles a subset of the raw build)."""
+    signature, constexprs): the largest vocabulary (129280: the most draw blocks, the widest
+    block cumsum; a smaller one compiles the same code with smaller constants) with 4 stop
+    ids and top-20, raw and processed logprobs (no logprobs compiles a subset of raw)."""
     builds = []
-    for vocab in (129280, 49152):
-        for mode in ("raw", "processed"):
-            # The kernel head's launch: per-row controlled flags; rejection verification's kept weights.
-            for kept in (False, True) if mode == "raw" else (False,):
-                constants = _launch_constants(vocab, 4, 20, LOGPROBS_MODES[mode], True, True, True, kept)
-                constants.update(CHUNK=GPU_CHUNK, ACCURATE=True)
-                builds.append(dict(name=f"sample_rows V={vocab} {mode}{' kept' if kept else ''}", fn=_sample_kernel,
-                                   signature=_aot_signature(), constexprs=constants, num_warps=NUM_WARPS))
+    for mode in ("raw", "processed"):
+        # The kernel head's launch: per-row controlled flags; in raw mode also rejection
+        # verification's kept weights.
+        for kept in (False, True) if mode == "raw" else (False,):
+            constants = _launch_constants(129280, 4, 20, LOGPROBS_MODES[mode], True, True, True, kept)
+            constants.update(CHUNK=GPU_CHUNK, ACCURATE=True)
+            builds.append(dict(name=f"sample_rows V=129280 {mode}{' kept' if kept else ''}", fn=_sample_kernel,
+                               signature=_aot_signature(), constexprs=constants, num_warps=NUM_WARPS))
     return builds
 
 

@@ -1,0 +1,95 @@
+"""How many times the sampling kernel reads a row, per row kind: the table in the docstring
+of engine/sampling/kernels/sample.py, counted under Triton's interpreter.
+
+Every load the interpreter executes is counted by address: the elements of the score row
+it reads, divided by V, is the number of full passes; the draw reads one more block.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from engine.sampling.kernels.sample import SampleScratch, sample_rows
+from engine.sampling.normaliser import BLOCK
+from engine.sampling.row_params import RowParams
+from engine.sampling.sample_output import SampleOutput
+from tests.kernel_interpreter import torch_math
+
+VOCAB = 3000  # three draw blocks: the last one short
+
+
+@contextmanager
+def reads_of(tensor: torch.Tensor) -> Iterator[list[int]]:
+    """Counts the elements of `tensor` the interpreter loads (one entry per load)."""
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    if builder is None or not hasattr(builder, "create_masked_load"):
+        pytest.skip("triton's interpreter has no InterpreterBuilder.create_masked_load to count loads")
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    counts: list[int] = []
+    saved = builder.create_masked_load
+
+    def counting_load(self, ptrs, mask, other, cache_policy, is_volatile):  # noqa: ANN001, ANN202
+        addresses = ptrs.data.astype(np.uint64)
+        counts.append(int(((addresses >= start) & (addresses < end) & mask.data).sum()))
+        return saved(self, ptrs, mask, other, cache_policy, is_volatile)
+
+    builder.create_masked_load = counting_load
+    try:
+        yield counts
+    finally:
+        builder.create_masked_load = saved
+
+
+def _row(temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+         forced: int = -1) -> tuple[torch.Tensor, RowParams]:
+    rng = np.random.default_rng(3)
+    scores = torch.from_numpy(rng.standard_normal((1, VOCAB)).astype(np.float32) * 3)
+    params = RowParams.from_numpy(
+        temperatures=np.array([temperature], np.float32), top_ks=np.array([top_k], np.int32),
+        top_ps=np.array([top_p], np.float32), min_ps=np.array([min_p], np.float32),
+        seeds=np.zeros(1, np.uint64), sample_positions=np.zeros(1, np.int64), row_to_req=np.zeros(1, np.int64),
+        local_step=np.zeros(1, np.int64), forced_tokens=np.array([forced]), draw_uniforms=np.array([0.37]))
+    return scores, params
+
+
+# (row controls, logprobs mode, full passes, plus the draw's block)
+KINDS = [
+    (dict(temperature=0.0), None, 1, False),
+    (dict(temperature=0.0), "raw", 2, False),
+    (dict(temperature=0.0), "processed", 2, False),
+    (dict(temperature=1.0, forced=17), None, 1, False),
+    (dict(temperature=1.0, forced=17), "raw", 2, False),
+    (dict(temperature=1.0, forced=17), "processed", 2, False),
+    (dict(temperature=1.0), None, 2, True),
+    (dict(temperature=1.0, min_p=0.1), None, 2, True),
+    (dict(temperature=1.0), "raw", 3, True),
+    (dict(temperature=1.0), "processed", 3, True),
+    (dict(temperature=1.0, top_k=50), None, 5, True),
+    (dict(temperature=1.0, top_p=0.9), None, 5, True),
+    (dict(temperature=0.0, top_k=50, top_p=0.9), "processed", 8, False),
+    (dict(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01), "raw", 9, True),
+    (dict(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01), "processed", 9, True),
+]
+
+
+@pytest.mark.parametrize("controls, mode, passes, draws", KINDS,
+                         ids=[f"{'-'.join(f'{k}={v}' for k, v in c.items())}-{m}" for c, m, _, _ in KINDS])
+def test_passes_over_the_row_per_row_kind(controls, mode, passes, draws):
+    scores, params = _row(**controls)
+    out, scratch = SampleOutput.allocate(1, 4), SampleScratch.allocate(1, VOCAB, "cpu")
+    with torch_math(), reads_of(scores) as counts:
+        sample_rows(scores, params, out, scratch, logprobs=mode)
+    assert out.error.tolist() == [0]
+    # The draw reads the block its token lies in (the last one holds VOCAB % BLOCK tokens).
+    block = min(BLOCK, VOCAB - int(out.tokens[0]) // BLOCK * BLOCK) if draws else 0
+    scalar_reads = sum(c for c in counts if c == 1)  # a known token's score, read on its own
+    assert sum(counts) - scalar_reads == passes * VOCAB + block, f"{sum(counts) - scalar_reads} elements read"
