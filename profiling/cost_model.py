@@ -39,7 +39,10 @@ is a kernel argument, not a memory read):
   returned alias of `self` adds nothing;
 - the gathers (`index`, `gather`, `index_select`, `take`, `embedding`) read
   only as many source elements as they produce; `searchsorted` reads
-  log2(n) + 1 elements of its sorted rows per query.
+  log2(n) + 1 elements of its sorted rows per query;
+- a custom op that gathers rows (`ROW_GATHERS`: `engine.lm_head_logits` reads
+  the sample rows of `hidden`) reads as many rows of that argument as its
+  index has elements.
 
 A GEMM therefore reads both operands whole: the kernels that read the LM-head
 weight (any view of its storage) say how many times a step reads it.
@@ -86,6 +89,8 @@ _GATHER_SOURCE = {"index": "self", "gather": "self", "index_select": "self", "ta
                   "embedding": "weight"}
 # Scatters whose source is read only where `index` points.
 _SCATTER_SOURCE = {"scatter_": "src", "scatter_add_": "src", "scatter_reduce_": "src", "put_": "source"}
+# Custom ops that read only the rows of an argument an index names: op -> (argument, index).
+ROW_GATHERS = {"lm_head_logits": ("hidden", "row_index")}
 
 
 @dataclass(frozen=True)
@@ -235,6 +240,10 @@ def kernel_bytes(func: Any, args: Sequence[Any], kwargs: dict[str, Any], result:
                 produced = sum(touched_elements(t) for t in _tensors(result) if _on_device(t))
                 for t in tensors:
                     read(t, produced * t.element_size())
+            elif op.custom and ROW_GATHERS.get(name, ("",))[0] == arg_name:
+                rows = bound[ROW_GATHERS[name][1]].numel()
+                for t in tensors:
+                    read(t, rows * math.prod(t.shape[1:]) * t.element_size())
             elif _SCATTER_SOURCE.get(name) == arg_name:
                 for t in tensors:
                     read(t, bound["index"].numel() * t.element_size())
