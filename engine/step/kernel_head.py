@@ -30,13 +30,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.host.ledger import SamplerInputs
-from engine.invariance import choose_block_gemm, lm_head_candidates, warn_not_invariant
-from engine.ops import gather, get_logits
+from engine.invariance import warn_not_invariant
 from engine.step.config import EngineConfig, EngineStats
 from engine.step.controls import SamplingControls
 from engine.step.lm_head import LMHead, LocalHead, checked_head_weight
+from engine.step.lm_head_choice import RowLogits, choose_row_logits
 from engine.step.prompt_logprobs import PromptRowResults, compute_prompt_logprobs
 from engine.step.static_buffers import StepBuffers
+from graphs.buckets import BucketTable
 
 if TYPE_CHECKING:
     from engine.step.kernel_step import KernelState
@@ -73,11 +74,19 @@ class KernelHead(LMHead):
         self.config = config
         self.vocab_size, self.hidden_size = self.weight.shape
         self.dtype = self.weight.dtype
+        # The sample rows' logits: on CUDA the fused gather + GEMM the probe verifies
+        # (engine::lm_head_logits, one call per bucket: the weight read once), elsewhere the
+        # probed block GEMM; without batch invariance one GEMM call.
         if config.batch_invariant:
-            self.logits_kernel, self.batch_invariant_verified = choose_block_gemm(
-                lm_head_candidates(self.weight, config.block_rows))
+            rows_per_req = 1 + config.max_draft_tokens
+            calls = tuple(sorted({b * rows_per_req for b in BucketTable(config.max_num_reqs, config.buckets).buckets}))
+            self.row_logits, self.batch_invariant_verified = choose_row_logits(self.weight, config.block_rows,
+                                                                               call_rows=calls)
+            self.logits_kernel = self.row_logits.block_gemm
             if not self.batch_invariant_verified:
                 warn_not_invariant(f"the LM head {tuple(self.weight.shape)} {self.weight.dtype} on {device}")
+        else:
+            self.row_logits = RowLogits("cublas", self.weight)
         self.buffers: StepBuffers | None = None
         self.controls: SamplingControls | None = None
         self.state: KernelState | None = None
@@ -112,13 +121,11 @@ class KernelHead(LMHead):
         logits_and_sample(self, bucket)
 
     def logits(self, bucket: int) -> None:
-        """The lm head: the bucket's sample rows gathered from the source, their fp32 logits
-        into `buffers.logits`; batch-invariant with the probed block GEMM."""
+        """The lm head: the fp32 logits of the bucket's sample rows, gathered from the source
+        (a padding row's out-of-range index reads a zero row), into `buffers.logits`."""
         b = self.buffers
         rows = b.rows_for(bucket)
-        gather(b.source, b.inputs.selected_token_indices[:rows], out=b.hidden[:rows])  # [rows, H]
-        get_logits(b.hidden[:rows], self.weight, out=b.logits[:rows], batch_invariant=self.config.batch_invariant,
-                   block_rows=self.config.block_rows, kernel=self.logits_kernel)
+        self.row_logits(b.source, b.inputs.selected_token_indices[:rows], b.logits[:rows])  # [rows, V] f32
 
     def graphs_for(self, inputs: SamplerInputs, rows: int, stats: EngineStats) -> str:
         return KERNELS

@@ -1,6 +1,6 @@
 """The kernel head's captured step (`engine.step.kernel_head`): at most a dozen kernels, one graph per bucket.
 
-    lm head       gather + LM-head GEMM                         -> buffers.hidden, buffers.logits
+    lm head       engine::lm_head_logits: gather fused into the GEMM (on CUDA) -> buffers.logits
     controls      engine::apply_controls (vLLM's logits processors, the bitmask, stop ids)
                                                                 -> state.scores, row_controlled
     sample        engine::sample_rows                           -> buffers.out (+ kept weights)
@@ -119,7 +119,7 @@ class KernelStep:
         rows = b.rows_for(bucket)
         logits_and_sample(head, bucket)
         # After the sampler (whose codes it overrides), before verification (which reads them).
-        fail_non_finite_hidden(b.hidden[:rows], b.outputs(rows))
+        fail_non_finite_hidden(b.source, f.selected_token_indices[:rows], b.outputs(rows))
         k = config.max_draft_tokens
         if not k and not s.counts:
             return  # no drafts to verify, no tokens to count

@@ -2,7 +2,8 @@
 the CUDA twin of `engine.step.body.fail_non_finite_hidden` (`errors.fail_rows` with
 `RowError.HIDDEN_NOT_FINITE`).
 
-One program per sample row reads the row's gathered hidden state [H] once; where it holds a
+One program per sample row reads the row's hidden state [H] once, gathered from the source
+by the row's index (an index out of range, a padding row, reads nothing: finite); where it holds a
 NaN or an infinity, the row's outputs become the placeholder (token `PLACEHOLDER_TOKEN`,
 logprob 0, rank 0, top ids -1, top logprobs 0, not flagged) and its error code
 HIDDEN_NOT_FINITE, overriding the sampler's own. Other rows are not written. It runs after
@@ -27,17 +28,20 @@ _PLACEHOLDER: tl.constexpr = tl.constexpr(PLACEHOLDER_TOKEN)
 
 
 @triton.jit
-def _fail_non_finite_kernel(hidden_ptr, stride_hidden, hidden_size, tokens_ptr, error_ptr, logprob_ptr, rank_ptr,
+def _fail_non_finite_kernel(hidden_ptr, row_index_ptr, source_rows, stride_hidden, hidden_size, tokens_ptr, error_ptr, logprob_ptr, rank_ptr,
                             top_ids_ptr, top_logprobs_ptr, needs_exact_ptr, stride_top, num_top,
                             BLOCK: tl.constexpr, TOP_P2: tl.constexpr):
     row = tl.program_id(0)
+    source_row = tl.load(row_index_ptr + row).to(tl.int64)
+    inside = (source_row >= 0) & (source_row < source_rows)
+    source_row = tl.where(inside, source_row, 0)  # a padding row reads row 0 and is never failed
     bad = tl.zeros((), dtype=tl.int32)
     for start in range(0, hidden_size, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        x = tl.load(hidden_ptr + row.to(tl.int64) * stride_hidden + offs, mask=offs < hidden_size, other=0.0)
+        x = tl.load(hidden_ptr + source_row * stride_hidden + offs, mask=offs < hidden_size, other=0.0)
         x = x.to(tl.float32)
         bad = tl.maximum(bad, tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), 0))
-    if bad != 0:
+    if inside & (bad != 0):
         lane = tl.arange(0, TOP_P2)
         on_top = lane < num_top
         tl.store(tokens_ptr + row, tl.full((), _PLACEHOLDER, tl.int64))
@@ -51,15 +55,15 @@ def _fail_non_finite_kernel(hidden_ptr, stride_hidden, hidden_size, tokens_ptr, 
 
 @triton_op("engine::fail_non_finite_hidden",
            mutates_args={"tokens", "error", "logprob", "rank", "top_ids", "top_logprobs", "needs_exact"})
-def _fail_non_finite_op(hidden: torch.Tensor, tokens: torch.Tensor, error: torch.Tensor, logprob: torch.Tensor,
+def _fail_non_finite_op(hidden: torch.Tensor, row_index: torch.Tensor, tokens: torch.Tensor, error: torch.Tensor, logprob: torch.Tensor,
                         rank: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor,
                         needs_exact: torch.Tensor) -> None:
-    rows, hidden_size = hidden.shape
+    rows, (source_rows, hidden_size) = row_index.shape[0], hidden.shape
     if rows == 0:
         return
     num_top = top_ids.shape[1]
     wrap_triton(_fail_non_finite_kernel)[(rows,)](
-        hidden, hidden.stride(0), hidden_size, tokens, error, logprob, rank, top_ids, top_logprobs, needs_exact,
+        hidden, row_index, source_rows, hidden.stride(0), hidden_size, tokens, error, logprob, rank, top_ids, top_logprobs, needs_exact,
         top_ids.stride(0), num_top, BLOCK=min(BLOCK, triton.next_power_of_2(hidden_size)),
         TOP_P2=triton.next_power_of_2(max(num_top, 1)), num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION)
 
@@ -69,11 +73,13 @@ def _(*args: object, **kwargs: object) -> None:
     """The dry run's fake tensors: the op only rewrites its outputs in place."""
 
 
-def fail_non_finite_hidden(hidden: torch.Tensor, out: SampleOutput) -> None:
-    """Fail the rows of `out` whose `hidden` row holds a NaN or an infinity; capture-safe.
+def fail_non_finite_hidden(hidden: torch.Tensor, row_index: torch.Tensor, out: SampleOutput) -> None:
+    """Fail the rows of `out` whose hidden state `hidden[row_index[r]]` holds a NaN or an
+    infinity; capture-safe.
 
-    Parameters: `hidden` [rows, H] float (any float dtype, unit column stride) and `out`
-    the rows' `SampleOutput` (tokens, error, ... [rows]), on one device (CUDA or, under
+    Parameters: `hidden` [source rows, H] float (any float dtype, unit column stride),
+    `row_index` [rows] int64 (out of range: a padding row, never failed) and `out` the
+    rows' `SampleOutput` (tokens, error, ... [rows]), on one device (CUDA or, under
     `TRITON_INTERPRET=1`, CPU). Returns: None; those rows hold the placeholder and
     `RowError.HIDDEN_NOT_FINITE`, the others are untouched. Raises: ValueError when the
     row counts differ or `hidden` is not a float matrix with unit column stride.
@@ -81,15 +87,15 @@ def fail_non_finite_hidden(hidden: torch.Tensor, out: SampleOutput) -> None:
     if hidden.dim() != 2 or not hidden.is_floating_point() or hidden.stride(1) != 1:
         raise ValueError(f"hidden: {tuple(hidden.shape)} {hidden.dtype} stride {hidden.stride()}, "
                          "expected [rows, H] float with unit column stride")
-    if hidden.shape[0] != out.tokens.shape[0]:
-        raise ValueError(f"rows: hidden {hidden.shape[0]}, out {out.tokens.shape[0]}")
-    torch.ops.engine.fail_non_finite_hidden(hidden, out.tokens, out.error, out.logprob, out.rank, out.top_ids,
+    if row_index.dim() != 1 or row_index.shape[0] != out.tokens.shape[0]:
+        raise ValueError(f"rows: row_index {tuple(row_index.shape)}, out {out.tokens.shape[0]}")
+    torch.ops.engine.fail_non_finite_hidden(hidden, row_index, out.tokens, out.error, out.logprob, out.rank, out.top_ids,
                                             out.top_logprobs, out.needs_exact)
 
 
 def _aot_builds() -> list[dict[str, object]]:
     """The kernel head's launch at H = 7168 (bf16 hidden states), top-20, for `profiling.kernel_build`."""
-    signature = dict(hidden_ptr="*bf16", stride_hidden="i64", hidden_size="i32", tokens_ptr="*i64",
+    signature = dict(hidden_ptr="*bf16", row_index_ptr="*i64", source_rows="i64", stride_hidden="i64", hidden_size="i32", tokens_ptr="*i64",
                      error_ptr="*i64", logprob_ptr="*fp32", rank_ptr="*i64", top_ids_ptr="*i64",
                      top_logprobs_ptr="*fp32", needs_exact_ptr="*i1", stride_top="i64", num_top="i32",
                      BLOCK="constexpr", TOP_P2="constexpr")
