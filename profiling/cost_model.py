@@ -40,9 +40,13 @@ is a kernel argument, not a memory read):
 - the gathers (`index`, `gather`, `index_select`, `take`, `embedding`) read
   only as many source elements as they produce; `searchsorted` reads
   log2(n) + 1 elements of its sorted rows per query;
-- a custom op that gathers rows (`ROW_GATHERS`: `engine.lm_head_logits` reads
-  the sample rows of `hidden`) reads as many rows of that argument as its
-  index has elements.
+- a custom op that gathers rows (`ROW_GATHERS`: `engine.lm_head_logits` and
+  `engine.fail_non_finite_hidden` read the sample rows of `hidden`) reads as
+  many rows of that argument as its index has elements;
+- the passes rule (`KernelCounter(passes=...)`, `with_passes`): a custom op
+  that streams over its first argument n times (the sampling kernel's passes
+  over a row, by row kind) reads it n times; n = 0 (every row of the mix skips
+  the op on its per-row flag) moves no bytes, only the node.
 
 A GEMM therefore reads both operands whole: the kernels that read the LM-head
 weight (any view of its storage) say how many times a step reads it.
@@ -90,7 +94,7 @@ _GATHER_SOURCE = {"index": "self", "gather": "self", "index_select": "self", "ta
 # Scatters whose source is read only where `index` points.
 _SCATTER_SOURCE = {"scatter_": "src", "scatter_add_": "src", "scatter_reduce_": "src", "put_": "source"}
 # Custom ops that read only the rows of an argument an index names: op -> (argument, index).
-ROW_GATHERS = {"lm_head_logits": ("hidden", "row_index")}
+ROW_GATHERS = {"lm_head_logits": ("hidden", "row_index"), "fail_non_finite_hidden": ("hidden", "row_index")}
 
 
 @dataclass(frozen=True)
