@@ -14,7 +14,9 @@
 #   CUDA tests (-m cuda)                ~60 s
 #   step engine + speculative tests     ~90 s
 #   real twin of the dry run (B <= 16)  ~45 s
-#   cost model vs replay (B <= 64)      ~60 s  (capture of 13 graph sets x 11 buckets, 63 timed replays each)
+#   Triton head vs torch head (B = 64)  ~40 s  (capture of both, 5 x 4 steps each)
+#   cost model vs replay (B <= 64)      ~40 s  (the kernel head: one graph per bucket)
+#   torch head's cost vs replay         ~40 s  (its graph sets, buckets 1, 16, 64)
 #   step bench, plain and 3 drafts      ~2 x 40 s
 #   demo                                ~30 s
 # A budget keeps the whole run under 8 minutes whatever the steps take: each step runs with
@@ -58,12 +60,17 @@ run "$PY" -m pytest -q -x tests/test_step_engine.py tests/test_speculative.py
 # both verify modes, prompt logprobs, a sharded rank, the invariant model's decode step)
 # capturing real graphs, each bucket's first warm-up under the CUDA capture-safety rules.
 run "$PY" -m profiling.cuda_dry_run --real-cuda --max-num-reqs 16
+# The Triton kernel head (kernels="auto" on CUDA) against the torch head on the GPU: the
+# same steps, tokens identical, median step times side by side.
+run "$PY" -m profiling.kernel_head_check --device cuda --hidden 7168 --vocab 129280 --reqs 64
 # The cost model beside the GPU (docs/cost-model.md), to calibrate it: every checked graph
 # set and bucket at H = 7168, V = 129280, bf16, max_num_reqs 64, captured, then replayed
 # 3 x 20 times under CUDA events; the table shows measured beside modelled µs, and a
 # least-squares fit of the per-kernel time and bandwidth closes it.
 COST=(-m profiling.cuda_dry_run --cost --json-out "$OUTDIR/cost_gpu.json")
 run "$PY" "${COST[@]}" --real-cuda
+# The torch head's graph sets, replayed beside the kernel head's (the default above).
+run "$PY" -m profiling.cuda_dry_run --cost --real-cuda --kernels torch --buckets 1,16,64 --json-out "$OUTDIR/cost_gpu_torch.json"
 if [ "$DRY" = 1 ]; then
   # Its Python side without a GPU: the same command on the fake device at small shapes.
   "$PY" "${COST[@]}" --hidden 64 --vocab 2048 --max-num-reqs 2 --drafts 1 --buckets 2 2>&1 | tee -a "$LOG" || exit 1
