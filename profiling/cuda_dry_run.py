@@ -173,7 +173,7 @@ def _scenario(name: str) -> Iterator[None]:
         raise DryRunFailure(f"{name}: {err.func} {err}\n  at {_call_site(err)}") from err
 
 
-def _requests(n: int, *, prompt: int = 6, decode: bool = False, drafts: int = 0,
+def scenario_requests(n: int, *, prompt: int = 6, decode: bool = False, drafts: int = 0,
               params: Callable[[int], SamplingParams] | None = None) -> list[SeqMeta]:
     """n requests: prefills of `prompt` tokens, or decodes verifying `drafts` drafts."""
     seqs = []
@@ -189,7 +189,7 @@ def _requests(n: int, *, prompt: int = 6, decode: bool = False, drafts: int = 0,
     return seqs
 
 
-def _mixed(i: int) -> SamplingParams:
+def mixed_params(i: int) -> SamplingParams:
     """Every filter and output across a batch: greedy, top-k, top-p, min-p, logprobs, min_tokens."""
     kinds = (
         SamplingParams(temperature=0.0, seed=i, logprobs=3),
@@ -200,9 +200,9 @@ def _mixed(i: int) -> SamplingParams:
     return kinds[i % len(kinds)]
 
 
-def _controlled(i: int) -> SamplingParams:
-    """`_mixed` plus the sampling controls: penalties, a logit bias, an allowed set."""
-    return dataclasses.replace(_mixed(i), repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.3,
+def controlled_params(i: int) -> SamplingParams:
+    """`mixed_params` plus the sampling controls: penalties, a logit bias, an allowed set."""
+    return dataclasses.replace(mixed_params(i), repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.3,
                                logit_bias={3: 2.0, 5: -1.0}, allowed_token_ids=tuple(range(2, 64)) if i % 2 else None)
 
 
@@ -300,11 +300,11 @@ def _engine(run: _Run) -> None:
     with_prompt_logprobs = lambda i: SamplingParams(temperature=0.5, seed=i, prompt_logprobs=True, logprobs=2)  # noqa: E731
     hidden = run.weight(n * 6, cfg.hidden)
     with run.steps("engine", 5):
-        engine.step(engine.source, _requests(n, params=_mixed))  # zero-copy source
-        engine.step(hidden, _requests(n, decode=True, params=_mixed))  # rows copied into the source
-        engine.step(engine.source, _requests(n, decode=True, params=greedy))  # the greedy graphs
-        engine.step(engine.source, _requests(n, prompt=9, params=with_prompt_logprobs))
-        engine.step(engine.source, _requests(cfg.max_num_reqs + 1, decode=True))  # above the largest bucket: eager
+        engine.step(engine.source, scenario_requests(n, params=mixed_params))  # zero-copy source
+        engine.step(hidden, scenario_requests(n, decode=True, params=mixed_params))  # rows copied into the source
+        engine.step(engine.source, scenario_requests(n, decode=True, params=greedy))  # the greedy graphs
+        engine.step(engine.source, scenario_requests(n, prompt=9, params=with_prompt_logprobs))
+        engine.step(engine.source, scenario_requests(cfg.max_num_reqs + 1, decode=True))  # above the largest bucket: eager
 
 
 def _drafts(run: _Run, mode: str) -> None:
@@ -322,15 +322,15 @@ def _drafts(run: _Run, mode: str) -> None:
     if mode == "rejection":
         draft_logprobs = [np.full((k, cfg.vocab), -np.log(cfg.vocab), dtype=np.float32)] * n
     with run.steps(f"drafts {mode}", 3):
-        engine.step(engine.source, _requests(n, params=_mixed))
-        engine.step(engine.source, _requests(n, decode=True, drafts=k, params=_mixed), drafts, draft_logprobs,
+        engine.step(engine.source, scenario_requests(n, params=mixed_params))
+        engine.step(engine.source, scenario_requests(n, decode=True, drafts=k, params=mixed_params), drafts, draft_logprobs,
                     next_drafts=[list(range(20, 20 + k))] * n)
-        engine.step(engine.source, _requests(n, decode=True, drafts=k, params=_mixed))  # drafts from the pool
+        engine.step(engine.source, scenario_requests(n, decode=True, drafts=k, params=mixed_params))  # drafts from the pool
     # New request ids: the controls join with their prompt, before any generated token.
     renamed = lambda seqs: [dataclasses.replace(s, request_id=f"c{s.request_id}") for s in seqs]  # noqa: E731
     with run.steps(f"drafts {mode} controls", 2):
-        engine.step(engine.source, renamed(_requests(n, params=_controlled)))
-        engine.step(engine.source, renamed(_requests(n, decode=True, drafts=k, params=_controlled)), drafts,
+        engine.step(engine.source, renamed(scenario_requests(n, params=controlled_params)))
+        engine.step(engine.source, renamed(scenario_requests(n, decode=True, drafts=k, params=controlled_params)), drafts,
                     draft_logprobs)
 
 
@@ -360,8 +360,8 @@ def _sharded(run: _Run) -> None:
         n = min(4, cfg.max_num_reqs)
         top_k = lambda i: SamplingParams(temperature=0.8, top_k=20, seed=i)  # noqa: E731
         with run.steps(f"sharded rank 0 of {cfg.tp}", 2):
-            engine.step(engine.source, _requests(n, params=top_k))  # candidates
-            engine.step(engine.source, _requests(n, decode=True))  # top-p: falls back to gather
+            engine.step(engine.source, scenario_requests(n, params=top_k))  # candidates
+            engine.step(engine.source, scenario_requests(n, decode=True))  # top-p: falls back to gather
 
 
 def _model_weights(run: _Run, config: LlamaConfig) -> LlamaWeights:

@@ -20,7 +20,7 @@ import torch
 
 from engine import EngineConfig, StepEngine
 from engine.host.params import SamplingParams
-from profiling.cuda_dry_run import _controlled, _mixed, _requests
+from profiling.cuda_dry_run import controlled_params, mixed_params, scenario_requests
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,10 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     hidden = (torch.randn(n * 8, args.hidden, generator=gen, device=args.device)).to(dtype)
     renamed = lambda seqs, tag: [s.__class__(**{**vars(s), "request_id": f"{tag}{s.request_id}"}) for s in seqs]  # noqa: E731
     steps = [
-        lambda: (_requests(n, params=_mixed), None),
-        lambda: (_requests(n, decode=True, drafts=k, params=_mixed), [list(range(10 + i, 10 + i + k)) for i in range(n)]),
-        lambda: (renamed(_requests(n, params=_controlled), "c"), None),
-        lambda: (renamed(_requests(n, params=lambda i: SamplingParams(temperature=0.0, logprobs=2)), "g"), None),
+        lambda: (scenario_requests(n, params=mixed_params), None),
+        lambda: (scenario_requests(n, decode=True, drafts=k, params=mixed_params), [list(range(10 + i, 10 + i + k)) for i in range(n)]),
+        lambda: (renamed(scenario_requests(n, params=controlled_params), "c"), None),
+        lambda: (renamed(scenario_requests(n, params=lambda i: SamplingParams(temperature=0.0, logprobs=2)), "g"), None),
     ]
     times: dict[str, list[float]] = {kind: [] for kind in engines}
     for run in range(args.runs):

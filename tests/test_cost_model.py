@@ -53,6 +53,13 @@ def scale(x: torch.Tensor, out: torch.Tensor) -> None:
     wrap_triton(_scale_kernel)[(triton.cdiv(n, 64),)](x, out, n, BLOCK=64)
 
 
+@scale.register_fake
+def _(x: torch.Tensor, out: torch.Tensor) -> None:
+    """Nothing to compute on fake tensors. Registered explicitly, as the engine's kernels
+    are: under TRITON_INTERPRET=1 (tests/conftest.py, no CUDA) `wrap_triton` hands back
+    the plain kernel, which would run on the fake tensors."""
+
+
 # (op, bytes read, bytes written, of the reads: weight bytes), worked out by hand.
 # x [4, 16] f32, w [32, 16] bf16 (1024 B), bias [32] f32, out [4, 32] f32, ids [2, 1] i64.
 HAND_COUNT = [
@@ -152,9 +159,10 @@ def test_calibration_recovers_the_node_time_and_bandwidth_of_measured_graphs() -
 
 def test_cli_json_has_every_graph_and_field(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     # At 1e-6 TB/s and no node time a graph's modelled µs are its bytes, and the floor µs its floor bytes.
+    # The torch head's graph sets (on CUDA the engines default to the kernel head: the next test).
     argv = ["--cost", "--json", "--cost-detail", "--hidden", "64", "--vocab", "2048", "--max-num-reqs", "2",
             "--drafts", "1", "--buckets", "2", "--node-us", "0", "--bandwidth-tbs", "1e-6",
-            "--json-out", str(tmp_path / "cost.json")]
+            "--json-out", str(tmp_path / "cost.json"), "--kernels", "torch"]
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)  # one JSON object, nothing else on stdout
     assert json.loads((tmp_path / "cost.json").read_text()) == report
@@ -176,6 +184,26 @@ def test_cli_json_has_every_graph_and_field(capsys: pytest.CaptureFixture[str], 
         assert sum(op["bytes"] for op in g["ops"]) == g["bytes"]
     engine = next(g for g in graphs if g["scenario"] == "engine")
     assert engine["vocab"] == 2048 and engine["weight_bytes"] == 2048 * 64 * 2
+
+
+def test_the_kernel_heads_graphs_are_a_dozen_kernels_at_most(capsys: pytest.CaptureFixture[str]) -> None:
+    """The default engines on CUDA: one graph per bucket, priced per row mix, each graph at
+    most 12 kernels reading the weight once (drafts included); the passes rule charges the
+    sampling kernel 9 row reads for the full sampler, 3 plain, 2 greedy."""
+    argv = ["--cost", "--json", "--cost-detail", "--hidden", "64", "--vocab", "2048", "--max-num-reqs", "4",
+            "--drafts", "3", "--node-us", "0", "--bandwidth-tbs", "1e-6"]
+    assert main(argv) == 0
+    graphs = [g for g in json.loads(capsys.readouterr().out)["graphs"] if not g["scenario"].startswith("sharded")]
+    assert {g["graph_set"] for g in graphs} == {"kernels (full sampler)", "kernels (plain)", "kernels (greedy)",
+                                                 "kernels (controls)"}
+    for g in graphs:
+        assert g["kernels"] <= 12 and g["weight_reads"] == 1.0, g
+    engine = {g["graph_set"]: g for g in graphs if g["scenario"] == "engine" and g["bucket"] == 4}
+    row = 4 * 2048 * 4  # one read of the bucket's [4, V] f32 rows
+    sample = {name: next(op["bytes"] for op in g["ops"] if op["op"] == "engine.sample_rows.default")
+              for name, g in engine.items()}
+    assert sample["kernels (full sampler)"] - sample["kernels (greedy)"] == 7 * row
+    assert sample["kernels (plain)"] - sample["kernels (greedy)"] == row
 
 
 def test_cli_refuses_cost_flags_without_cost(capsys: pytest.CaptureFixture[str]) -> None:
@@ -240,7 +268,7 @@ def test_gpu_check_parses_and_its_dry_run_lists_the_cost_step(tmp_path: Path) ->
     assert done.returncode == 0, done.stderr
     log = (tmp_path / "gpu_check.log").read_text()
     steps = [line for line in log.splitlines() if line.startswith("$ ")]
-    assert len(steps) == 9 and "SKIPPED" not in log, log
+    assert len(steps) == 11 and "SKIPPED" not in log, log  # with the kernel head check and the torch head's cost
     json_out = f"--json-out {tmp_path}/cost_gpu.json"
     assert any("-m profiling.cuda_dry_run --cost" in s and json_out in s and s.rstrip().endswith("--real-cuda")
                for s in steps), steps
@@ -258,12 +286,12 @@ def test_gpu_check_budget_runs_each_step_or_skips_it(tmp_path: Path) -> None:
     stub.chmod(0o755)
     (tmp_path / "nvidia-smi").symlink_to(stub)
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": str(stub), "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
-    for budget, ran in (("450", 9), ("19", 0)):
+    for budget, ran in (("450", 11), ("19", 0)):
         done = subprocess.run(["bash", str(GPU_CHECK)], env={**env, "GPU_CHECK_BUDGET_S": budget},
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
         log = (tmp_path / "gpu_check.log").read_text()
-        assert log.count("[step took ") == log.count(", rc 3]") == ran and log.count("SKIPPED") == 9 - ran, log
+        assert log.count("[step took ") == log.count(", rc 3]") == ran and log.count("SKIPPED") == 11 - ran, log
 
 
 @pytest.mark.skipif(not os.environ.get("ENGINE_LONG_TESTS"), reason="ENGINE_LONG_TESTS=1: runs the cost CLI (~15 s)")
@@ -274,4 +302,5 @@ def test_gpu_check_dry_run_writes_the_cost_json(tmp_path: Path) -> None:
                                "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
     assert done.returncode == 0, done.stderr
     graphs = json.loads((tmp_path / "cost_gpu.json").read_text())["graphs"]
-    assert len(graphs) == 13 and all(g["kernels"] > 0 and g["floor_us"] > 0 for g in graphs)
+    # The kernel head's graph per row mix (3 each for the engine and both draft modes), 2 sharded.
+    assert len(graphs) == 11 and all(g["kernels"] > 0 and g["floor_us"] > 0 for g in graphs)

@@ -16,7 +16,9 @@ from engine import EngineConfig, StepEngine
 from engine.models.llama_weights import LlamaConfig
 from profiling.cuda_dry_run import DryRunConfig, DryRunFailure, main, run
 
-SMALL = DryRunConfig(hidden=64, vocab=2048, max_num_reqs=2, max_draft_tokens=1, tp=2, model=LlamaConfig.tiny())
+# The torch-op head: the hazards below are planted in its sampler (the kernel head runs none of it).
+SMALL = DryRunConfig(hidden=64, vocab=2048, max_num_reqs=2, max_draft_tokens=1, tp=2, model=LlamaConfig.tiny(),
+                     kernels="torch")
 # A constant made once, outside any step, on the CPU: harmless on a CPU engine,
 # a host operand of a device op on CUDA.
 NEG_INF = torch.tensor(-math.inf)
@@ -26,7 +28,9 @@ def test_dry_run_passes_and_reports_ops_per_bucket(capsys: pytest.CaptureFixture
     argv = ["--hidden", "64", "--vocab", "2048", "--max-num-reqs", "2", "--drafts", "1", "--tiny-model"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    for graph_set in ("engine", "engine plain", "engine greedy", "drafts strict", "drafts rejection",
+    # On CUDA the engines run the kernel head: one graph set, one graph per bucket (no variants).
+    assert not re.search(r"^  (engine|drafts \w+) (plain|greedy|controls) ", out, re.M), out
+    for graph_set in ("engine", "drafts strict", "drafts rejection",
                       "sharded tp=2 gather", "sharded tp=2 candidates", "model decode (eager)"):
         line = next(line for line in out.splitlines() if line.strip().startswith(graph_set + " "))
         counts = [int(ops) for ops in re.findall(r"\b\d+:(\d+)", line)]
@@ -38,7 +42,7 @@ def test_dry_run_passes_and_reports_ops_per_bucket(capsys: pytest.CaptureFixture
     # are pinned and asynchronous; what is left pageable is listed, and is not the engine's.
     pageable = out.split("pageable host-to-device copies")[1].split("dry run passed")[0]
     assert "step_engine.py" not in pageable and "static_buffers.py" not in pageable, pageable
-    assert not any(f"engine/step/{name}.py" in pageable for name in ("body", "collect", "drafts", "lm_head")), pageable
+    assert not any(f"engine/step/{name}.py" in pageable for name in ("body", "collect", "drafts", "lm_head", "kernel_head", "kernel_step")), pageable
     assert "dry run passed" in out
 
 
@@ -110,7 +114,8 @@ def test_cpu_capture_check_cannot_see_the_cpu_constant(monkeypatch: pytest.Monke
 
 def test_main_exits_nonzero_naming_the_op(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     _plant(monkeypatch, _cpu_constant)
-    argv = ["--hidden", "64", "--vocab", "2048", "--max-num-reqs", "2", "--drafts", "1", "--tiny-model"]
+    argv = ["--hidden", "64", "--vocab", "2048", "--max-num-reqs", "2", "--drafts", "1", "--tiny-model",
+            "--kernels", "torch"]  # the torch-op sampler, where the hazard is planted
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert err.startswith("FAILED: StepEngine: aten.maximum.default reads a CPU tensor in a device op"), err

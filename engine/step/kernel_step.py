@@ -18,7 +18,7 @@ reference these kernels are tested against.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -30,8 +30,16 @@ from engine.step.config import EngineConfig
 from engine.step.controls import SamplingControls
 from engine.step.static_buffers import StepBuffers
 
-if TYPE_CHECKING:
-    from engine.step.kernel_head import KernelHead
+
+class KernelStepHead(Protocol):
+    """What the kernel step reads of its head (`engine.step.kernel_head.KernelHead`)."""
+
+    buffers: StepBuffers
+    config: EngineConfig
+    state: KernelState
+
+    def logits(self, bucket: int) -> None:
+        """The bucket's sample rows' fp32 logits into `buffers.logits`."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +89,7 @@ class KernelState:
         return tensors
 
 
-def logits_and_sample(head: KernelHead, bucket: int) -> None:
+def logits_and_sample(head: KernelStepHead, bucket: int) -> None:
     """The lm head, then the controls and the sampler as one kernel each (vLLM's stage
     order, engine/sampling/pipeline.py)."""
     b, s, config = head.buffers, head.state, head.config
@@ -110,7 +118,7 @@ def logits_and_sample(head: KernelHead, bucket: int) -> None:
 class KernelStep:
     """The kernel head's step of one bucket (`GraphReplayer`'s step function)."""
 
-    head: KernelHead
+    head: KernelStepHead
 
     def __call__(self, bucket: int) -> None:
         head = self.head
