@@ -161,13 +161,21 @@ def test_every_control_without_drafts(case):
     _run(PLAIN, case, steps=1)
 
 
+def _greedy_first(case):
+    """The first request greedy without controls: the drafts drawn from its rows' argmax
+    are accepted, so both verdicts (and the rows after an accepted draft) occur."""
+    requests, seed, nan_reqs = case
+    prompt, params = requests[0]
+    return [(prompt, SamplingParams(temperature=0.0, logprobs=params.logprobs)), *requests[1:]], seed, nan_reqs
+
+
 STRICT = _pair(max_draft_tokens=MAX_DRAFTS)
 
 
 @SETTINGS
 @given(_cases())
 def test_drafts_strict(case):
-    _run(STRICT, case, steps=1)
+    _run(STRICT, _greedy_first(case), steps=1)
 
 
 REJECTION = _pair(max_draft_tokens=MAX_DRAFTS, verify_mode="rejection")
@@ -176,7 +184,7 @@ REJECTION = _pair(max_draft_tokens=MAX_DRAFTS, verify_mode="rejection")
 @SETTINGS
 @given(_cases())
 def test_drafts_rejection(case):
-    _run(REJECTION, case, steps=1, rejection=True)
+    _run(REJECTION, _greedy_first(case), steps=1, rejection=True)
 
 
 PROCESSED = _pair(sampler=SamplerConfig(logprobs_mode="processed", max_logprobs=5), max_control_slots=0)
