@@ -31,8 +31,9 @@ from engine.sampling.normaliser import block_sums
 from engine.sampling.row_max import first_max
 from engine.sampling.rows import expand_rows
 from engine.sampling.sampler import SamplerConfig, sample
+from engine.sampling.suppression import suppressed_scores
 from engine.sampling.thresholds import (
-    KEY_MAX, RowDistribution, order_keys, processed_scores, radix_threshold, suppressed_scores, token_masses,
+    KEY_MAX, RowDistribution, order_keys, processed_scores, radix_threshold, token_masses,
 )
 from graphs.capture_safety import capture_safety_check
 from engine.sampling.row_params import RowParams
