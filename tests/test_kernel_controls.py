@@ -234,10 +234,12 @@ class _Buffers:
 @settings(max_examples=max(EXAMPLES // 3, 3), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batch=batches(), seed=st.integers(0, 2**32 - 1))
 def test_controls_kernel_equals_sampling_controls_apply(batch: Batch, seed: int):
-    """Main's `SamplingControls.apply` (slots filled by `join`) where the two orders agree: no logit
+    """The torch stages over `SamplingControls.rows` (slots filled by `join`) where the two orders agree: no logit
     bias, and no finite logit a penalty takes to -inf (the bitmask's verdict reads the scores after
     the penalties there, before them in vLLM's order): logits within +-1e30."""
     from engine.host.params import SamplingParams
+    from engine.sampling.allowed_tokens import apply_allowed_tokens_
+    from engine.sampling.penalties import apply_penalties_
     from engine.step.config import EngineConfig
     from engine.step.controls import SamplingControls
 
@@ -256,7 +258,12 @@ def test_controls_kernel_equals_sampling_controls_apply(batch: Batch, seed: int)
         assert state.join(params, prompt.tolist()) == slot
         state.counts[slot] = c.counts[slot]
     buffers = _Buffers(batch, c.control_slots)
-    state.apply(buffers, batch.num_reqs)
+    # The torch stages of the controls, as engine.sampling.pipeline runs them on each row's
+    # gathered slot (`SamplingControls.rows`): allowed tokens, then the penalties (no bias here).
+    rows = state.rows(buffers, batch.num_reqs)
+    apply_allowed_tokens_(buffers.logits, rows.allowed_words, rows.restricted)
+    apply_penalties_(buffers.logits, rows.counts, rows.prompt_words, rows.penalties[:, 0], rows.penalties[:, 1],
+                     rows.penalties[:, 2])
     expected, nothing = masked_and_suppressed(buffers.logits, batch, c)
     c = dataclasses.replace(c, prompt_words=state.prompt_words, allowed_words=state.allowed_words,
                             restricted=state.restricted, penalties=state.penalties, bias_ids=state.bias_ids,
