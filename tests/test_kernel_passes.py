@@ -75,7 +75,7 @@ KINDS = [
     (dict(temperature=1.0), "processed", 3, True),
     (dict(temperature=1.0, top_k=50), None, 5, True),
     (dict(temperature=1.0, top_p=0.9), None, 5, True),
-    (dict(temperature=0.0, top_k=50, top_p=0.9), "processed", 8, False),
+    (dict(temperature=0.0, top_k=50, top_p=0.9), "processed", 2, False),  # a greedy request has no filters
     (dict(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01), "raw", 9, True),
     (dict(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01), "processed", 9, True),
 ]

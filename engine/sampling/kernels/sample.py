@@ -16,7 +16,8 @@ Design
   counts the interpreter's loads of the row and holds the kernel to this table):
     greedy or forced, no logprobs ...................... 1 (pass 1 finds the token; nothing else runs)
     greedy or forced + raw logprobs .................... 2
-    greedy or forced + processed logprobs .............. 2 (+ the cuts: processed logprobs report the kept set)
+    greedy + processed logprobs ........................ 2 (no cuts: a greedy request has no filters, as vLLM)
+    forced + processed logprobs ........................ 2 (+ the cuts of its request)
     sampled, no cut or min-p only ...................... 2, 3 with logprobs
     each of top-k and top-p ............................ +3 (radix passes of 11, 10 and 10 bits)
     worst: sampled, top-k and top-p, logprobs .......... 9
@@ -99,8 +100,9 @@ def _sample_kernel(
     top_k = tl.load(top_ks_ptr + req).to(tl.int64)
     top_p = tl.load(top_ps_ptr + req)
     min_p = tl.load(min_ps_ptr + req)
-    k_on = (top_k > 0) & (top_k < V)
-    min_p_floor = tl.where(min_p > 0.0, min_p, -1.0)  # weight >= -1 keeps every token
+    # A greedy request has no filters (as vLLM): its processed logprobs are over every token.
+    k_on = (top_k > 0) & (top_k < V) & ~greedy
+    min_p_floor = tl.where((min_p > 0.0) & ~greedy, min_p, -1.0)  # weight >= -1 keeps every token
     forced = tl.load(forced_ptr + row)
     lane = tl.arange(0, TOP_PAD)
 
@@ -147,7 +149,7 @@ def _sample_kernel(
         cut, _ = radix_cut(score_row, stop_row, active, shift, temperature, min_p_floor, cut,
                            top_k.to(tl.float64), 0.0, hist_ptr + row * stride_hist, True, V, CHUNK, NUM_STOP,
                            MASS_SCALE, ACCURATE)
-    if needs_distribution & (top_p < 1.0):
+    if needs_distribution & (top_p < 1.0) & ~greedy:
         p_cut, _ = radix_cut(score_row, stop_row, active, shift, temperature, min_p_floor, cut,
                              0.0, top_p.to(tl.float64), hist_ptr + row * stride_hist, False, V, CHUNK,
                              NUM_STOP, MASS_SCALE, ACCURATE)
