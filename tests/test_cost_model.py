@@ -53,6 +53,12 @@ def scale(x: torch.Tensor, out: torch.Tensor) -> None:
     wrap_triton(_scale_kernel)[(triton.cdiv(n, 64),)](x, out, n, BLOCK=64)
 
 
+@scale.register_fake
+def _(x: torch.Tensor, out: torch.Tensor) -> None:
+    """The op only writes `out`. Explicit because under TRITON_INTERPRET=1 (tests/conftest.py,
+    without a GPU) `wrap_triton` hands back the plain kernel, which would run on fake tensors."""
+
+
 # (op, bytes read, bytes written, of the reads: weight bytes), worked out by hand.
 # x [4, 16] f32, w [32, 16] bf16 (1024 B), bias [32] f32, out [4, 32] f32, ids [2, 1] i64.
 HAND_COUNT = [
