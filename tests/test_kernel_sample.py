@@ -419,3 +419,10 @@ def test_a_stop_id_is_suppressed_only_on_a_row_flagged_for_it(suppress):
     got = run_kernel(row, params, 2, "processed")
     assert got.tokens.tolist() == ([3] if suppress else [2])
     assert_agree(got, reference(row, params, 2, "processed"), f"suppress={suppress}")
+
+
+def test_two_scores_that_share_z_are_one_tie():
+    """z = (s - M) / T rounds twice, as the torch ops do: at T = 1.7 these two scores, one
+    ulp apart, divide to the same z, so top-k = 2 keeps both (s / T - M / T would split them)."""
+    row = [3.4100701808929443, 1.42018461227417, 1.4201844930648804, 0.0]
+    assert _kept(row, temperature=1.7, top_k=2) == [0, 1, 2]
