@@ -53,6 +53,13 @@ def scale(x: torch.Tensor, out: torch.Tensor) -> None:
     wrap_triton(_scale_kernel)[(triton.cdiv(n, 64),)](x, out, n, BLOCK=64)
 
 
+@scale.register_fake
+def _(x: torch.Tensor, out: torch.Tensor) -> None:
+    # Without a GPU the tests run Triton under its interpreter (tests/conftest.py), which would
+    # launch the kernel on the fake tensors; the dry run launches nothing, as engine/sampling/kernels' ops.
+    return None
+
+
 # (op, bytes read, bytes written, of the reads: weight bytes), worked out by hand.
 # x [4, 16] f32, w [32, 16] bf16 (1024 B), bias [32] f32, out [4, 32] f32, ids [2, 1] i64.
 HAND_COUNT = [
