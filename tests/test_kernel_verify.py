@@ -250,6 +250,37 @@ def test_strict_kernels_equal_the_torch_path(batch: Batch, seed: int, top_k: int
     check(random_step(batch, seed, near_top=top_k is not None), "strict", top_k, programs, 64)
 
 
+def tiny_residual_step(batch: Batch, seed: int, chunk: int) -> Step:
+    """Every row: token 0 holds almost all of p (q = 1 there); the last token of each chunk of
+    `chunk` tokens about 2**-35, with q = p rounded down to f32; token V-1 outside the kept set
+    with q = 0.5, the draft of every row that has one; the rest outside the kept set. The draft
+    is always rejected, and the residual's masses are integers 0..3 at the chunks' ends: the
+    level floor(u * total) often equals a running mass, of a token or of a chunk, where `>` and
+    `>=` pick different tokens."""
+    rng = np.random.default_rng(seed)
+    step = random_step(batch, seed)
+    rows, v = batch.rows, batch.vocab
+    weights = np.zeros((rows, v), np.float32)
+    weights[:, 0] = 1.0
+    ends = np.arange(chunk - 1, v - 1, chunk)
+    weights[:, ends] = np.exp2(rng.uniform(-36.0, -34.0, (rows, len(ends))))
+    drafts = torch.where(step.drafts >= 0, v - 1, step.drafts)
+    step = dataclasses.replace(step, drafts=drafts, weights=torch.from_numpy(weights), one_hot=torch.full((rows,), -1),
+                               has_q=torch.ones(rows, dtype=torch.bool))
+    p = target_p(step)
+    q = p.float()
+    q = torch.where(q.double() > p, torch.nextafter(q, torch.zeros_like(q)), q)  # toward zero: p - q in [0, ulp)
+    q[:, 0], q[:, -1] = 1.0, 0.5
+    return dataclasses.replace(step, draft_probs=q)
+
+
+@settings(max_examples=max(EXAMPLES // 3, 4), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=batches(vocabs=(45, 200), max_drafts=(1, 3)), seed=st.integers(0, 2**32 - 1))
+def test_rejection_kernels_draw_the_torch_paths_token_from_tiny_residuals(batch: Batch, seed: int):
+    """Chunks of 16 tokens (64 programs): the kernel's search over the chunk sums and within a chunk."""
+    check(tiny_residual_step(batch, seed, 16), "rejection", None, 64, 16)
+
+
 @settings(max_examples=max(EXAMPLES // 2, 4), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batch=batches(max_drafts=(0,)), seed=st.integers(0, 2**32 - 1))
 def test_counts_without_drafts_equal_the_torch_path(batch: Batch, seed: int):
