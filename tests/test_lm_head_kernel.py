@@ -94,7 +94,7 @@ def guarded_logits(hidden: torch.Tensor, row_index: torch.Tensor, weight: torch.
 def cases(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     hidden_size = draw(st.integers(1, 130))
     vocab = draw(st.integers(1, 300))
-    table_rows = draw(st.integers(0, 12))
+    table_rows = draw(st.integers(1, 12))  # an empty table: test_empty_table, last
     rows = draw(st.integers(0, 70))
     seed = draw(st.integers(0, 2**31 - 1))
     gen = torch.Generator().manual_seed(seed)
@@ -170,6 +170,8 @@ def test_bad_inputs_name_the_argument() -> None:
         lm_head_logits(hidden, index.float(), weight)
     with pytest.raises(ValueError, match="row_index"):
         lm_head_logits(hidden, index[None], weight)
+    with pytest.raises(ValueError, match="row_index"):
+        lm_head_logits(hidden, torch.zeros(4, dtype=torch.int64)[::2], weight)
     with pytest.raises(ValueError, match="weight"):
         lm_head_logits(hidden, index, torch.zeros(8, 16).t())
     with pytest.raises(ValueError, match="weight"):
@@ -282,3 +284,12 @@ def test_builds_for_sm90_without_spills() -> None:
     assert 0 < build.shared <= SHARED_LIMIT and build.registers <= 255
     assert build.tensor_core, "no wgmma in the PTX: the dot is not on Hopper's tensor-core path"
     assert ".target sm_90" in ptx
+
+
+def test_empty_table() -> None:
+    """No hidden rows: every row is padding. Apart from the hypothesis cases, and last in the
+    file: an empty tensor's data pointer is null, so a kernel that reads a padding row
+    crashes the process here."""
+    hidden = torch.randn(2, 24, generator=torch.Generator().manual_seed(6))[:0]
+    got = guarded_logits(hidden, torch.tensor([0, -1, 1]), torch.randn(30, 24, generator=torch.Generator().manual_seed(6)))
+    assert bool((got.view(torch.int32) == 0).all())
