@@ -78,9 +78,9 @@ def build_sm90(dtype: str = "bf16", index: str = "i32") -> tuple[KernelBuild, st
                  "INPUT_PRECISION": "constexpr"}
     names = list(signature)
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in _DIVISIBLE}
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     constexprs = {"BLOCK_M": lm_head_kernel.BLOCK_M, "BLOCK_N": lm_head_kernel.BLOCK_N,
-                  "BLOCK_K": lm_head_kernel.BLOCK_K,
-                  "INPUT_PRECISION": lm_head_kernel.input_precision(getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype]))}
+                  "BLOCK_K": lm_head_kernel.BLOCK_K, "INPUT_PRECISION": lm_head_kernel.input_precision(torch_dtype)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # triton 3.9's notice about its FP-fusion default
         compiled = triton.compile(
@@ -154,13 +154,14 @@ def cost_rows(buckets: tuple[int, ...] = (64, 256), node_us: float = NODE_US,
     for rows in buckets:
         kernel, weight_bytes = op_cost(rows)
         today = block_path_cost(rows)
+        today_us = sum(k.modelled_us(node_us, bandwidth_tbs) for k in today)
         table.append({"rows": rows, "op": kernel.op, "kernels": 1, "read": kernel.read, "written": kernel.written,
                       "bytes": kernel.bytes, "weight_reads": kernel.weight_read / weight_bytes,
                       "modelled_us": round(kernel.modelled_us(node_us, bandwidth_tbs), 1),
                       "weight_floor_us": round(weight_bytes / (bandwidth_tbs * 1e6), 1),
                       "block_path": {"kernels": len(today), "bytes": sum(k.bytes for k in today),
                                      "weight_reads": sum(k.weight_read for k in today) / weight_bytes,
-                                     "modelled_us": round(sum(k.modelled_us(node_us, bandwidth_tbs) for k in today), 1)}})
+                                     "modelled_us": round(today_us, 1)}})
     return table
 
 

@@ -63,14 +63,14 @@ def row_invariant_mma() -> None:
         yield
 
 
-def reference_logits(hidden: torch.Tensor, row_index: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_logits(hidden: torch.Tensor, row_index: torch.Tensor,
+                     weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The logits in float64 and the fp32 error bound per entry: rows picked by index_select,
     zero rows where the index is outside [0, hidden rows)."""
     n = hidden.shape[0]
     valid = (row_index >= 0) & (row_index < n)
     safe = torch.where(valid, row_index, torch.zeros_like(row_index)).long()
-    rows = torch.index_select(hidden.double(), 0, safe) if n else torch.zeros(len(row_index), hidden.shape[1], dtype=torch.float64)
-    rows = rows * valid[:, None].double()
+    rows = torch.index_select(hidden.double(), 0, safe) * valid[:, None].double()
     exact = rows @ weight.double().t()
     # fp32 products summed over H terms: each rounding at most 2^-24 of the running magnitude.
     bound = (rows.abs() @ weight.double().abs().t()) * (2 * hidden.shape[1] + 4) * 2.0**-24 + 1e-30
@@ -290,6 +290,7 @@ def test_empty_table() -> None:
     """No hidden rows: every row is padding. Apart from the hypothesis cases, and last in the
     file: an empty tensor's data pointer is null, so a kernel that reads a padding row
     crashes the process here."""
-    hidden = torch.randn(2, 24, generator=torch.Generator().manual_seed(6))[:0]
-    got = guarded_logits(hidden, torch.tensor([0, -1, 1]), torch.randn(30, 24, generator=torch.Generator().manual_seed(6)))
+    gen = torch.Generator().manual_seed(6)
+    hidden, weight = torch.randn(2, 24, generator=gen)[:0], torch.randn(30, 24, generator=gen)
+    got = guarded_logits(hidden, torch.tensor([0, -1, 1]), weight)
     assert bool((got.view(torch.int32) == 0).all())
