@@ -34,6 +34,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.invariance import choose_block_gemm, lm_head_candidates
+from graphs.capture_safety import capture_safety_check
 from engine.step import lm_head_choice
 from engine.step.lm_head_choice import (ROW_LOGITS_KERNELS, RowLogits, choose_device_row_logits, choose_row_logits,
                                         row_logits_invariant)
@@ -273,6 +274,21 @@ def test_cost_model_sees_one_kernel_reading_the_gathered_rows() -> None:
                 lm_head_logits(hidden, row_index, weight, out)
     assert [(k.op, k.read, k.written, k.weight_read) for k in counter.kernels] == [
         ("engine.lm_head_logits.default", 4 * 16 * 2 + 4 * 8 + 1024, 4 * 32 * 4, 1024)]
+
+
+def test_capture_safety_check_sees_one_op_writing_the_static_logits() -> None:
+    """On the fake CUDA device, into static buffers, under the CUDA rules of the capture check."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        with FakeCuda() as cuda:
+            static = {"hidden": torch.empty(300, 7168, dtype=torch.bfloat16, device="cuda"),
+                      "sample_rows": torch.empty(256, dtype=torch.int32, device="cuda"),
+                      "logits": torch.empty(256, 1000, device="cuda")}
+            weight = torch.empty(1000, 7168, dtype=torch.bfloat16, device="cuda")
+            rows, logits = static["sample_rows"][:64], static["logits"][:64]  # a bucket's leading slices
+            with capture_safety_check(static, is_pinned=cuda.is_pinned) as stats:
+                lm_head_logits(static["hidden"], rows, weight, logits)
+    assert stats.op_counts == {"engine.lm_head_logits.default": 1}
 
 
 def test_builds_for_sm90_without_spills() -> None:
