@@ -2,6 +2,7 @@
 
     python -m profiling.lm_head_build            # build for sm_90 + the cost of one step's op
     python -m profiling.lm_head_build --json
+    python -m profiling.lm_head_build --gpu      # on a GPU: also time it beside today's path
 
 - **Build** (`build_sm90`): the kernel compiled ahead of time for sm_90 with its one tile
   config (`triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`), bf16 hidden
@@ -78,9 +79,9 @@ def build_sm90(dtype: str = "bf16", index: str = "i32") -> tuple[KernelBuild, st
                  "INPUT_PRECISION": "constexpr"}
     names = list(signature)
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in _DIVISIBLE}
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     constexprs = {"BLOCK_M": lm_head_kernel.BLOCK_M, "BLOCK_N": lm_head_kernel.BLOCK_N,
-                  "BLOCK_K": lm_head_kernel.BLOCK_K,
-                  "INPUT_PRECISION": lm_head_kernel.input_precision(getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype]))}
+                  "BLOCK_K": lm_head_kernel.BLOCK_K, "INPUT_PRECISION": lm_head_kernel.input_precision(torch_dtype)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # triton 3.9's notice about its FP-fusion default
         compiled = triton.compile(
@@ -154,13 +155,48 @@ def cost_rows(buckets: tuple[int, ...] = (64, 256), node_us: float = NODE_US,
     for rows in buckets:
         kernel, weight_bytes = op_cost(rows)
         today = block_path_cost(rows)
+        today_us = sum(k.modelled_us(node_us, bandwidth_tbs) for k in today)
         table.append({"rows": rows, "op": kernel.op, "kernels": 1, "read": kernel.read, "written": kernel.written,
                       "bytes": kernel.bytes, "weight_reads": kernel.weight_read / weight_bytes,
                       "modelled_us": round(kernel.modelled_us(node_us, bandwidth_tbs), 1),
                       "weight_floor_us": round(weight_bytes / (bandwidth_tbs * 1e6), 1),
                       "block_path": {"kernels": len(today), "bytes": sum(k.bytes for k in today),
                                      "weight_reads": sum(k.weight_read for k in today) / weight_bytes,
-                                     "modelled_us": round(sum(k.modelled_us(node_us, bandwidth_tbs) for k in today), 1)}})
+                                     "modelled_us": round(today_us, 1)}})
+    return table
+
+
+def time_on_gpu(rows_list: tuple[int, ...] = (1, 8, 64, 256), hidden_size: int = HIDDEN, vocab: int = VOCAB,
+                replays: int = 20) -> list[dict]:
+    """On the CUDA device, bf16: per row count, the median µs of the fused op, of today's path
+    (`engine.ops.gather`, then 64-row `mm` blocks) and of one `torch.mm` over the gathered
+    rows, timed by CUDA events around each call, the three sides alternating call by call."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weight = (torch.randn(vocab, hidden_size, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)  # [V, H]
+    hidden = torch.randn(512, hidden_size, device="cuda", generator=gen).to(torch.bfloat16)  # [512, H]
+    table = []
+    for rows in rows_list:
+        row_index = torch.randint(0, 512, (rows,), device="cuda", generator=gen, dtype=torch.int32)
+        out = torch.empty(rows, vocab, device="cuda")  # [rows, V] fp32
+        sides = {
+            "fused": lambda: lm_head_kernel.lm_head_logits(hidden, row_index, weight, out),
+            "blocks": lambda: get_logits(gather(hidden, row_index), weight, out=out, batch_invariant=True),
+            "one_mm": lambda: out.copy_(torch.mm(gather(hidden, row_index), weight.t())),
+        }
+        times: dict[str, list[float]] = {name: [] for name in sides}
+        for call in sides.values():  # compile and warm up
+            call()
+        torch.cuda.synchronize()
+        for _ in range(replays):
+            for name, call in sides.items():
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                call()
+                end.record()
+                end.synchronize()
+                times[name].append(start.elapsed_time(end) * 1e3)  # ms -> µs
+        medians = {f"{name}_us": round(sorted(t)[len(t) // 2], 1) for name, t in times.items()}
+        table.append({"rows": rows, **medians, "fused_vs_blocks": round(medians["fused_us"] / medians["blocks_us"], 3)})
     return table
 
 
@@ -168,11 +204,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m profiling.lm_head_build", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="one JSON object")
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 256], help="sample rows per step")
+    parser.add_argument("--gpu", action="store_true",
+                        help="also time the op on the CUDA device beside today's path and one mm (bf16)")
     args = parser.parse_args(argv)
     builds = [build_sm90("bf16", index)[0] for index in ("i32", "i64")]
     costs = cost_rows(tuple(args.rows))
+    timed = time_on_gpu((1, 8, *args.rows)) if args.gpu else None
     if args.json:
-        print(json.dumps({"builds": [asdict(b) | {"fits": b.fits} for b in builds], "cost": costs}))
+        print(json.dumps({"builds": [asdict(b) | {"fits": b.fits} for b in builds], "cost": costs, "gpu": timed}))
         return 0
     config = (f"BLOCK_M {lm_head_kernel.BLOCK_M}, BLOCK_N {lm_head_kernel.BLOCK_N}, BLOCK_K {lm_head_kernel.BLOCK_K}, "
               f"{lm_head_kernel.NUM_WARPS} warps, {lm_head_kernel.NUM_STAGES} stages")
@@ -189,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
         today = c["block_path"]
         print(f"        today's gather + 64-row mm blocks: {today['kernels']} kernels, {today['bytes'] / 1e9:.3f} GB, "
               f"weight read {today['weight_reads']:.2f}x, modelled {today['modelled_us']:.1f} us")
+    for t in timed or ():
+        print(f"  on {torch.cuda.get_device_name()}, {t['rows']:>4} rows: fused {t['fused_us']:.1f} us, "
+              f"gather + 64-row blocks {t['blocks_us']:.1f} us, gather + one mm {t['one_mm_us']:.1f} us "
+              f"(fused / blocks {t['fused_vs_blocks']:.2f})")
     return 0
 
 

@@ -67,8 +67,10 @@ def _one_gemm_rows(choice: RowLogits, hidden: torch.Tensor, row_index: torch.Ten
     return out.copy_(torch.mm(rows, choice.weight.t()))  # one call: the weight read once
 
 
-def _block_gemm_rows(choice: RowLogits, hidden: torch.Tensor, row_index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    return get_logits(gather(hidden, row_index), choice.weight, out=out, batch_invariant=True, kernel=choice.block_gemm)
+def _block_gemm_rows(choice: RowLogits, hidden: torch.Tensor, row_index: torch.Tensor,
+                     out: torch.Tensor) -> torch.Tensor:
+    return get_logits(gather(hidden, row_index), choice.weight, out=out, batch_invariant=True,
+                      kernel=choice.block_gemm)
 
 
 # By name, a registry (not a branch), so tests can plant a call that breaks invariance.
@@ -79,7 +81,8 @@ ROW_LOGITS_KERNELS: dict[str, Callable[[RowLogits, torch.Tensor, torch.Tensor, t
 }
 
 
-def _placed(choice: RowLogits, size: int, padding: bool, gen: torch.Generator) -> Callable[[torch.Tensor], torch.Tensor]:
+def _placed(choice: RowLogits, size: int, padding: bool,
+            gen: torch.Generator) -> Callable[[torch.Tensor], torch.Tensor]:
     """A probe call: x [R, H] -> x's logits [R, V], computed in a call of `size` output rows,
     x's rows gathered from the end of a hidden block behind `size` random rows and placed
     from output row `(size - R) // 2 + 1` (past a tile's edge for the sizes probed); the

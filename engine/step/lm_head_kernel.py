@@ -162,7 +162,7 @@ def lm_head_logits(hidden: torch.Tensor, row_index: torch.Tensor, weight: torch.
     ----------
     hidden: [hidden_rows, H] floating point, on the weight's device, rows contiguous
         (stride 1 along H; rows may be strided). Cast to the weight's dtype as it is read.
-    row_index: [rows] int32/int64, on the weight's device: output row r is computed from
+    row_index: [rows] int32/int64, contiguous, on the weight's device: output row r is computed from
         `hidden[row_index[r]]`; an index < 0 or >= hidden_rows (a padding row) reads a
         zero row.
     weight: [V, H] floating point (bf16 on CUDA; fp32 on CPU, where the op runs in
@@ -180,13 +180,17 @@ def lm_head_logits(hidden: torch.Tensor, row_index: torch.Tensor, weight: torch.
     ValueError: a shape, dtype, device or stride the kernel does not take, naming it.
     """
     if hidden.dim() != 2 or not hidden.is_floating_point():
-        raise ValueError(f"hidden: shape {tuple(hidden.shape)} dtype {hidden.dtype}, expected a floating-point [rows, H]")
+        raise ValueError(f"hidden: shape {tuple(hidden.shape)} dtype {hidden.dtype}, "
+                         "expected a floating-point [rows, H]")
     if weight.dim() != 2 or not weight.is_floating_point():
-        raise ValueError(f"weight: shape {tuple(weight.shape)} dtype {weight.dtype}, expected a floating-point [V, H]")
+        raise ValueError(f"weight: shape {tuple(weight.shape)} dtype {weight.dtype}, "
+                         "expected a floating-point [V, H]")
     if hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)}: H differs")
-    if row_index.dim() != 1 or row_index.dtype not in _INDEX_DTYPES:
-        raise ValueError(f"row_index: shape {tuple(row_index.shape)} dtype {row_index.dtype}, expected [rows] int32/int64")
+    if (row_index.dim() != 1 or row_index.dtype not in _INDEX_DTYPES
+            or (len(row_index) > 1 and row_index.stride(0) != 1)):
+        raise ValueError(f"row_index: shape {tuple(row_index.shape)} dtype {row_index.dtype} "
+                         f"stride {row_index.stride()}, expected a contiguous [rows] int32/int64")
     for name, tensor in (("hidden", hidden), ("row_index", row_index)):
         if tensor.device != weight.device:
             raise ValueError(f"{name} is on {tensor.device}, the weight on {weight.device}")
