@@ -126,23 +126,25 @@ class SeqMetaFront:
         if ids != self._last_ids or not all(map(operator.is_, params, self._last_params)):
             _refuse_token_constraints(ids, params)
         self.clock += 1
-        if ids == self._last_ids:
-            rows = self._last_rows
-            if not all(map(operator.is_, params, self._last_params)):
-                self._sync_params(ids, params, rows)
-        else:
-            rows = self._rows(ids, params, seqs)
-            self._sync_params(ids, params, rows)
-        self.last_seen[rows] = self.clock
-        table = self.table
         seqlen_q, seqlen_k, generated = (np.fromiter(map(get, seqs), np.int32, n) for get in _STEP_COUNTS)
         is_prompt = np.fromiter(map(_IS_PROMPT, seqs), bool, n)
+        # A prompt's first chunk (nothing cached before it) begins a request: under an id the
+        # table holds, a new request under a reused id.
+        first_chunk = is_prompt & (seqlen_q == seqlen_k)
+        steady = ids == self._last_ids and not first_chunk.any()
+        rows = self._last_rows if steady else self._rows(ids, params, seqs, first_chunk)
+        self.last_seen[rows] = self.clock
+        table = self.table
         read_slot = write_slot = None
         config = self.config
         if config.max_draft_tokens:
             read_slot, write_slot = (np.fromiter(map(get, seqs), np.int32, n) for get in _SLOTS)
         prompt_len = np.fromiter(map(_PROMPT_LEN, seqs), np.int32, n) if is_prompt.any() else None
         table.set_step_columns(rows, num_generated=generated, mtp_write_slot=write_slot, prompt_len=prompt_len)
+        # After the step's columns: a parameter change is judged at the step's num_generated
+        # (penalties switched on after generation are refused).
+        if not steady or not all(map(operator.is_, params, self._last_params)):
+            self._sync_params(ids, params, rows)
         forced = list(map(_FORCED_TOKEN, seqs))
         forced_tokens = None if forced.count(None) == n else np.array([-1 if t is None else t for t in forced], np.int64)
         inputs = table.ledger(rows, is_prompt, seqlen_q, seqlen_k, read_slot, max_draft_tokens=config.max_draft_tokens,
@@ -162,14 +164,13 @@ class SeqMetaFront:
             self.table.update(ids[i], params[i])
             self.params_id[rows[i]] = pid[i]
 
-    def _rows(self, ids: tuple, params: tuple, seqs: Sequence[SeqMeta]) -> np.ndarray:
+    def _rows(self, ids: tuple, params: tuple, seqs: Sequence[SeqMeta], first_chunk: np.ndarray) -> np.ndarray:
         """[n] int64 rows of the step's requests, adding those the table lacks and
         starting afresh those named with a prompt's first chunk. A request added here
         is taken out again should a later one be refused."""
         row_of = self.table.row_of
-        for i, seq in enumerate(seqs):
-            # A prompt's first chunk under an id the table holds: a new request under a reused id.
-            if seq.is_prompt and seq.seqlen_k == seq.seqlen_q and row_of.get(ids[i]) is not None:
+        for i in np.flatnonzero(first_chunk):
+            if row_of.get(ids[i]) is not None:
                 self.prompt_logprobs.discard(ids[i])
                 self._drop(row_of[ids[i]], RequestState.FINISHED)
         found = list(map(row_of.get, ids))
