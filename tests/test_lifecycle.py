@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine
-from engine.host.request_table import RequestState
 from engine.host.token_constraints import GrammarCache
 from engine.loop.config import LoopConfig
 from engine.loop.decode_loop import DecodeLoop
@@ -96,7 +95,7 @@ def test_1_an_out_of_vocabulary_prompt_token_takes_nothing():
             for _ in range(3):  # more than the table's 2 rows: nothing leaks
                 with pytest.raises(ValueError, match=r"request 'a': prompt_tokens\[1\]=70: outside \[0, 64\)"):
                     batch.add("a", [3, V + 6], PENALISED)
-            assert len(batch) == 0 and batch.state("a") is RequestState.REMOVED
+            assert len(batch) == 0 and batch.state("a").value == "removed"
             batch.add("b", [3], PENALISED), batch.add("c", [4], PENALISED)
         else:
             for _ in range(5):
@@ -222,7 +221,7 @@ def test_6_remove_mid_prefill_leaves_no_prompt_logprobs():
     batch.add("a", [5, 6, 7, 8, 9, 10], SamplingParams(prompt_logprobs=1))
     prepared = batch.prepare(["a"], [3], [3])
     batch.record(prepared, e.run(hidden([5, 6, 7], 0), prepared.inputs, prepared.arrays))
-    assert batch.state("a") is RequestState.PREFILLING and e.prompt_logprobs.pending == ("a",)
+    assert batch.state("a").value == "prefilling" and e.prompt_logprobs.pending == ("a",)
     batch.remove("a")
     assert e.prompt_logprobs.pending == ()
     batch.add("a", [20, 21, 22, 23, 24, 25], SamplingParams(prompt_logprobs=1))
