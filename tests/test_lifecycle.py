@@ -313,8 +313,8 @@ def test_9_the_grammar_cache_drops_the_least_recently_used():
     tight.compiled("r", "regex", "a+")
     tight.compiled("r", "regex", "b+")
     assert len(tight) == 1 and tight.nbytes <= first.memory_size_bytes
-    assert len(GrammarCache(ByteChatMLTokenizer(), 264, [257], max_bytes=1).compiled("r", "regex", "a+") and
-               ()) == 0
+    none = GrammarCache(ByteChatMLTokenizer(), 264, [257], max_bytes=1)
+    assert none.compiled("r", "regex", "a+") is not None and len(none) == 0 and none.nbytes == 0
 
 
 # -- 10. wrong exceptions, misleading messages -------------------------------------------------------

@@ -70,6 +70,11 @@ class PersistentBatch:
     the `tokenizer` the model's vocabulary comes from), gets its per-row token
     bitmask built in `prepare` (drafts included) and its state advanced in
     `record`; `set_generated` rolls it back with the counts.
+
+    Lifecycle (docs/contract.md §5.1): each request has one state (`state`) and
+    one generation; a prepared step carries them, and `engine.run` / `record`
+    refuse it once any of its requests changed (ValueError naming the request,
+    nothing changed). `remove` / `finish` free everything the request held.
     """
 
     def __init__(self, engine: StepEngine, capacity: int | None = None, *, tokenizer: object | None = None):
