@@ -155,8 +155,7 @@ class RequestTable:
         self.request_ids[row] = request_id
         self.occupied[row] = True
         self.row_of[request_id] = row
-        self.generation[row] = self._tick()
-        self.version[row] = self._tick()
+        self.generation[row] = self._tick()  # the row's version carries over: the generation tells requests apart
         return row
 
     def _tick(self) -> int:
@@ -203,7 +202,6 @@ class RequestTable:
             self.control_slot[row] = 0
         self.counts_from_start[row] = False
         self.generation[row] = 0
-        self.version[row] = self._tick()
         self.cols.fill_neutral(np.array([row]))
         self.prompt_tokens[row] = None
         self.params[row] = None
