@@ -101,6 +101,8 @@ class PersistentBatch:
         the request that held it before. **Raises** ValueError naming the
         request, the field and the value (nothing is written), RuntimeError
         when the batch or the draft-info pool is full."""
+        if isinstance(prompt_tokens, Sized) and not isinstance(prompt_tokens, (str, Mapping)) and not len(prompt_tokens):
+            raise ValueError(f"request {request_id!r}: prompt_len=0: must be an int >= 1 (the prompt is empty)")
         prompt_tokens, params = self.check(request_id, prompt_tokens, params)
         if request_id in self.table.row_of:
             raise ValueError(f"request {request_id!r}: request_id is already in the table")
@@ -134,8 +136,6 @@ class PersistentBatch:
             raise ValueError(f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}")
         if prompt_tokens is None:
             raise ValueError(f"request {request_id!r}: prompt_tokens=None: the batch needs the prompt")
-        if isinstance(prompt_tokens, Sized) and not isinstance(prompt_tokens, (str, Mapping)) and not len(prompt_tokens):
-            raise ValueError(f"request {request_id!r}: prompt_len=0: must be an int >= 1 (the prompt is empty)")
         prompt = checked_prompt(request_id, prompt_tokens, self.engine.vocab_size)
         cap = self.engine.config.sampler.max_logprobs
         for name, top_n in (("logprobs", params.num_logprobs), ("prompt_logprobs", params.num_prompt_logprobs)):
