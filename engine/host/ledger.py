@@ -15,15 +15,24 @@ Cursors, in array form:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from operator import attrgetter
-from typing import Hashable, Sequence
+from typing import Hashable, Protocol, Sequence
 
 import numpy as np
 
 from engine.host.columns import ColumnViews, Columns, RecordColumns
 from engine.host.params import SEQ_RECORD, SeqMeta
 from engine.host.step_fields import PARAM_FIELDS
+
+
+class PreparedStep(Protocol):
+    """What `engine.run` asks of a step a persistent batch prepared (`PreparedRows` of
+    engine/host/request_table.py): is it still current, and that it ran."""
+
+    def check(self, *, ran: bool = False) -> None: ...
+
+    def mark_run(self) -> None: ...
 
 
 _LEDGER_RECORD = attrgetter("ledger_record")
@@ -134,6 +143,9 @@ class SamplerInputs:
     # [sample_rows] int64: a request's first sample row holds its forced token,
     # every other row -1; None when no request of the step has one.
     forced_tokens: np.ndarray | None = None
+    # The table rows a persistent batch prepared this step over (None: a step of SeqMeta
+    # lists); `engine.run` refuses the step once any of them changed (`PreparedRows.check`).
+    prepared: PreparedStep | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_reqs(self) -> int:
@@ -151,6 +163,8 @@ class SamplerInputs:
         if not isinstance(other, SamplerInputs):
             return NotImplemented
         for f in fields(self):
+            if not f.compare:
+                continue
             a, b = getattr(self, f.name), getattr(other, f.name)
             if (a is None) != (b is None):
                 return False

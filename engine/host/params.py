@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Mapping as MappingABC
 from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import Hashable, Iterable, Mapping, Sequence
+from typing import Hashable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -82,6 +82,45 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _plain_number(value: object) -> object:
+    """A numpy scalar as the Python number it holds (`np.float32(0.9)` is a float to a
+    vLLM user, `np.int64(5)` an int); anything else as it is, for the checks to judge."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (np.integer, np.floating)):
+        return value
+    return value.item()
+
+
+class TokenBias(MappingABC):
+    """`SamplingParams.logit_bias` as stored: token id -> bias, read-only and hashable
+    (so `SamplingParams` hashes like any frozen dataclass); equal to a dict of the same
+    items."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Mapping[int, float]) -> None:
+        self._items = dict(items)
+
+    def __getitem__(self, token: int) -> float:
+        return self._items[token]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._items.items()))
+
+    def __repr__(self) -> str:
+        return repr(self._items)
+
+
+# The scalar fields a numpy scalar may stand for (normalised to a Python int or float).
+_NUMBER_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "min_tokens", "max_tokens", "logprobs",
+                  "prompt_logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty", "n")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples. `top_k=0` is off; `temperature=0` is greedy.
@@ -145,7 +184,7 @@ class SamplingParams:
         ids = self.stop_token_ids
         if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
             raise ValueError(f"stop_token_ids={ids!r}: must be a sequence of int token ids")
-        object.__setattr__(self, "stop_token_ids", tuple(ids))
+        object.__setattr__(self, "stop_token_ids", tuple(map(_plain_number, ids)))
         problem = self._normalise()
         if problem:
             raise ValueError(problem)
@@ -164,17 +203,21 @@ class SamplingParams:
 
     def _normalise(self) -> str | None:
         """Copy the container fields into immutable forms (a caller's later
-        edit of its dict or list must not change a submitted request)."""
+        edit of its dict or list must not change a submitted request), and numpy
+        scalars into the Python numbers they hold."""
+        for name in _NUMBER_FIELDS:
+            object.__setattr__(self, name, _plain_number(getattr(self, name)))
         bias = self.logit_bias
         if bias is not None:
             if not isinstance(bias, Mapping):
                 return f"logit_bias={bias!r}: must be None or a mapping token id -> bias"
-            object.__setattr__(self, "logit_bias", MappingProxyType(dict(bias)))
+            object.__setattr__(self, "logit_bias", TokenBias(
+                {_plain_number(token): _plain_number(value) for token, value in bias.items()}))
         allowed = self.allowed_token_ids
         if allowed is not None:
             if isinstance(allowed, (str, bytes, Mapping)) or not isinstance(allowed, Iterable):
                 return f"allowed_token_ids={allowed!r}: must be None or a sequence of token ids"
-            object.__setattr__(self, "allowed_token_ids", tuple(allowed))
+            object.__setattr__(self, "allowed_token_ids", tuple(map(_plain_number, allowed)))
         words = self.bad_words
         if words is not None:
             if isinstance(words, (str, bytes)) or not isinstance(words, Iterable):
@@ -184,7 +227,7 @@ class SamplingParams:
                 if isinstance(word, (str, bytes)) or not isinstance(word, Iterable):
                     return (f"bad_words[{j}]={word!r}: must be a sequence of token ids "
                             "(tokenize a word first; its last token is the one banned)")
-            object.__setattr__(self, "bad_words", tuple(tuple(word) for word in words))
+            object.__setattr__(self, "bad_words", tuple(tuple(map(_plain_number, word)) for word in words))
         stop = self.stop
         if isinstance(stop, str):
             stop = (stop,)  # vLLM accepts one string
@@ -379,16 +422,24 @@ class SeqMeta:
                 " (schedule the remainder as decode, or fix prompt_len)"
             )
         if self.prompt_tokens is not None:
-            if len(self.prompt_tokens) != self.prompt_len:
-                return f"prompt_tokens: has {len(self.prompt_tokens)} tokens but prompt_len={self.prompt_len}"
-            tokens = np.asarray(self.prompt_tokens)
+            prompt = self.prompt_tokens
+            if isinstance(prompt, (str, bytes, Mapping)) or not hasattr(prompt, "__len__"):
+                return f"prompt_tokens={prompt!r}: must be a flat sequence of int token ids, not a {type(prompt).__name__}"
+            if len(prompt) != self.prompt_len:
+                return f"prompt_tokens: has {len(prompt)} tokens but prompt_len={self.prompt_len}"
+            try:
+                tokens = np.asarray(prompt)
+            except (ValueError, TypeError):  # ragged nesting
+                tokens = np.asarray(prompt, dtype=object)
+            if tokens.ndim != 1:
+                return f"prompt_tokens: shape {tokens.shape}: must be a flat (1-D) sequence of int token ids"
             if tokens.size and tokens.dtype.kind not in "iu":
-                if not isinstance(self.prompt_tokens, np.ndarray):
+                if not isinstance(prompt, np.ndarray):
                     # A Python list that numpy could not type as ints (a float,
-                    # a bool, an int past int64): name the element.
-                    j, bad = next((j, t) for j, t in enumerate(self.prompt_tokens)
-                                  if not _is_int(t) or not 0 <= t <= INT32_MAX)
-                    return f"prompt_tokens[{j}]={bad!r}: not an int32 token id >= 0"
+                    # a bool, an int past int64, a nested list): name the element.
+                    for j, t in enumerate(prompt):
+                        if not _is_int(_plain_number(t)) or not 0 <= t <= INT32_MAX:
+                            return f"prompt_tokens[{j}]={t!r}: not an int32 token id >= 0"
                 return f"prompt_tokens: dtype {tokens.dtype} is not an integer type"
             bad = np.flatnonzero((tokens < 0) | (tokens > INT32_MAX)) if tokens.size else ()
             if len(bad):

@@ -9,13 +9,14 @@ behind `StepEngine.step(hidden, seqs)` (`SeqMetaFront`) are the step's
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
 from engine.host.columns import Columns
-from engine.host.control_slots import ControlHook, NoControls
+from engine.host.control_slots import ControlHook, NoControls, first_control
 from engine.host.ledger import (
     SamplerInputs,
     StepSchedule,
@@ -26,6 +27,46 @@ from engine.host.ledger import (
 )
 from engine.host.params import SamplingParams, SeqMeta
 from engine.host.stop_ids import StopIds
+
+class RequestState(enum.Enum):
+    """One request's place in its life (docs/contract.md §5)."""
+
+    QUEUED = "queued"  # added; no step recorded for it yet
+    PREFILLING = "prefilling"  # some prompt chunks recorded, no token generated
+    DECODING = "decoding"  # at least one token generated
+    FINISHED = "finished"  # ended by `finish` (the step() front); everything it held is free
+    REMOVED = "removed"  # not in the table (never added, or removed); everything it held is free
+
+
+@dataclass(frozen=True)
+class PreparedRows:
+    """The table rows a step was prepared over, with their generations and versions then.
+
+    Every call that uses a prepared step checks it first: `engine.run` (`check`, then
+    `mark_run`) and `record` (`check(ran=True)`, then `mark_recorded`). A request removed,
+    finished or replaced by a reused id since, or a step run, recorded or rolled back since,
+    makes the step stale: ValueError naming the request, nothing changed."""
+
+    table: RequestTable
+    rows: np.ndarray  # [n] int64 table rows, batch order
+    generations: np.ndarray  # [n] int64
+    versions: np.ndarray  # [n] int64
+    token: int  # the version this step gives its rows once it ran
+    request_ids: tuple  # [n], for messages
+
+    def check(self, *, ran: bool = False) -> None:
+        """ValueError naming the first request whose row changed since the step was prepared
+        (or, `ran`, since this step ran); changes nothing."""
+        self.table.check_prepared(self, ran=ran)
+
+    def mark_run(self) -> None:
+        """The step ran: `check(ran=True)` now passes, `check()` refuses to run it again."""
+        self.table.version[self.rows] = self.token
+
+    def mark_recorded(self) -> None:
+        """The step was recorded: every step prepared before is stale, this one included."""
+        self.table.bump(self.rows)
+
 
 class RequestTable:
     """Columns for up to `capacity` live requests, plus their prompt tokens,
@@ -58,6 +99,17 @@ class RequestTable:
         self.request_ids = np.full(capacity, None, dtype=object)  # fancy-indexed per step
         self.occupied = np.zeros(capacity, dtype=bool)
         self._batch_position = np.zeros(capacity, dtype=np.int32)  # scratch for the duplicate check
+        # Per row: whether its control slot has counted every token since the first (joined
+        # before generation): only then may penalties, which need those counts, be switched on.
+        self.counts_from_start = np.zeros(capacity, dtype=bool)
+        # Per row: the generation of the request it holds (a number no other request of this
+        # table ever had; 0 = empty) and its version (changed by every step run or recorded
+        # and every change of its state), which a prepared step is checked against.
+        self.generation = np.zeros(capacity, dtype=np.int64)
+        self.version = np.zeros(capacity, dtype=np.int64)
+        self._clock = 0  # the last generation or version handed out
+        self.ended: list[RequestState | None] = [None] * capacity  # how each row's last request ended
+        self.prefilled = np.zeros(capacity, dtype=np.int32)  # prompt tokens recorded as computed
         self.row_of: dict[Hashable, int] = {}
         self._free = list(range(capacity - 1, -1, -1))
         self._steady: _SteadyDecode | None = None  # see _steady_ledger
@@ -92,14 +144,23 @@ class RequestTable:
         seq = self._checked(request_id, params, prompt_len, 0, mtp_write_slot, prompt_tokens)
         stop_ids = self._stop_ids(request_id, params)
         needs_slot = self.controls.check(request_id, params, prompt_tokens, num_generated, False)
+        # The slot first: should joining raise, no row has been taken (and none leaks).
+        slot = self.controls.join(params, prompt_tokens) if needs_slot else 0
         row = self._free.pop()
         self._write(row, seq, stop_ids)
-        self.control_slot[row] = self.controls.join(params, prompt_tokens) if needs_slot else 0
+        self.control_slot[row] = slot
+        self.counts_from_start[row] = num_generated == 0
+        self.prefilled[row] = 0
         self.prompt_tokens[row] = None if prompt_tokens is None else np.asarray(prompt_tokens, dtype=np.int32)
         self.request_ids[row] = request_id
         self.occupied[row] = True
         self.row_of[request_id] = row
+        self.generation[row] = self._tick()  # the row's version carries over: the generation tells requests apart
         return row
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
 
     def update(self, request_id: Hashable, params: SamplingParams) -> None:
         """New sampling parameters (and stop ids) for a request in the table;
@@ -110,23 +171,37 @@ class RequestTable:
                             int(cols.mtp_write_slot[row]))
         stop_ids = self._stop_ids(request_id, params)
         slot = int(self.control_slot[row])
-        needs_slot = self.controls.check(request_id, params, self.prompt_tokens[row], int(cols.num_generated[row]),
-                                         slot > 0)
+        generated = int(cols.num_generated[row])
+        needs_slot = self.controls.check(request_id, params, self.prompt_tokens[row], generated, slot > 0)
+        if needs_slot and params.has_penalties and generated and not self.counts_from_start[row]:
+            # A slot taken after generation (for a logit bias, say) counted from then on only.
+            raise ValueError(f"request {request_id!r}: {first_control(params)}: penalties must be set before the "
+                             f"first generated token (the request has {generated}; its control slot was taken "
+                             "after generation began, so the counts are unknown)")
         self._write(row, seq, stop_ids)
+        self.version[row] = self._tick()
         if needs_slot and slot:
             self.controls.rewrite(slot, params)
         elif needs_slot:
             self.control_slot[row] = self.controls.join(params, self.prompt_tokens[row])
+            self.counts_from_start[row] = generated == 0
         elif slot:
             self.controls.leave(slot)
             self.control_slot[row] = 0
 
-    def remove(self, request_id: Hashable) -> None:
-        row = self.row_of.pop(request_id)
+    def remove(self, request_id: Hashable, *, ended: RequestState = RequestState.REMOVED) -> None:
+        """Free the request's row and give back its control slot; the row's generation ends
+        (a step prepared with it is refused from now on). `ended`: REMOVED or FINISHED."""
+        row = self.row(request_id)
+        self.ended[row] = ended
+        self.prefilled[row] = 0
+        del self.row_of[request_id]
         self._steady = None
         if self.control_slot[row]:
             self.controls.leave(int(self.control_slot[row]))
             self.control_slot[row] = 0
+        self.counts_from_start[row] = False
+        self.generation[row] = 0
         self.cols.fill_neutral(np.array([row]))
         self.prompt_tokens[row] = None
         self.params[row] = None
@@ -186,13 +261,57 @@ class RequestTable:
         slots = np.where(inputs.is_prompt & ~inputs.is_last_chunk, 0, slots)
         return slots if slots.any() else None
 
-    def record_emitted(self, rows: np.ndarray, counts: np.ndarray) -> None:
-        """Advance num_generated after a step emitted `counts` tokens per row."""
+    def record_emitted(self, rows: np.ndarray, counts: np.ndarray, prefilled: np.ndarray | None = None) -> None:
+        """Advance num_generated after a step emitted `counts` tokens per row; `prefilled`
+        [n] int32: the prompt tokens computed after the step (0 for a decode)."""
         self.cols.add_at("num_generated", rows, counts)
+        if prefilled is not None:
+            self.prefilled[rows] = np.maximum(self.prefilled[rows], prefilled)
 
     def set_generated(self, rows: np.ndarray, counts: np.ndarray) -> None:
         """Set num_generated (a caller putting back what a failed step changed)."""
         self.cols.num_generated[rows] = counts
+        self.version[rows] = self._tick()
+
+    def state(self, request_id: Hashable) -> RequestState:
+        """Where the request stands: QUEUED (nothing generated, nothing recorded yet),
+        PREFILLING or DECODING; REMOVED for an id the table does not hold."""
+        row = self.row_of.get(request_id)
+        if row is None:
+            return RequestState.REMOVED
+        if self.cols.num_generated[row]:
+            return RequestState.DECODING
+        return RequestState.PREFILLING if self.prefilled[row] else RequestState.QUEUED
+
+    def prepared(self, rows: np.ndarray) -> PreparedRows:
+        """The generations and versions of `rows` now, for a step prepared over them."""
+        return PreparedRows(self, rows, self.generation[rows], self.version[rows], self._tick(),
+                            tuple(self.request_ids[rows]))
+
+    def check_prepared(self, prepared: PreparedRows, *, ran: bool) -> None:
+        """See `PreparedRows.check`."""
+        rows = prepared.rows
+        expected = np.full(len(rows), prepared.token, np.int64) if ran else prepared.versions
+        changed = (self.generation[rows] != prepared.generations) | (self.version[rows] != expected)
+        if not changed.any():
+            return
+        i = int(np.flatnonzero(changed)[0])
+        row = int(rows[i])
+        where = f"request {prepared.request_ids[i]!r}: stale step"
+        if self.generation[row] != prepared.generations[i]:
+            ended = self.ended[row] or RequestState.REMOVED
+            now = (f"it was {ended.value} since the step was prepared" if self.generation[row] == 0 else
+                   f"it was removed and table row {row} now holds request {self.request_ids[row]!r}")
+            raise ValueError(f"{where}: {now}; prepare the step again")
+        if ran:
+            raise ValueError(f"{where}: record(step, out) takes the step engine.run just ran, once (this one was "
+                             "not run, was recorded already, or the request changed since)")
+        raise ValueError(f"{where}: the request changed since the step was prepared (a step run or recorded, "
+                         "new parameters, a rollback); prepare the step again")
+
+    def bump(self, rows: np.ndarray) -> None:
+        """A new version for `rows` (a step recorded): every step prepared before is stale."""
+        self.version[rows] = self._tick()
 
     def set_step_columns(
         self,

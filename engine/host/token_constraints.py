@@ -26,6 +26,7 @@ structured request.
 from __future__ import annotations
 
 import re
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Hashable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
@@ -67,14 +68,21 @@ class GrammarTokenizer(Protocol):
         ...
 
 
+GRAMMAR_CACHE_ENTRIES = 64  # compiled grammars kept, least recently used dropped first
+GRAMMAR_CACHE_BYTES = 256 * 2**20  # and at most this many bytes of them (xgrammar's memory_size_bytes)
+
+
 class GrammarCache:
     """xgrammar's view of one tokenizer over a model's vocabulary, and its
-    compiled grammars keyed by (kind, text).
+    compiled grammars keyed by (kind, text), least recently used dropped first
+    past `max_entries` grammars or `max_bytes` bytes (a grammar bigger than
+    `max_bytes` alone is compiled, used and not kept).
 
     `vocab_size` is the model's (the logits' width), which may exceed the
     tokenizer's; `stop_token_ids` end a complete grammar (the model's EOS)."""
 
-    def __init__(self, tokenizer: GrammarTokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: GrammarTokenizer, vocab_size: int, stop_token_ids: Sequence[int], *,
+                 max_entries: int = GRAMMAR_CACHE_ENTRIES, max_bytes: int = GRAMMAR_CACHE_BYTES) -> None:
         import xgrammar as xgr
 
         encoded, vocab_type = tokenizer.grammar_vocabulary(vocab_size)
@@ -82,22 +90,37 @@ class GrammarCache:
         self.info = xgr.TokenizerInfo(encoded, xgr.VocabType[vocab_type], vocab_size=vocab_size,
                                       stop_token_ids=self.stop_token_ids)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
-        self._compiled: dict[tuple[str, str], xgrammar.CompiledGrammar] = {}
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        # (kind, text) -> (compiled grammar, its bytes), least recently used first.
+        self._compiled: OrderedDict[tuple[str, str], tuple[xgrammar.CompiledGrammar, int]] = OrderedDict()
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._compiled)
 
     def compiled(self, request_id: Hashable, kind: str, text: str) -> xgrammar.CompiledGrammar:
         """The compiled grammar of `params.<kind> = text`; ValueError naming the
         request, the field and xgrammar's message when it does not compile."""
         key = (kind, text)
-        if key not in self._compiled:
-            compile_spec = {"json_schema": self.compiler.compile_json_schema, "regex": self.compiler.compile_regex,
-                            "grammar": self.compiler.compile_grammar}[kind]
-            try:
-                self._compiled[key] = compile_spec(text)
-            except (RuntimeError, ValueError) as err:
-                message = _XGRAMMAR_PREFIX.sub("", str(err).strip())
-                raise ValueError(f"request {request_id!r}: params.{kind}={text!r}: xgrammar cannot compile it: "
-                                 f"{message}") from None
-        return self._compiled[key]
+        if key in self._compiled:
+            self._compiled.move_to_end(key)
+            return self._compiled[key][0]
+        compile_spec = {"json_schema": self.compiler.compile_json_schema, "regex": self.compiler.compile_regex,
+                        "grammar": self.compiler.compile_grammar}[kind]
+        try:
+            grammar = compile_spec(text)
+        except (RuntimeError, ValueError) as err:
+            message = _XGRAMMAR_PREFIX.sub("", str(err).strip())
+            raise ValueError(f"request {request_id!r}: params.{kind}={text!r}: xgrammar cannot compile it: "
+                             f"{message}") from None
+        size = int(grammar.memory_size_bytes)
+        if size <= self.max_bytes and self.max_entries > 0:
+            self._compiled[key] = (grammar, size)
+            self.nbytes += size
+            while len(self._compiled) > self.max_entries or self.nbytes > self.max_bytes:
+                _, (_, dropped) = self._compiled.popitem(last=False)
+                self.nbytes -= dropped
+        return grammar
 
     def matcher(self, compiled: xgrammar.CompiledGrammar, stop_token_ids: Sequence[int]) -> xgrammar.GrammarMatcher:
         import xgrammar as xgr
@@ -244,6 +267,10 @@ class TokenConstraints:
             if not stops:
                 raise ValueError(f"request {request_id!r}: params.{kind}: structured output needs a stop id to end "
                                  "on (EngineConfig.eos_token_id, or params.stop_token_ids)")
+            outside = [t for t in stops if t >= self.vocab_size]
+            if outside:  # xgrammar would raise its own RuntimeError building the matcher
+                raise ValueError(f"request {request_id!r}: params.stop_token_ids={params.stop_token_ids}: token "
+                                 f"{outside[0]} is outside the vocabulary ({self.vocab_size} tokens)")
             try:
                 grammars = self.grammars()
             except ValueError as err:  # the tokenizer's vocabulary is not one xgrammar can read

@@ -14,7 +14,7 @@ from typing import NamedTuple, Union
 import numpy as np
 import torch
 
-from engine.loop.requests import checked_prompt
+from engine.host.token_ids import checked_prompt
 from engine.models.tokenizer import HFProtocol, check_conversation
 
 Conversation = Sequence[Mapping[str, str]]

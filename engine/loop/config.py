@@ -37,6 +37,11 @@ class LoopConfig:
     # reproduce the completion). An int: fully reproducible runs; the engine derives each
     # seed from this base and the request id (`EngineConfig.seed_base`), the same every run.
     seed_base: int | None = None
+    max_n: int = 128  # the most samples one request may ask for (params.n)
+    # Finished requests' completions kept for `forget` / `abort` / `finished`; past this
+    # many the oldest are dropped (with their ids, which may then be submitted again).
+    # `run()` hands back every completion that finished while it ran, dropped or not.
+    max_finished: int = 4096
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefix_sharing, bool):
@@ -46,7 +51,8 @@ class LoopConfig:
             raise ValueError(f"LoopConfig.seed_base={self.seed_base!r}: must be None (fresh seeds) or an int in "
                              "[0, 2**64)")
         for name, minimum in (("max_num_reqs", 1), ("token_budget", 1), ("max_draft_tokens", 0),
-                              ("ngram_max", 1), ("default_max_tokens", 1), ("min_shared_prefix", 1)):
+                              ("ngram_max", 1), ("default_max_tokens", 1), ("min_shared_prefix", 1), ("max_n", 1),
+                              ("max_finished", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"LoopConfig.{name}={value!r}: must be an int >= {minimum}")

@@ -39,9 +39,11 @@ import torch
 
 from engine.host.params import SamplingParams
 from engine.loop.config import LoopConfig, engine_config_for
-from engine.loop.requests import (Completion, RunningRequest, StepEvent, check_request_id, fresh_seed,
+from engine.host.token_ids import check_request_id
+from engine.loop.requests import (Completion, RunningRequest, StepEvent, drop_oldest_finished, fresh_seed,
                                   sibling_seed)
 from engine.loop.scheduler import ScheduledRequest, choose_shared_prefix, common_prefix_length, schedule
+from engine.loop.stats import LoopStats
 from engine.loop.stop_strings import OutputText, StopMatch
 from engine.loop.submission import Submission, check_submission
 from engine.models.protocol import CausalLM, ChatTokenizer, ForwardBatch, PrefixCopy
@@ -67,21 +69,6 @@ class _StepUndo:
     admitted: list[tuple[int, RunningRequest, np.ndarray | None]] = field(default_factory=list)
     # Cut by a stop string this step: (request, the tokens cut, the logprobs cut or None).
     cuts: list[tuple[RunningRequest, list[int], list | None]] = field(default_factory=list)
-
-
-@dataclass
-class LoopStats:
-    # The loop's clock, which arrival steps are counted in: steps run, idle ones included
-    # (`run` skips a stretch of idle steps before a future arrival in one go).
-    steps: int = 0
-    tokens_generated: int = 0
-    prefill_tokens: int = 0  # prompt tokens computed by the model
-    shared_prefix_tokens: int = 0  # prompt tokens copied from another request's cache instead
-    drafts_proposed: int = 0
-    drafts_accepted: int = 0
-    forward_seconds: float = 0.0
-    engine_seconds: float = 0.0
-    schedule_seconds: float = 0.0
 
 
 class DecodeLoop:
@@ -117,6 +104,7 @@ class DecodeLoop:
         self.finished: dict[Hashable, Completion] = {}
         self._known: set[Hashable] = set()
         self.families: dict[Hashable, tuple[Hashable, ...]] = {}  # request id of n > 1 -> its samples' ids
+        self._handed: dict[Hashable, Completion] | None = None  # what `run` hands back, while it runs
         self.stats = LoopStats()
         self.last_step: BatchStep | None = None  # the ledger and staged arrays of the last step run (`explain()`)
 
@@ -234,6 +222,8 @@ class DecodeLoop:
         if self.tokenizer is not None and completion.text is None:
             completion.text = self.tokenizer.decode(completion.tokens)
         self.finished[req.request_id] = completion
+        if self._handed is not None:
+            self._handed[req.request_id] = completion
 
     # -- one step -------------------------------------------------------------------
 
@@ -324,6 +314,7 @@ class DecodeLoop:
         # undo: a KV slot given back to the model cannot be taken back.)
         for req in left:
             self._release(req, keep_cache=req.completion.finish_reason in ("stop", "length"))
+        drop_oldest_finished(self.finished, self._known, self.families, self.config.max_finished)
         return events
 
     def _step(self, undo: _StepUndo) -> tuple[list[StepEvent], list[RunningRequest]]:
@@ -461,11 +452,10 @@ class DecodeLoop:
         completion.finish_reason, completion.stop_reason, completion.text = "stop", match.stop, match.text
 
     def _release(self, req: RunningRequest, *, keep_cache: bool) -> None:
-        """Give back what a request that left holds: its batch row, any prompt logprobs
-        the engine holds for it, and its KV-cache slot (kept as a prefix donor when
+        """Give back what a request that left holds: its batch row (and all the batch
+        holds for it), and its KV-cache slot (kept as a prefix donor when
         `keep_cache` and the model shares prefixes)."""
-        self.batch.remove(req.request_id)
-        self.engine.prompt_logprobs.discard(req.request_id)
+        self.batch.remove(req.request_id)  # its row, slots, constraint and partial prompt logprobs
         if keep_cache and self.shares_prefixes:
             self.retained[req.kv_slot] = req.cached_tokens()
         else:
@@ -482,15 +472,21 @@ class DecodeLoop:
         return not req.params.ignore_eos and token in self.model.stop_token_ids
 
     def run(self, on_step: Callable[[list[StepEvent]], None] | None = None) -> dict[Hashable, Completion]:
-        """Step until every submitted request finished."""
-        while self.has_work():
-            if not self.running and self.waiting[0][0] > self.stats.steps:
-                # Nothing runs before the next arrival: move the clock there instead of
-                # running the idle steps one by one.
-                self.stats.steps = self.waiting[0][0]
-            events = self.step()
-            if on_step:
-                on_step(events)
-        self.release_retained()
-        return self.finished
+        """Step until every submitted request finished. Returns the completions `finished`
+        held when it started and every one that finished while it ran (also those that
+        `LoopConfig.max_finished` has dropped from `finished` since)."""
+        self._handed = dict(self.finished)
+        try:
+            while self.has_work():
+                if not self.running and self.waiting[0][0] > self.stats.steps:
+                    # Nothing runs before the next arrival: move the clock there instead of
+                    # running the idle steps one by one.
+                    self.stats.steps = self.waiting[0][0]
+                events = self.step()
+                if on_step:
+                    on_step(events)
+            self.release_retained()
+            return self._handed
+        finally:
+            self._handed = None
 

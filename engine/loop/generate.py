@@ -6,7 +6,8 @@ from typing import Iterable, Sequence
 from engine.host.params import SamplingParams
 from engine.loop.config import LoopConfig
 from engine.loop.decode_loop import DecodeLoop
-from engine.loop.requests import Completion, checked_prompt
+from engine.host.token_ids import checked_prompt
+from engine.loop.requests import Completion
 from engine.models.protocol import CausalLM, ChatTokenizer
 from engine.step.config import EngineConfig
 

@@ -3,26 +3,15 @@ while it runs, and what it hands back (its completion, per-step events)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from typing import Hashable
 
 import numpy as np
-import torch
 
 from engine.host.params import UINT64_MAX, SamplingParams
 from engine.loop.stop_strings import OutputText
 from engine.step.prompt_logprobs import PromptLogprob
 from engine.step.outputs import TokenLogprob
-
-
-def check_request_id(request_id: Hashable) -> None:
-    if request_id is None:
-        raise ValueError("request_id=None: must not be None")
-    try:
-        hash(request_id)
-    except TypeError:
-        raise ValueError(f"request_id={request_id!r}: must be hashable") from None
 
 
 def fresh_seed() -> int:
@@ -42,41 +31,6 @@ def sibling_seed(seed: int, j: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & UINT64_MAX
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & UINT64_MAX
     return z ^ (z >> 31)
-
-
-def checked_prompt(request_id: Hashable, prompt_tokens: object, vocab_size: int, *, label: str | None = None) -> np.ndarray:
-    """[prompt_len] int64 from a flat sequence of int ids in [0, vocab_size). Nothing is
-    coerced: a float, a bool, a string or a nested list is a caller's bug, not a token.
-    `label`: how errors name the prompt (default `request <id>: prompt_tokens`)."""
-    where = label or f"request {request_id!r}: prompt_tokens"
-    if isinstance(prompt_tokens, torch.Tensor):
-        if prompt_tokens.dtype.is_floating_point or prompt_tokens.dtype.is_complex or prompt_tokens.dtype == torch.bool:
-            raise ValueError(f"{where}: a tensor of {prompt_tokens.dtype}, not of integer token ids")
-        prompt_tokens = prompt_tokens.detach().cpu().numpy()
-    if isinstance(prompt_tokens, np.ndarray):
-        if not np.issubdtype(prompt_tokens.dtype, np.integer):
-            raise ValueError(f"{where}: a numpy array of {prompt_tokens.dtype}, not of integer token ids")
-        if prompt_tokens.ndim != 1:
-            raise ValueError(f"{where}: shape {prompt_tokens.shape}, must be 1-D")
-        tokens = prompt_tokens.tolist()  # Python ints: range checks below cannot overflow
-    elif isinstance(prompt_tokens, str):
-        raise ValueError(f"{where}={prompt_tokens!r}: text, not token ids; encode it first "
-                         "(tokenizer.encode(text)), or use engine.LLM, which takes text")
-    elif isinstance(prompt_tokens, SequenceABC) and not isinstance(prompt_tokens, (bytes, bytearray)):
-        tokens = list(prompt_tokens)
-        for i, token in enumerate(tokens):
-            if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
-                raise ValueError(f"{where}[{i}]={token!r}: must be an int token id, not a {type(token).__name__}")
-    else:
-        raise ValueError(
-            f"{where}={prompt_tokens!r}: must be a sequence of int token ids, not a {type(prompt_tokens).__name__}"
-        )
-    if not tokens:
-        raise ValueError(f"{label or f'request {request_id!r}: prompt'} is empty (at least one token is needed)")
-    for i, token in enumerate(tokens):
-        if not 0 <= token < vocab_size:
-            raise ValueError(f"{where}[{i}]={int(token)}: outside [0, {vocab_size})")
-    return np.asarray(tokens, dtype=np.int64)
 
 
 @dataclass
@@ -151,3 +105,29 @@ class StepEvent:
     new_tokens: list[int]
     finished: bool
     retracted: int = 0
+
+
+def drop_oldest_finished(finished: dict[Hashable, Completion], known: set, families: dict[Hashable, tuple],
+                         cap: int) -> None:
+    """Keep at most `cap` finished completions: drop the oldest (in finishing order) with
+    their ids from `known`, and a request with n > 1 only once all its samples finished
+    (then all of them, and its entry in `families`)."""
+    if len(finished) <= cap:
+        return
+    family_of = {sample_id: family for family, samples in families.items() for sample_id in samples}
+    for request_id in list(finished):
+        if len(finished) <= cap:
+            return
+        if request_id not in finished:
+            continue  # went with its family
+        family = family_of.get(request_id)
+        if family is None:
+            del finished[request_id]
+            known.discard(request_id)
+            continue
+        samples = families[family]
+        if all(sample_id in finished for sample_id in samples):
+            for sample_id in samples:
+                del finished[sample_id]
+            known.difference_update((family, *samples))
+            del families[family]

@@ -10,7 +10,7 @@ import numpy as np
 from engine.host.params import SamplingParams
 from engine.step.batch import PersistentBatch
 from engine.loop.config import LoopConfig
-from engine.loop.requests import check_request_id, checked_prompt
+from engine.host.token_ids import check_request_id
 from engine.models.protocol import CausalLM, ChatTokenizer
 
 
@@ -41,9 +41,10 @@ def check_submission(
     check_request_id(request_id)
     if request_id in known:
         raise ValueError(f"request {request_id!r}: request_id was already submitted")
-    params = SamplingParams() if params is None else params
-    if not isinstance(params, SamplingParams):
-        raise ValueError(f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}")
+    # What the batch checks (the prompt, the caps on logprobs, stop ids, controls), once, here.
+    prompt, params = batch.check(request_id, prompt_tokens, params)
+    if params.n > config.max_n:
+        raise ValueError(f"request {request_id!r}: params.n={params.n}: more than LoopConfig.max_n={config.max_n}")
     sample_ids = [request_id] if params.n == 1 else [(request_id, j) for j in range(params.n)]
     taken = [sample_id for sample_id in sample_ids if sample_id in known]
     if taken:
@@ -57,8 +58,6 @@ def check_submission(
             kind, text = params.structured
             raise ValueError(f"request {request_id!r}: params.{kind}={text!r}: structured output needs a "
                              "tokenizer (DecodeLoop(..., tokenizer=...))")
-    prompt = checked_prompt(request_id, prompt_tokens, model.vocab_size)
-    batch.check_controls(request_id, params)
     if isinstance(arrival_step, bool) or not isinstance(arrival_step, (int, np.integer)) or arrival_step < 0:
         raise ValueError(f"request {request_id!r}: arrival_step={arrival_step!r}: must be an int >= 0")
     max_tokens = params.max_tokens if params.max_tokens is not None else config.default_max_tokens
@@ -70,19 +69,5 @@ def check_submission(
             f"request {request_id!r}: prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) needs a "
             f"context of {needed} but the model's max_context is {model.max_context}"
         )
-    engine = batch.engine
-    stop_ids = engine.stop_rule.for_request(request_id, params)  # raises for too many or out-of-vocabulary ids
-    if params.min_tokens and len(np.unique(stop_ids[stop_ids >= 0])) == model.vocab_size:
-        # Every id is suppressed until min_tokens: the first step would have nothing to sample.
-        raise ValueError(
-            f"request {request_id!r}: params.stop_token_ids={params.stop_token_ids} with EOS cover the whole "
-            f"vocabulary ({model.vocab_size} ids) while min_tokens={params.min_tokens}: no token could be sampled"
-        )
     batch.check_constraints(request_id, params)  # bad words, structured output (compiled, cached)
-    top_n = params.num_logprobs
-    if top_n > engine.config.sampler.max_logprobs:
-        raise ValueError(
-            f"request {request_id!r}: params.logprobs={top_n}: more than max_logprobs="
-            f"{engine.config.sampler.max_logprobs}"
-        )
     return Submission(prompt, params, sample_ids, max_tokens, int(arrival_step))

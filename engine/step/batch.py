@@ -7,15 +7,16 @@ tokens, context length and drafts, and get what `engine.run` needs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Hashable, Sequence
+from typing import TYPE_CHECKING, Hashable, Mapping, Sequence, Sized
 
 import numpy as np
 
 from engine.host.draft_slots import DraftSlots
 from engine.host.ledger import SamplerInputs
 from engine.host.ledger_tables import LedgerRequest, render
-from engine.host.params import SamplingParams
-from engine.host.request_table import RequestTable
+from engine.host.params import INT32_MAX, SamplingParams
+from engine.host.request_table import RequestState, RequestTable
+from engine.host.token_ids import check_request_id, checked_prompt
 from engine.host.token_constraints import TokenConstraint, TokenConstraints
 
 if TYPE_CHECKING:
@@ -69,6 +70,11 @@ class PersistentBatch:
     the `tokenizer` the model's vocabulary comes from), gets its per-row token
     bitmask built in `prepare` (drafts included) and its state advanced in
     `record`; `set_generated` rolls it back with the counts.
+
+    Lifecycle (docs/contract.md §5.1): each request has one state (`state`) and
+    one generation; a prepared step carries them, and `engine.run` / `record`
+    refuse it once any of its requests changed (ValueError naming the request,
+    nothing changed). `remove` / `finish` free everything the request held.
     """
 
     def __init__(self, engine: StepEngine, capacity: int | None = None, *, tokenizer: object | None = None):
@@ -90,15 +96,18 @@ class PersistentBatch:
 
     def add(self, request_id: Hashable, prompt_tokens: Sequence[int], params: SamplingParams | None = None) -> int:
         """Take a row (returned) for a new request; its stop ids are the
-        engine's (EOS, even with ignore_eos, plus params.stop_token_ids).
-        **Raises** ValueError naming the request and the field (nothing is
-        written), RuntimeError when the batch or the draft-info pool is full."""
-        params = SamplingParams() if params is None else params
-        if prompt_tokens is None:
-            raise ValueError(f"request {request_id!r}: prompt_tokens=None: the batch needs the prompt")
+        engine's (EOS, even with ignore_eos, plus params.stop_token_ids). A reused
+        id starts from nothing: no counts, prompt logprobs or grammar state of
+        the request that held it before. **Raises** ValueError naming the
+        request, the field and the value (nothing is written), RuntimeError
+        when the batch or the draft-info pool is full."""
+        if isinstance(prompt_tokens, Sized) and not isinstance(prompt_tokens, (str, Mapping)) and not len(prompt_tokens):
+            raise ValueError(f"request {request_id!r}: prompt_len=0: must be an int >= 1 (the prompt is empty)")
+        prompt_tokens, params = self.check(request_id, prompt_tokens, params)
         if request_id in self.table.row_of:
             raise ValueError(f"request {request_id!r}: request_id is already in the table")
         constraint = self.check_constraints(request_id, params)
+        self.engine.prompt_logprobs.discard(request_id)  # a reused id inherits nothing
         if self.draft_slots is None or len(self.table) == self.table.capacity:
             row = self.table.add(request_id, params, prompt_tokens)  # a full table raises before a slot is taken
         else:
@@ -112,6 +121,40 @@ class PersistentBatch:
             self.constraints.of[row] = constraint
             self._constrained[row] = True
         return row
+
+    def check(self, request_id: Hashable, prompt_tokens: Sequence[int],
+              params: SamplingParams | None) -> tuple[np.ndarray, SamplingParams]:
+        """Every check of a request that needs no row, run once where it enters (`add`,
+        the loop's `submit`): the id, the prompt (a flat sequence of int ids inside the
+        vocabulary), the parameters' caps (logprobs and prompt_logprobs up to
+        `SamplerConfig.max_logprobs`), the stop ids and the sampling controls. Returns
+        the prompt ([prompt_len] int64) and the parameters (defaults for None).
+        **Raises** ValueError naming the request, the field and the value; changes nothing."""
+        check_request_id(request_id)
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}")
+        if prompt_tokens is None:
+            raise ValueError(f"request {request_id!r}: prompt_tokens=None: the batch needs the prompt")
+        prompt = checked_prompt(request_id, prompt_tokens, self.engine.vocab_size)
+        cap = self.engine.config.sampler.max_logprobs
+        for name, top_n in (("logprobs", params.num_logprobs), ("prompt_logprobs", params.num_prompt_logprobs)):
+            if top_n > cap:
+                raise ValueError(f"request {request_id!r}: params.{name}={top_n}: more than max_logprobs={cap} "
+                                 "(EngineConfig(sampler=SamplerConfig(max_logprobs=...)))")
+        stop_ids = self.engine.stop_rule.for_request(request_id, params)  # too many, or outside the vocabulary
+        vocab = self.engine.vocab_size
+        if params.min_tokens and len(np.unique(stop_ids[stop_ids >= 0])) == vocab:
+            # Every id is suppressed until min_tokens: the first step would have nothing to sample.
+            raise ValueError(f"request {request_id!r}: params.stop_token_ids={params.stop_token_ids} with EOS cover "
+                             f"the whole vocabulary ({vocab} ids) while min_tokens={params.min_tokens}: no token "
+                             "could be sampled")
+        self.check_controls(request_id, params)
+        return prompt, params
+
+    def state(self, request_id: Hashable) -> RequestState:
+        """QUEUED, PREFILLING, DECODING, or REMOVED for an id the batch does not hold."""
+        return self.table.state(request_id)
 
     def check_constraints(self, request_id: Hashable, params: SamplingParams) -> TokenConstraint | None:
         """The token constraint `params` asks for (None: none), every check run:
@@ -138,13 +181,23 @@ class PersistentBatch:
         self.table.controls.check_params(request_id, params)
 
     def remove(self, request_id: Hashable) -> None:
-        """Free the request's row (and its draft-info slot and token constraint)."""
+        """Free everything the request holds: its row and stop ids, its control slot and
+        counts, its draft-info slot, its token constraint (grammar matcher) and any
+        partial prompt logprobs the engine keeps for it. A step prepared before is stale."""
+        self._free(request_id, RequestState.REMOVED)
+
+    def finish(self, request_id: Hashable) -> None:
+        """`remove` for a request that ended (vLLM's finished request ids); stale steps say so."""
+        self._free(request_id, RequestState.FINISHED)
+
+    def _free(self, request_id: Hashable, ended: RequestState) -> None:
         row = self.table.row(request_id)
         slot = int(self.table.cols.mtp_write_slot[row])
-        self.table.remove(request_id)
+        self.table.remove(request_id, ended=ended)
         self.constraints.of.pop(row, None)
         self._constrained[row] = False
         self._rows_in_range = b""
+        self.engine.prompt_logprobs.discard(request_id)
         if self.draft_slots is not None:
             self.draft_slots.release(slot)
 
@@ -181,7 +234,7 @@ class PersistentBatch:
             if len(rows) and (rows.min() < 0 or rows.max() >= table.capacity or not table.occupied[rows].all()):
                 table.check_rows(rows)  # raises naming the row; the ledger checks for duplicates
             self._rows_in_range = rows.tobytes()
-        q, k = _counts("seqlen_q", seqlen_q, len(rows)), _counts("seqlen_k", seqlen_k, len(rows))
+        q, k = _counts("seqlen_q", seqlen_q, rows, table), _counts("seqlen_k", seqlen_k, rows, table)
         prompt_len, generated = table.cols.prompt_len[rows], table.cols.num_generated[rows]
         is_prompt = generated == 0
         # The steady state, all decodes: seqlen_k = prompt_len + generated + seqlen_q - 1 is the whole check.
@@ -200,6 +253,7 @@ class PersistentBatch:
         constrained = np.flatnonzero(self._constrained[rows])
         if len(constrained):
             arrays.token_bitmask = self._token_bitmask(rows, constrained, inputs, arrays)
+        inputs.prepared = table.prepared(rows)
         return BatchStep(rows, inputs, arrays, read, q, k)
 
     def _token_bitmask(self, rows: np.ndarray, constrained: np.ndarray, inputs: SamplerInputs,
@@ -248,8 +302,16 @@ class PersistentBatch:
         """After `engine.run(...)` returned `out` for `step`: each request
         generated `len(out.tokens[i])` more tokens, and the pool slots the
         step wrote hold fresh draft info (the ones it read are consumed)."""
+        prepared = step.inputs.prepared
+        if prepared is None or prepared.table is not self.table:
+            raise ValueError("record(step, out): the step was not prepared by this batch")
+        prepared.check(ran=True)  # ValueError naming the request; nothing recorded
+        if len(out.tokens) != len(step.rows):
+            raise ValueError(f"record(step, out): out has {len(out.tokens)} requests, the step {len(step.rows)}")
         emitted = np.fromiter(map(len, out.tokens), dtype=np.int32, count=len(out.tokens))
-        self.table.record_emitted(step.rows, emitted)
+        prefilled = np.where(step.inputs.is_prompt, step.seqlen_k, 0).astype(np.int32)
+        self.table.record_emitted(step.rows, emitted, prefilled)
+        prepared.mark_recorded()
         for i in np.flatnonzero(self._constrained[step.rows]):
             self.constraints.of[int(step.rows[i])].advance(out.tokens[i])
         if self.draft_slots is not None:
@@ -264,10 +326,16 @@ class PersistentBatch:
             self.constraints.of[int(rows[i])].rollback_to(int(counts[i]))
 
 
-def _counts(name: str, values: Sequence[int] | np.ndarray, n: int) -> np.ndarray:
-    """[n] int32 from integer counts."""
+def _counts(name: str, values: Sequence[int] | np.ndarray, rows: np.ndarray, table: RequestTable) -> np.ndarray:
+    """[n] int32 from integer counts, one per request of the step at table `rows`."""
+    n = len(rows)
     array = np.asarray(values)
     if array.shape != (n,) or (n and array.dtype.kind not in "iu"):
         raise ValueError(f"{name}: expected {n} int counts (one per request), got {array.dtype} shape {array.shape}")
+    if array.dtype.itemsize > 4 or array.dtype == np.uint32:
+        # Past int32 a count would wrap (2**32 + 3 to 3): refuse it, naming the request.
+        outside = np.flatnonzero((array < 0) | (array > INT32_MAX))
+        if len(outside):
+            i = int(outside[0])
+            raise ValueError(f"request {table.request_ids[rows[i]]!r}: {name}={int(array[i])}: must lie in [0, 2**31)")
     return array.astype(np.int32, copy=False)
-

@@ -116,6 +116,12 @@ class SamplingControls:
             if params.has_penalties and num_generated > 0:
                 raise ValueError(f"{where}: {first_control(params)}: penalties must be set before the first "
                                  f"generated token (the request has {num_generated}; their counts are unknown)")
+            prompt = np.asarray(() if prompt_tokens is None else prompt_tokens, dtype=np.int64)
+            outside = np.flatnonzero((prompt < 0) | (prompt >= self.vocab_size))
+            if len(outside):  # the prompt's tokens are packed into the slot's prompt words
+                j = int(outside[0])
+                raise ValueError(f"{where}: prompt_tokens[{j}]={int(prompt[j])}: outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
             if not self._free:
                 raise RuntimeError(f"{where}: all {self.config.max_control_slots} sampling-control slots are in use "
                                    "(EngineConfig.max_control_slots)")
@@ -265,9 +271,17 @@ class SamplingControls:
         if len(index):
             self._add(torch.as_tensor(index, dtype=torch.int64, device=self.device), -1)
 
+    def check_rollback(self, steps: int) -> None:
+        """ValueError unless `rollback_to(steps)` can undo what ran since the checkpoint that
+        saw `steps` (a step in flight, or at most one finished step); changes nothing."""
+        if self._parts is None and self.last_step is not None and self.steps > steps + 1:
+            raise ValueError(f"checkpoint: a rollback can undo one step of the penalty counts, {self.steps - steps} "
+                             "ran since this checkpoint was taken (take one before every step)")
+
     def rollback_to(self, steps: int) -> None:
         """Undo a step in flight (it raised), or the last finished one if it ran
-        after the checkpoint that saw `steps`."""
+        after the checkpoint that saw `steps` (`check_rollback` first)."""
+        self.check_rollback(steps)
         if self._parts is not None:
             if self._uncollected:
                 self._add(self.counted_index[: self._uncollected], -1)
@@ -277,9 +291,6 @@ class SamplingControls:
             return
         if self.steps == steps or self.last_step is None:
             return
-        if self.steps != steps + 1:
-            raise RuntimeError(f"sampling controls: a rollback can undo one step, {self.steps - steps} ran since "
-                               "the checkpoint")
         self._take_back(self.last_step)
         self.last_step = None
         self.steps = steps

@@ -83,6 +83,13 @@ class StepDrafts:
                 raise ValueError(f"request {inputs.request_ids[req]!r}: {name}={int(slots[j]) * limit // bound}: {pool}")
         if limit == 1 and next_drafts is not None and any(next_drafts):
             raise ValueError(f"next_drafts: given but {pool}, nothing to write them into")
+        if limit == 1 and not isinstance(draft_tokens, np.ndarray):
+            # Without a pool, a decode's drafts come from draft_tokens or from nowhere: a claimed
+            # draft not given would verify the padding token.
+            for i in np.flatnonzero(drafts_per_req > 0):
+                if draft_tokens is None or draft_tokens[i] is None:
+                    raise ValueError(f"request {inputs.request_ids[i]!r}: seqlen_q={int(drafts_per_req[i]) + 1} claims "
+                                     f"{int(drafts_per_req[i])} drafts but draft_tokens gives none; {pool}")
         if isinstance(draft_tokens, np.ndarray):
             # The hot path: [n, >= k] array, row i's first drafts_per_req[i] entries used.
             rows_with = layout.draft_rows

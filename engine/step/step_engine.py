@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from typing import Sequence
+from typing import Hashable, Sequence
 
 import numpy as np
 import torch
@@ -144,7 +144,8 @@ class StepEngine:
         # stop_rule.for_request(request_id, params) for one request, stop_rule.matrix(seqs) [n, max_stop_ids].
         self.stop_rule = StopIds(config.max_stop_ids, self.vocab_size, config.eos_token_id)
         # step(hidden, seqs): SeqMeta lists over a persistent table keyed by request id.
-        self.seq_front = SeqMetaFront(config, self.stop_rule, self.control_hook, capacity=2 * config.max_num_reqs)
+        self.seq_front = SeqMetaFront(config, self.stop_rule, self.control_hook, capacity=2 * config.max_num_reqs,
+                                      prompt_logprobs=self.prompt_logprobs)
         self._warned_uncaptured = False
 
     # -- undoing a step ---------------------------------------------------------
@@ -167,7 +168,11 @@ class StepEngine:
         )
 
     def rollback(self, checkpoint: EngineCheckpoint) -> None:
-        """Restore the state `checkpoint()` returned (see there)."""
+        """Restore the state `checkpoint()` returned (see there). Every check runs first:
+        a checkpoint it cannot return to (more than one step of penalty counts since)
+        raises ValueError with nothing restored."""
+        if self.controls is not None and checkpoint.control_steps is not None:
+            self.controls.check_rollback(checkpoint.control_steps)
         self.prompt_logprobs.restore(checkpoint.partial_prompt_logprobs)
         restore_counters(self.stats, checkpoint.stats)
         if checkpoint.head_stats is not None:
@@ -242,6 +247,12 @@ class StepEngine:
             arrays.control_slots = self.seq_front.control_slots(inputs)
         return self.run(hidden_states, inputs, arrays, host_start=start)
 
+    def finish(self, request_id: Hashable) -> None:
+        """A request of `step(hidden, seqs)` ended (vLLM's finished request ids): everything
+        the engine holds for it (its row, control slot and counts, partial prompt logprobs)
+        is freed, and its id may come back as a new request (docs/contract.md §5)."""
+        self.seq_front.finish(request_id)
+
     def validate(self, hidden_states: torch.Tensor, inputs: SamplerInputs) -> None:
         """Every check of a step that needs no device work: after it, nothing may raise but a bug."""
         check_hidden_states(hidden_states, inputs, hidden_size=self.hidden_size, device=self.device,
@@ -264,6 +275,8 @@ class StepEngine:
         bug, a KeyboardInterrupt), the host state is rolled back, so the
         engine is as if it had not started."""
         host_start = time.perf_counter() if host_start is None else host_start
+        if inputs.prepared is not None:  # a persistent batch's step: refused once any of its requests changed
+            inputs.prepared.check()
         self.validate(hidden_states, inputs)
         check_token_bitmask(arrays.token_bitmask, inputs.num_sample_rows, self.vocab_size,
                             applies=self.head.masked_graphs is not None)
@@ -278,6 +291,8 @@ class StepEngine:
         if prompt is not None:
             # Partial prompt logprobs change only once the step has succeeded.
             self.prompt_logprobs.commit(prompt)
+        if inputs.prepared is not None:
+            inputs.prepared.mark_run()
         return output
 
     def _sample(self, hidden_states: torch.Tensor, inputs: SamplerInputs, arrays: StepArrays,

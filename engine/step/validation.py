@@ -45,7 +45,8 @@ def check_hidden_states(hidden: object, inputs: SamplerInputs, *, hidden_size: i
 
 
 def check_ledger(inputs: SamplerInputs, *, vocab_size: int, max_logprobs: int) -> None:
-    """Prompt-logprob targets and forced tokens inside the vocabulary, no more top logprobs than the buffers hold."""
+    """Prompt-logprob targets and forced tokens inside the vocabulary, no more top logprobs (sampled or
+    prompt) than `max_logprobs`."""
     targets = inputs.prompt_token_targets
     if targets is not None and len(targets) and targets.max() >= vocab_size:
         bad = int(np.flatnonzero(targets >= vocab_size)[0])
@@ -54,13 +55,14 @@ def check_ledger(inputs: SamplerInputs, *, vocab_size: int, max_logprobs: int) -
             f"request {inputs.request_ids[req]!r}: prompt_tokens: token {int(targets[bad])} "
             f"is outside the vocabulary ({vocab_size})"
         )
-    top_n = int(inputs.num_logprobs.max(initial=-1))
-    if top_n > max_logprobs:
-        req = int(np.argmax(inputs.num_logprobs))
-        raise ValueError(
-            f"request {inputs.request_ids[req]!r}: params.logprobs={top_n}: more than "
-            f"SamplerConfig.max_logprobs={max_logprobs}"
-        )
+    for name, top in (("logprobs", inputs.num_logprobs), ("prompt_logprobs", inputs.num_prompt_logprobs)):
+        top_n = int(top.max(initial=-1))
+        if top_n > max_logprobs:  # vLLM's cap (its max_logprobs, 20 by default) on both
+            req = int(np.argmax(top))
+            raise ValueError(
+                f"request {inputs.request_ids[req]!r}: params.{name}={top_n}: more than "
+                f"SamplerConfig.max_logprobs={max_logprobs}"
+            )
     forced = inputs.forced_tokens
     if forced is not None and forced.max() >= vocab_size:
         row = int(np.argmax(forced))
