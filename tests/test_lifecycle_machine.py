@@ -154,8 +154,10 @@ class BatchMachine(Lifecycle):
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), chunk=st.integers(1, 4))
-    def step(self, data, chunk):
+    def step(self, data, chunk, including=None):
         chosen = data.draw(st.lists(st.sampled_from(sorted(self.live)), min_size=1, unique=True))
+        if including is not None and including not in chosen:
+            chosen.append(including)
         prepared, steps = self.prepared(chosen, chunk)
         out = self.e.run(torch.cat([h for *_, h in steps]), prepared.inputs, prepared.arrays)
         self.batch.record(prepared, out)
@@ -182,7 +184,8 @@ class BatchMachine(Lifecycle):
         prepared, steps = self.prepared(chosen, 2)
         victim = chosen[0]
         if change == "record another":
-            self.step(data, 2)
+            # Another step over one of this step's requests (a step over other rows leaves it valid).
+            self.step(data, 2, including=chosen[0])
             victim = None  # whichever changed
         else:
             getattr(self.batch, "finish" if change == "finish" else "remove")(victim)
@@ -193,6 +196,25 @@ class BatchMachine(Lifecycle):
         with pytest.raises(ValueError, match=r"stale step" if victim is None else rf"request {victim!r}: stale step"):
             self.e.run(torch.cat([h for *_, h in steps]), prepared.inputs, prepared.arrays)
         assert torch.equal(self.e.controls.counts, counts)
+
+    @precondition(lambda self: len(self.live) >= 2)
+    @rule(data=st.data())
+    def a_step_over_other_rows_leaves_a_prepared_step_valid(self, data):
+        """Prepare over some requests, run and record a step over the others, then run
+        and record the first: its requests did not change, so it is not stale."""
+        chosen = data.draw(st.lists(st.sampled_from(sorted(self.live)), min_size=1, max_size=len(self.live) - 1,
+                                    unique=True))
+        prepared, steps = self.prepared(chosen, 2)
+        others = [rid for rid in sorted(self.live) if rid not in chosen]
+        between, between_steps = self.prepared(others, 1)
+        out = self.e.run(torch.cat([h for *_, h in between_steps]), between.inputs, between.arrays)
+        self.batch.record(between, out)
+        for rid, (is_prompt, _, k, _), tokens in zip(others, between_steps, out.tokens):
+            self.live[rid].advance(is_prompt, k, tokens)
+        out = self.e.run(torch.cat([h for *_, h in steps]), prepared.inputs, prepared.arrays)
+        self.batch.record(prepared, out)
+        for rid, (is_prompt, _, k, _), tokens in zip(chosen, steps, out.tokens):
+            self.live[rid].advance(is_prompt, k, tokens)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -251,8 +273,10 @@ class FrontMachine(Lifecycle):
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), chunk=st.integers(1, 4))
-    def step(self, data, chunk):
+    def step(self, data, chunk, including=None):
         chosen = data.draw(st.lists(st.sampled_from(sorted(self.live)), min_size=1, unique=True))
+        if including is not None and including not in chosen:
+            chosen.append(including)
         pairs = [self.live[rid].seq(rid, chunk) for rid in chosen]
         out = self.e.step(torch.cat([h for _, h in pairs]), [s for s, _ in pairs])
         for rid, (s, _), tokens in zip(chosen, pairs, out.tokens):
