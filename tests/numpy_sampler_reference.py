@@ -14,9 +14,9 @@ are the integers floor(exp(z) * 2**S), S = 52 - bit_length(V - 1): top-p's
 walk and the draw add those. Every sampled row draws by inverse CDF with one
 uniform over its kept tokens' masses in token-id order; a forced token
 overrides the draw. Logprobs come from the raw logits ("raw") or from the
-kept weights exp(z), held in float32 as the contract's weights are, over
-their total ("processed"; the masses' floor would cost a rare token its
-digits).
+kept masses ("processed": each kept token's mass, the floor of its float32
+weight exp(z) times 2**S, over the kept masses' total, as the contract
+defines it; a kept token of mass 0 has logprob -inf).
 
 Floating point. The engine takes exp in float32 and this reference in
 float64, so a mass may differ by one unit and the two can disagree only
@@ -174,12 +174,22 @@ def sample_row(raw: np.ndarray, spec: RowSpec, *, num_top: int = 0, mode: str = 
             top_logprobs=[float(raw64[t] - lse) for t in by_raw],
             decided=decided,
         )
-    weight32 = weight.astype(np.float32).astype(np.float64)  # a weight below float32's range is 0
-    with np.errstate(divide="ignore"):  # a kept token of weight 0 is never drawn: logprob -inf
-        log_q = np.where(kept, np.log(weight32) - np.log(weight32[kept].sum()), -np.inf)
+    # The contract's processed logprob: a kept token's mass over the kept total, the
+    # masses taken from the float32 weights (the engine's exp is float32).
+    scaled = weight.astype(np.float32).astype(np.float64) * 2.0 ** (52 - max(1, (vocab - 1).bit_length()))
+    mass32 = np.floor(scaled)
+    with np.errstate(divide="ignore"):  # a kept token of mass 0 is never drawn: logprob -inf
+        log_q = np.where(kept, np.log(mass32) - np.log(mass32[kept].sum()), -np.inf)
     token_z = z64[token] if kept[token] else -np.inf
     kept_order = [t for t in order if kept[t]][:num_top]
     top_ids = kept_order + [-1] * (num_top - len(kept_order))
+    # One float32 ulp of exp (the engine's and numpy's may differ by one) moves a small
+    # mass across an integer: its floor, and a logprob reported for it, is then within
+    # rounding (1 / mass, or -inf against finite at mass 0).
+    for t in {token, *kept_order}:
+        if kept[t] and np.floor(scaled[t] * (1 - 2.0**-23)) != np.floor(scaled[t] * (1 + 2.0**-23)) \
+                and scaled[t] < 1.0 / LOGPROB_ATOL:
+            decided = False
     return RowResult(
         token=token,
         kept=kept,

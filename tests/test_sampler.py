@@ -136,6 +136,9 @@ def _specs(rp, stop) -> list[ref.RowSpec]:
 @example((torch.tensor([[1.0, 3.0, 0.0, 3.0, 3.0, 2.0]] * 2), [(1.0, 0, 1.0, 1.0, 7, 3, False, -1),
                                                                (0.5, 0, 1.0, 1.0, 9, 4, False, -1)], 8, "processed", 2, [0, 0]))
 @example((torch.tensor([[1.0, 3.0, 0.0, 3.0, 3.0, 2.0]]), [(1.0, 0, 1.0, 1.0, 7, 3, False, -1)], 2, "raw", 1, [0, 0]))
+# A forced token far below the rest in processed mode: its weight exp(-40) is a float32 but its
+# mass floor(exp(-40) * 2**50) is 0, so its processed logprob is -inf (the contract's masses).
+@example((torch.tensor([[0.0, -40.0, 0.0, -1.0]]), [(1.0, 0, 1.0, 0.0, 5, 3, False, 1)], 8, "processed", 4, [0, 0]))
 def test_matches_numpy_reference(batch):
     logits, rp, cap, mode, num_top, stop = batch
     rows = logits.shape[0]
