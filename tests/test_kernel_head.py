@@ -161,6 +161,23 @@ def test_every_control_without_drafts(case):
     _run(PLAIN, case, steps=1)
 
 
+def test_only_the_torch_head_keeps_a_copy_of_the_unprocessed_logits():
+    """The torch head applies the controls to its logits in place, their unprocessed copy
+    ([max_rows, V] f32) kept in the control state; the kernel head's logits stay
+    unprocessed, so its control state has no copy (132 MB at 256 rows of V 129280), and
+    its controlled steps still match the torch head's (the test above)."""
+    torch_engine, triton_engine = PLAIN
+    rows = torch_engine.buffers.max_rows
+    assert torch_engine.controls.unprocessed.shape == (rows, VOCAB)
+    assert "controls.unprocessed" in torch_engine.controls.static_tensors()
+    assert triton_engine.controls.unprocessed is None
+    assert not any("unprocessed" in name for name in triton_engine.controls.static_tensors())
+    assert not any("unprocessed" in name for name in triton_engine.head.static_tensors())
+    assert triton_engine.controls.nbytes == torch_engine.controls.nbytes - rows * VOCAB * 4
+    with pytest.raises(RuntimeError, match="keep_unprocessed=False"):
+        triton_engine.controls.rows(triton_engine.buffers, MAX_REQS)
+
+
 def _greedy_first(case):
     """The first request greedy without controls: the drafts drawn from its rows' argmax
     are accepted, so both verdicts (and the rows after an accepted draft) occur."""
