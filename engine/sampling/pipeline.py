@@ -5,28 +5,27 @@ side in this table: `TorchStages` (torch ops: the CPU path, and the reference an
 implementation must agree with) and `engine.step.kernel_step.TritonStages` (the kernel
 head's CUDA step: one Triton custom op per group, over the head's static buffers).
 
-    stage                        torch ops (TorchStages)                 Triton (TritonStages)
-    1  fp32 logits               the LM head's rows; with controls a     the head's buffer, which
-                                 copy kept (`ControlRows.unprocessed`)   stays unprocessed
-    2  forced token              `rows.forced`: it replaces the draw (13), in both
-    3-7 logits_processors        one call each:                          engine::apply_controls, one
-      3  allowed tokens            allowed_tokens.py                     pass per row; a row without
-      4  token bitmask             token_bitmask.py: structured output   controls, stop ids or bitmask
-                                   and bad words                         skips (kernels/controls.py)
-      5  EOS / stop suppression    suppression.py: under min_tokens,
-                                   even with ignore_eos
-      6  logit bias                logit_bias.py
-      7  penalties                 penalties.py: repetition, frequency,
-                                   presence
-    8-14 sample_rows             in order:                               engine::sample_rows, one
-      8  greedy                    row_max.py: the argmax, temperature 0 program per row; a greedy row
-      9  temperature               kept_set: thresholds.py (radix        makes one pass
-      10 min-p, 11 top-k,          select), filters.py (the reference    (kernels/sample.py,
-      12 top-p                     path's sorted walk)                   kept_set.py, top_n.py)
-      13 draw                      draw.py: inverse CDF over the kept
-                                   weights; then each row's error
-      14 logprobs                  logprobs: logprobs.py, raw or
-                                   processed
+    stage                          torch ops (TorchStages)               Triton (TritonStages)
+    1     fp32 logits              the LM head's rows; with controls a   the head's buffer, left
+                                   copy kept (ControlRows.unprocessed)   unprocessed
+    2     forced token             `rows.forced`, read by the draw (13)  read by the kernel of 8-14
+    3-7   logits_processors        one call per stage:                   engine::apply_controls:
+      3     allowed tokens           allowed_tokens.py                     one pass per row; a row
+      4     token bitmask            token_bitmask.py (structured          without controls, stop
+                                     output, bad words)                    ids or bitmask skips
+      5     EOS / stop suppression   suppression.py (under min_tokens,     (kernels/controls.py)
+                                     even with ignore_eos)
+      6     logit bias               logit_bias.py
+      7     penalties                penalties.py (repetition,
+                                     frequency, presence)
+    8-14  sample_rows              in order:                             engine::sample_rows: one
+      8     greedy                   row_max.py (the argmax, for           program per row; a greedy
+                                     temperature 0)                        row makes one pass
+      9-12  kept_set: temperature,   thresholds.py (radix select);         (kernels/sample.py,
+            min-p, top-k, top-p      filters.py (the reference's walk)     kept_set.py, top_n.py)
+      13    draw                     draw.py (inverse CDF over the kept
+                                     weights), then each row's error
+      14    logprobs                 logprobs.py (raw or processed)
 
 Stages 3 to 7 are vLLM's logits processors and run as one group; 9 to 12 are
 the kept set. vLLM applies the structured-output bitmask before the allowed
