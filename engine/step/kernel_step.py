@@ -97,8 +97,9 @@ class KernelState:
 
 def logits_and_sample(head: KernelStepHead, bucket: int) -> None:
     """The lm head, then every stage in vLLM's order (`run_stages`), its groups by the
-    kernels (`TritonStages`). Logprobs in the configured mode for every row: no step-level
-    variant drops them."""
+    kernels (`TritonStages`). Logprobs in the configured mode for every row (none where the
+    engine's `SamplerConfig.logprobs` is False, as on the torch head): no step-level variant
+    drops them."""
     b = head.buffers
     rows = b.rows_for(bucket)
     head.logits(bucket)  # [rows, V] f32 in b.logits: unprocessed, as the finite check and raw logprobs read them
@@ -141,7 +142,7 @@ class TritonStages(TorchStages):
             f.stop_ids[:bucket], f.eos_suppression_rows[:n], token_bitmask, f.masked_rows[:n] if masked else None,
             max_drafts=config.max_draft_tokens,
         )
-        return ProcessedScores(s.scores[:n], s.nothing_allowed[:n], None, borrowed=False,
+        return ProcessedScores(s.scores[:n], s.nothing_allowed[:n], stops=None, borrowed=False,
                                row_controlled=s.row_controlled[:n])
 
     def sample_rows(self, processed: ProcessedScores, plain: torch.Tensor, rows: SamplingRows, cfg: SamplerConfig,
