@@ -90,13 +90,14 @@ def _same(torch_out, triton_out) -> None:
                 assert u == v or abs(u - v) <= 2 * math.ulp(np.float32(u)) * 2**29, (u, v)
 
 
-def _run(engines: tuple[StepEngine, StepEngine], case, steps: int = 2, rejection: bool = False) -> None:
-    """The case's requests through both engines: a prefill, then `steps` decodes with drafts."""
+def _run(engines: tuple[StepEngine, StepEngine], case, steps: int = 2, rejection: bool = False) -> list:
+    """The case's requests through both engines: a prefill, then `steps` decodes with drafts.
+    Returns the torch engine's outputs, one per step."""
     requests, seed, nan_reqs = case
     rng = np.random.default_rng(seed)
     batches = [PersistentBatch(engine) for engine in engines]
     try:
-        _steps(engines, batches, requests, rng, nan_reqs, steps, rejection)
+        return _steps(engines, batches, requests, rng, nan_reqs, steps, rejection)
     finally:
         for batch in batches:  # the engines' control slots go back for the next example
             for i in range(len(requests)):
@@ -104,8 +105,9 @@ def _run(engines: tuple[StepEngine, StepEngine], case, steps: int = 2, rejection
                     batch.remove(i)
 
 
-def _steps(engines, batches, requests, rng, nan_reqs, steps, rejection) -> None:
+def _steps(engines, batches, requests, rng, nan_reqs, steps, rejection) -> list:
     ids = list(range(len(requests)))
+    torch_outs = []
     generated = [0] * len(ids)
     k = engines[0].config.max_draft_tokens
     for step in range(1 + steps):
@@ -135,9 +137,11 @@ def _steps(engines, batches, requests, rng, nan_reqs, steps, rejection) -> None:
             batch.record(prepared, out)
             outs.append(out)
         _same(*outs)
+        torch_outs.append(outs[0])
         generated = [g + len(t) for g, t in zip(generated, outs[0].tokens)]
     if engines[0].controls is not None:
         np.testing.assert_array_equal(engines[1].controls.counts.numpy(), engines[0].controls.counts.numpy())
+    return torch_outs
 
 
 def test_the_config_picks_the_head():
@@ -159,6 +163,35 @@ PLAIN = _pair()
 @given(_cases())
 def test_every_control_without_drafts(case):
     _run(PLAIN, case, steps=1)
+
+
+def test_only_the_torch_head_keeps_a_copy_of_the_unprocessed_logits():
+    """The torch head applies the controls to its logits in place, their unprocessed copy
+    ([max_rows, V] f32) kept in the control state; the kernel head's logits stay
+    unprocessed, so its control state has no copy (132 MB at 256 rows of V 129280), and
+    its controlled steps still match the torch head's (the test above)."""
+    torch_engine, triton_engine = PLAIN
+    rows = torch_engine.buffers.max_rows
+    assert torch_engine.controls.unprocessed.shape == (rows, VOCAB)
+    assert "controls.unprocessed" in torch_engine.controls.static_tensors()
+    assert triton_engine.controls.unprocessed is None
+    assert not any("unprocessed" in name for name in triton_engine.controls.static_tensors())
+    assert not any("unprocessed" in name for name in triton_engine.head.static_tensors())
+    assert triton_engine.controls.nbytes == torch_engine.controls.nbytes - rows * VOCAB * 4
+    with pytest.raises(RuntimeError, match="keep_unprocessed=False"):
+        triton_engine.controls.rows(triton_engine.buffers, MAX_REQS)
+
+
+def test_the_token_bitmask_and_its_empty_rows_reach_the_kernels():
+    """Bad words that leave two requests 3 tokens, and a third none (its rows fail as the
+    bitmask's, `RowError.NO_TOKEN_ALLOWED`): the kernel head's steps match the torch head's."""
+    few = tuple((t,) for t in range(VOCAB) if t not in (17, 40, 41))
+    case = ([([1, 2], SamplingParams(temperature=0.0, bad_words=few, logprobs=2)),
+             ([3], SamplingParams(temperature=1.0, seed=5, bad_words=few)),
+             ([4], SamplingParams(temperature=0.7, seed=6, bad_words=tuple((t,) for t in range(VOCAB))))], 11, [])
+    for out in _run(PLAIN, case, steps=1):
+        assert all(set(tokens) <= {17, 40, 41} for tokens in out.tokens[:2]), out.tokens
+        assert out.errors[:2] == [None, None] and "no token allowed by the token bitmask" in out.errors[2], out.errors
 
 
 def _greedy_first(case):

@@ -718,3 +718,28 @@ def test_expanded_rows_follow_their_requests_and_replace_only_known_controls():
     assert swapped.top_k.tolist() == [1, 1, 1, 1] and torch.equal(swapped.temperature, rows.temperature)
     with pytest.raises(ValueError, match="controls \\['topk'\\]"):
         rows.replace(topk=torch.ones(4))
+
+
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_without_compute_logprobs_the_logprob_fields_stay_untouched(mode):
+    """`compute_logprobs=False` (`sample`'s docstring): the same tokens as with logprobs, and
+    the logprob, rank and top-N of rows that did not fail left as they were, in every
+    variant that computes logprobs otherwise."""
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(21)) * 3
+    temperature = np.array([0.0, 1.0, 0.7, 1.0, 1.3, 0.0])
+    rows_of = {  # each variant gets rows it serves
+        "filters": _params(6, temperature=temperature, top_k=np.array([0, 20, 0, 0, 5, 0]),
+                           top_p=np.array([1.0, 0.9, 1.0, 0.8, 1.0, 1.0]), min_p=np.array([0, 0, 0.1, 0, 0, 0])),
+        "plain": _params(6, temperature=temperature),
+        "greedy": _params(6, temperature=0.0),
+    }
+    for stages, params in rows_of.items():
+        cfg = SamplerConfig(candidate_cap=64, max_logprobs=3, logprobs_mode=mode, stages=stages)
+        out = SampleOutput.allocate(6, 3)
+        for field, value in (("logprob", 7.0), ("rank", -7), ("top_ids", -7), ("top_logprobs", 7.0)):
+            getattr(out, field).fill_(value)
+        sample(logits, params, cfg, out, compute_logprobs=False)
+        assert (out.error == RowError.OK).all()
+        assert torch.equal(out.tokens, sample(logits, params, cfg).tokens)
+        assert (out.logprob == 7.0).all() and (out.rank == -7).all()
+        assert (out.top_ids == -7).all() and (out.top_logprobs == 7.0).all()

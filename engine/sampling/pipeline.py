@@ -1,17 +1,31 @@
-"""The sampler's stages in vLLM V1's order (docs/contract.md §2), in one function.
+"""The sampler's stages in vLLM V1's order (docs/contract.md §2), in one function: `run_stages`.
 
-    1  fp32 logits                       the LM head's rows
-    2  forced token                      `rows.forced`: it replaces the draw (13)
-    3  allowed tokens                    allowed_tokens.py
-    4  token bitmask                     token_bitmask.py: structured output and bad words
-    5  EOS / stop suppression            suppression.py: under min_tokens, even with ignore_eos
-    6  logit bias                        logit_bias.py
-    7  penalties                         penalties.py: repetition, frequency, presence
-    8  greedy                            row_max.py: the argmax, for temperature 0
-    9  temperature                       temperature.py
-    10 min-p, 11 top-k, 12 top-p         thresholds.py (radix select), filters.py (sorted walk)
-    13 draw                              draw.py: inverse CDF over the kept weights
-    14 logprobs                          logprobs.py: raw or processed
+Each stage group is a method of a stage strategy, and each has two implementations, side by
+side in this table: `TorchStages` (torch ops: the CPU path, and the reference any other
+implementation must agree with) and `engine.step.kernel_step.TritonStages` (the kernel
+head's CUDA step: one Triton custom op per group, over the head's static buffers).
+
+    stage                          torch ops (TorchStages)               Triton (TritonStages)
+    1     fp32 logits              the LM head's rows; with controls a   the head's buffer, left
+                                   copy kept (ControlRows.unprocessed)   unprocessed
+    2     forced token             `rows.forced`, read by the draw (13)  read by the kernel of 8-14
+    3-7   logits_processors        one call per stage:                   engine::apply_controls:
+      3     allowed tokens           allowed_tokens.py                     one pass per row; a row
+      4     token bitmask            token_bitmask.py (structured          without controls, stop
+                                     output, bad words)                    ids or bitmask skips
+      5     EOS / stop suppression   suppression.py (under min_tokens,     (kernels/controls.py)
+                                     even with ignore_eos)
+      6     logit bias               logit_bias.py
+      7     penalties                penalties.py (repetition,
+                                     frequency, presence)
+    8-14  sample_rows              in order:                             engine::sample_rows: one
+      8     greedy                   row_max.py (the argmax, for           program per row; a greedy
+                                     temperature 0)                        row makes one pass
+      9-12  kept_set: temperature,   thresholds.py (radix select);         (kernels/sample.py,
+            min-p, top-k, top-p      filters.py (the reference's walk)     kept_set.py, top_n.py)
+      13    draw                     draw.py (inverse CDF over the kept
+                                     weights), then each row's error
+      14    logprobs                 logprobs.py (raw or processed)
 
 Stages 3 to 7 are vLLM's logits processors and run as one group; 9 to 12 are
 the kept set. vLLM applies the structured-output bitmask before the allowed
@@ -21,12 +35,14 @@ or a penalty leaves -inf as it is), one place serves both. It comes after
 the allowed tokens, so that a row whose bitmask leaves none of its allowed
 tokens fails as the bitmask's (`RowError.NO_TOKEN_ALLOWED`).
 
-Each group is a method of a stage strategy: `TorchStages`, the torch ops (the
-CPU path, and the reference for any other implementation); the reference
-path's sorted walk (`engine.sampling.exact.ReferenceStages`) overrides the
-kept set. A fused kernel takes a group's place the same way, with the same
-signature. The graph sets' sampler variants (`SamplerConfig.stages`,
-`top_k`, `top_p`, `logprobs`) choose which stages run.
+Another implementation subclasses `TorchStages` and overrides the groups it fuses,
+with the same signatures: the reference path's sorted walk
+(`engine.sampling.exact.ReferenceStages`) overrides the kept set; the kernel head's
+`TritonStages` overrides `logits_processors` and `sample_rows`, one kernel each (the
+temperature is not a pass of its own there: the sampler's kernel computes (s - M) / T
+in the passes it makes anyway). The graph sets' sampler variants
+(`SamplerConfig.stages`, `top_k`, `top_p`, `logprobs`) choose which torch stages run;
+the kernels branch per row on the device instead.
 """
 from __future__ import annotations
 
@@ -76,10 +92,13 @@ class ProcessedScores:
 
     scores: torch.Tensor  # [rows, V] f32: the processed scores, masked tokens at -inf
     nothing_allowed: torch.Tensor | None  # [rows] bool: the bitmask leaves nothing (None: no bitmask)
-    stops: StopSlots  # the suppressed stop-id slots and what `scores` held there
+    stops: StopSlots | None  # the suppressed stop-id slots and what `scores` held there (None: not lent)
     # Whether `scores` are the caller's raw logits, which must get their stop-id
     # slots back once the later stages have read the scores (`finish`).
     borrowed: bool
+    # [rows] bool: the rows `scores` holds; the others' scores are their logits as they are
+    # (the controls kernel skips a row without controls). None: `scores` holds every row.
+    row_controlled: torch.Tensor | None = None
 
     def finish(self) -> None:
         """After the last read of `scores`: the caller's logits are its own again."""
@@ -89,8 +108,11 @@ class ProcessedScores:
 
 class TorchStages:
     """Every stage group by torch ops: the CPU path, and the reference any other
-    implementation must agree with. Another implementation subclasses it and
-    overrides the groups it fuses, with the same signatures."""
+    implementation must agree with. The groups `run_stages` calls are
+    `logits_processors` (3-7) and `sample_rows` (8-14), which calls `kept_set` (9-12)
+    and `logprobs` (14). Another implementation subclasses it and overrides the groups
+    it fuses, with the same signatures: one that overrides `kept_set` or `logprobs`
+    alone keeps this order of 8-14 around them."""
 
     def logits_processors(self, raw: torch.Tensor, rows: SamplingRows, controls: ControlRows | None,
                           token_bitmask: torch.Tensor | None) -> ProcessedScores:
@@ -113,6 +135,43 @@ class TorchStages:
             pen = controls.penalties
             apply_penalties_(scores, controls.counts, controls.prompt_words, pen[:, 0], pen[:, 1], pen[:, 2])  # 7
         return ProcessedScores(scores, nothing_allowed, stops, borrowed=scores is raw and not owned)
+
+    def sample_rows(self, processed: ProcessedScores, plain: torch.Tensor, rows: SamplingRows, cfg: SamplerConfig,
+                    out: SampleOutput, mode: str | None) -> None:
+        """Stages 8-14 in order, into `out`: the argmax (8), the kept set (9-12, `kept_set`;
+        a variant of `cfg` without filters skips what its rows do not need), the draw (13),
+        the rows' errors, the logprobs (14, `logprobs` in `mode`: "raw", "processed", or None
+        for none). `plain` [rows, V] f32: the logits before the processors (the finite check
+        and raw logprobs read them). The caller's logits are given back
+        (`ProcessedScores.finish`) once the scores are read, raising or not. Capture-safe."""
+        d = None
+        try:
+            best, greedy = first_max(processed.scores)  # 8: the first of the largest, ties to the smallest id
+            if cfg.stages != "greedy" or mode == "processed":  # processed logprobs need the kept set
+                # A variant without filters serves rows that have none (greedy rows never do).
+                d = self.kept_set(processed.scores, best, rows, filters=cfg.stages == "filters",  # 9-12
+                                  top_k=cfg.top_k, top_k_width=cfg.candidate_cap, top_p=cfg.top_p,
+                                  kept_set=mode == "processed")
+        finally:
+            processed.finish()
+        drawn = greedy if cfg.stages == "greedy" else inverse_cdf_draw(d.weights, d.block_mass, plain_uniform(rows))
+        token = drawn_token(rows, greedy, drawn)  # 13, the forced token overriding both
+        # No valid token: an all -inf row's maximum is -inf. A NaN row's picks may be
+        # anything in the vocabulary: the placeholder replaces them.
+        row_max = None  # the finite check's row maximum of `plain`: one more pass over the rows
+        if processed.scores is plain:
+            # The scores are `plain` but at the stop-id slots: their values and `best` give
+            # plain's maximum (NaN and +inf included: both reductions and `maximum` propagate NaN).
+            row_max = torch.maximum(best, processed.stops.before.amax(-1))
+        error = row_errors(plain, best == -math.inf, processed.nothing_allowed, row_max=row_max)
+        failed = error != RowError.OK
+        token = torch.where(failed, PLACEHOLDER_TOKEN, token)
+        if mode is not None:
+            self.logprobs(mode, d, plain, token, out.top_ids.shape[1]).write(out)  # 14
+        out.tokens.copy_(token)
+        out.needs_exact.fill_(False)
+        out.error.copy_(error)
+        write_placeholders(out, failed)
 
     def kept_set(self, masked: torch.Tensor, best: torch.Tensor, rows: SamplingRows, *, filters: bool, top_k: str,
                  top_k_width: int, top_p: bool, kept_set: bool) -> RowDistribution:
@@ -145,43 +204,17 @@ def run_stages(
     token_bitmask: torch.Tensor | None = None,
     stages: TorchStages = TORCH_STAGES,
 ) -> SampleOutput:
-    """Every stage over whole rows, in order; `engine.sampling.sampler.sample`'s body
-    (same parameters) for one slice of rows. Capture-safe."""
-    vocab, num_top = logits.shape[1], out.top_ids.shape[1]
+    """Every stage over whole rows, in order, each group by `stages` (the table above):
+    `engine.sampling.sampler.sample`'s body (same parameters) for one slice of rows, and
+    the kernel head's for one bucket (`TritonStages`, no `controls`: its kernel reads the
+    control slots itself). Capture-safe."""
     raw = logits.to(torch.float32)  # 1: [rows, V]
     if controls is not None:
         unprocessed = controls.unprocessed.copy_(raw)
     # The finite check and raw logprobs read the logits before any processor.
     plain = raw if unprocessed is None else unprocessed.to(torch.float32)  # [rows, V]
-    rows = expand_rows(params, vocab)  # 2: the forced token is among the rows' controls
+    rows = expand_rows(params, logits.shape[1])  # 2: the forced token is among the rows' controls
     processed = stages.logits_processors(raw, rows, controls, token_bitmask)  # 3-7
-    compute_logprobs = compute_logprobs and cfg.logprobs
-    mode = cfg.logprobs_mode if compute_logprobs else None
-    d = None
-    try:
-        best, greedy = first_max(processed.scores)  # 8: the first of the largest, ties to the smallest id
-        if cfg.stages != "greedy" or mode == "processed":  # processed logprobs need the kept set
-            # A variant without filters serves rows that have none (greedy rows never do).
-            d = stages.kept_set(processed.scores, best, rows, filters=cfg.stages == "filters", top_k=cfg.top_k,  # 9-12
-                                top_k_width=cfg.candidate_cap, top_p=cfg.top_p, kept_set=mode == "processed")
-    finally:
-        processed.finish()
-    drawn = greedy if cfg.stages == "greedy" else inverse_cdf_draw(d.weights, d.block_mass, plain_uniform(rows))
-    token = drawn_token(rows, greedy, drawn)  # 13, the forced token overriding both
-    # No valid token: an all -inf row's maximum is -inf. A NaN row's picks may be
-    # anything in the vocabulary: the placeholder replaces them.
-    row_max = None  # the finite check's row maximum of `plain`: one more pass over the rows
-    if processed.scores is plain:
-        # The scores are `plain` but at the stop-id slots: their values and `best` give
-        # plain's maximum (NaN and +inf included: both reductions and `maximum` propagate NaN).
-        row_max = torch.maximum(best, processed.stops.before.amax(-1))
-    error = row_errors(plain, best == -math.inf, processed.nothing_allowed, row_max=row_max)
-    failed = error != RowError.OK
-    token = torch.where(failed, PLACEHOLDER_TOKEN, token)
-    if mode is not None:
-        stages.logprobs(mode, d, plain, token, num_top).write(out)  # 14
-    out.tokens.copy_(token)
-    out.needs_exact.fill_(False)
-    out.error.copy_(error)
-    write_placeholders(out, failed)
+    mode = cfg.logprobs_mode if compute_logprobs and cfg.logprobs else None
+    stages.sample_rows(processed, plain, rows, cfg, out, mode)  # 8-14
     return out

@@ -28,12 +28,18 @@ class SamplingRows:
 
     def replace(self, **controls: torch.Tensor) -> SamplingRows:
         """The same rows with the given controls in place of their own (tests plant bugs this way)."""
-        unknown = sorted(set(controls) - {name for name in dir(type(self)) if not name.startswith("_")} - {"replace"})
+        known = {name for name in dir(type(self)) if not name.startswith("_")} - {"replace", "params"}
+        unknown = sorted(set(controls) - known)
         if unknown:
             raise ValueError(f"controls {unknown}: SamplingRows has no such control")
         rows = SamplingRows(self._params, self._vocab)
         rows.__dict__.update(controls)  # a cached_property reads the instance's dict first
         return rows
+
+    @property
+    def params(self) -> RowParams:
+        """The per-request parameters these rows expand (a fused kernel reads them as they are)."""
+        return self._params
 
     @cached_property
     def _req(self) -> torch.Tensor:

@@ -10,7 +10,9 @@ leaves; the step stages each request's slot (`control_slots`, 0 = none).
     penalties     [slots, 3] f32     repetition, frequency, presence
     bias_ids      [slots, max_logit_bias] int64, bias_values f32 (padding: token 0, +0.0)
     allowed_words [slots, ceil(V/32)] int32, restricted [slots] bool
-    unprocessed   [max_rows, V] f32  the logits before the controls (raw logprobs)
+    unprocessed   [max_rows, V] f32  the logits before the controls (raw logprobs); only for a
+                  head that applies the controls in place (`LMHead.controls_in_place`): the
+                  kernel head's logits stay unprocessed, and it has none (None)
 
 Inside the captured step (`rows`, `count`): each sample row's controls,
 gathered from its request's slot, go to the sampler
@@ -55,7 +57,8 @@ class SamplingControls:
     tables call; the device side (`rows`, `count`, `recount`) runs inside
     the step of the engine's controls graphs."""
 
-    def __init__(self, config: EngineConfig, vocab_size: int, max_rows: int, device: torch.device):
+    def __init__(self, config: EngineConfig, vocab_size: int, max_rows: int, device: torch.device, *,
+                 keep_unprocessed: bool = True):
         slots = config.max_control_slots + 1
         words = bitmask_words(vocab_size)
         self.config, self.vocab_size, self.device = config, vocab_size, device
@@ -66,7 +69,10 @@ class SamplingControls:
         self.bias_values = torch.zeros(slots, config.max_logit_bias, dtype=torch.float32, device=device)
         self.allowed_words = torch.zeros(slots, words, dtype=torch.int32, device=device)
         self.restricted = torch.zeros(slots, dtype=torch.bool, device=device)
-        self.unprocessed = torch.zeros(max_rows, vocab_size, dtype=torch.float32, device=device)
+        # [max_rows, V] f32 (132 MB at 256 rows of V 129280), for `rows` alone: None when the head
+        # keeps its logits unprocessed itself (`keep_unprocessed` False: the kernel head).
+        self.unprocessed = (torch.zeros(max_rows, vocab_size, dtype=torch.float32, device=device)
+                            if keep_unprocessed else None)
         # Per sample row of the last replay: the flat counts index (slot * V + token) it added 1 to, -1 none.
         self.counted_index = torch.full((max_rows,), -1, dtype=torch.int64, device=device)
         self._free = list(range(slots - 1, 0, -1))
@@ -83,7 +89,7 @@ class SamplingControls:
     def static_tensors(self) -> dict[str, torch.Tensor]:
         names = ("counts", "prompt_words", "penalties", "bias_ids", "bias_values", "allowed_words", "restricted",
                  "unprocessed", "counted_index")
-        return {f"controls.{name}": getattr(self, name) for name in names}
+        return {f"controls.{name}": getattr(self, name) for name in names if getattr(self, name) is not None}
 
     @property
     def nbytes(self) -> int:
@@ -181,6 +187,9 @@ class SamplingControls:
         """The controls of the bucket's sample rows, gathered from their slots, for the
         sampler to apply; capture-safe. Row j of a request counts the drafts its rows
         0..j-1 verify as generated."""
+        if self.unprocessed is None:
+            raise RuntimeError("SamplingControls.rows: built with keep_unprocessed=False (a head that keeps its "
+                               "logits unprocessed), so there is no copy for the torch sampler's in-place controls")
         b = buffers
         rows = b.rows_for(bucket)
         slot = self.row_slots(b, bucket)  # [rows]

@@ -14,9 +14,13 @@ one graph per bucket serves every step:
     verify       engine::verify_residual_chunks (rejection), engine::verify_step: drafts,
                  the draft pool's writes, the emitted tokens into the penalty counts
 
-The stages run in vLLM's order (engine/sampling/pipeline.py, whose torch ops are the CPU
-path and the reference). Logprobs are computed for every row in the configured mode
-(`SamplerConfig.logprobs_mode`): no step-level variant drops them.
+The stages run in vLLM's order through the torch path's own function
+(`engine.sampling.pipeline.run_stages`), its stage groups by the kernels
+(`engine.step.kernel_step.TritonStages`) where the torch path's are torch ops (the CPU path
+and the reference). Logprobs are computed for every row in the configured mode
+(`SamplerConfig.logprobs_mode`): no step-level variant drops them. The controls' copy of
+the unprocessed logits (`SamplingControls.unprocessed`, [rows, V] f32) is not allocated:
+`buffers.logits` stay unprocessed.
 
 `EngineConfig(kernels="triton")` picks this head for a local weight ("auto": on CUDA). Off
 CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1): slow, for tests.
@@ -98,7 +102,8 @@ class KernelHead(LMHead):
         self.buffers = buffers
         # The control kernel always runs (the bitmask, the stop ids); without control slots
         # it reads the neutral slot 0 of a state of its own (no rows of it: nothing is counted).
-        neutral = SamplingControls(replace(self.config, max_control_slots=0), self.vocab_size, 0, buffers.logits.device)
+        neutral = SamplingControls(replace(self.config, max_control_slots=0), self.vocab_size, 0, buffers.logits.device,
+                                   keep_unprocessed=False)
         self.state = KernelState.allocate(buffers, self.config, neutral)
 
     def attach_controls(self, controls: SamplingControls) -> None:
@@ -115,7 +120,8 @@ class KernelHead(LMHead):
         return KernelStep(self)
 
     def logits_and_sample(self, bucket: int, graphs: str) -> None:
-        """The lm head, the controls and the sampler of `bucket` (`KernelStep` runs the rest)."""
+        """The lm head and every stage of `bucket` (`run_stages` by the kernels; `KernelStep`
+        runs the rest)."""
         from engine.step.kernel_step import logits_and_sample
 
         logits_and_sample(self, bucket)

@@ -1,9 +1,10 @@
 """The kernel head's captured step (`engine.step.kernel_head`): at most a dozen kernels, one graph per bucket.
 
     lm head       engine::lm_head_logits: gather fused into the GEMM (on CUDA) -> buffers.logits
-    controls      engine::apply_controls (vLLM's logits processors, the bitmask, stop ids)
+    stages 1-14   `engine.sampling.pipeline.run_stages`, vLLM's order, its groups by `TritonStages`:
+      3-7         engine::apply_controls (vLLM's logits processors, the bitmask, stop ids)
                                                                 -> state.scores, row_controlled
-    sample        engine::sample_rows                           -> buffers.out (+ kept weights)
+      8-14        engine::sample_rows                           -> buffers.out (+ kept weights)
     hidden check  engine::fail_non_finite_hidden                -> buffers.out
     verify        engine::verify_residual_chunks (rejection),
                   engine::verify_step (drafts, draft pool, penalty counts)
@@ -11,9 +12,10 @@
 
 Every kernel reads per-row flags on the device (a row without controls is skipped by the
 controls kernel and read from the logits by the sampler; a greedy row makes one pass), so
-nothing about the step's rows is fixed at capture. It is the torch path's `StepBody` over
-`LocalHead` (engine/step/body.py, lm_head.py), which stays the CPU implementation and the
-reference these kernels are tested against.
+nothing about the step's rows is fixed at capture. The stage order is the one function
+the torch path runs too (`run_stages`); `TritonStages` overrides the stage groups of the
+torch ops' `TorchStages` (the CPU implementation and the reference these kernels are
+tested against) with one kernel each.
 """
 from __future__ import annotations
 
@@ -26,6 +28,10 @@ from engine.sampling.kernels.controls import apply_controls
 from engine.sampling.kernels.hidden_check import fail_non_finite_hidden
 from engine.sampling.kernels.sample import KeptWeights, SampleScratch, sample_rows
 from engine.sampling.kernels.verify import split_for, verify_residual_chunks, verify_step
+from engine.sampling.pipeline import ControlRows, ProcessedScores, TorchStages, run_stages
+from engine.sampling.rows import SamplingRows
+from engine.sampling.sample_output import SampleOutput
+from engine.sampling.sampler_config import SamplerConfig
 from engine.step.config import EngineConfig
 from engine.step.controls import SamplingControls
 from engine.step.static_buffers import StepBuffers
@@ -90,28 +96,66 @@ class KernelState:
 
 
 def logits_and_sample(head: KernelStepHead, bucket: int) -> None:
-    """The lm head, then the controls and the sampler as one kernel each (vLLM's stage
-    order, engine/sampling/pipeline.py)."""
-    b, s, config = head.buffers, head.state, head.config
-    f = b.inputs
+    """The lm head, then every stage in vLLM's order (`run_stages`), its groups by the
+    kernels (`TritonStages`). Logprobs in the configured mode for every row (none where the
+    engine's `SamplerConfig.logprobs` is False, as on the torch head): no step-level variant
+    drops them."""
+    b = head.buffers
     rows = b.rows_for(bucket)
     head.logits(bucket)  # [rows, V] f32 in b.logits: unprocessed, as the finite check and raw logprobs read them
-    c = s.controls
-    masked = b.token_bitmask is not None
-    # Stages 3-7: allowed tokens, token bitmask, EOS/stop suppression, logit bias, penalties.
-    apply_controls(
-        b.logits[:rows], s.scores[:rows], s.row_controlled[:rows], s.nothing_allowed[:rows], s.arrivals[:rows],
-        b.resolved_drafts[:rows], f.row_to_req[:rows], f.local_step[:rows], f.control_slots[:bucket],
-        f.row_drafts[:rows], f.mtp_info_read_rows[:rows], b.pool_tokens,
-        c.counts, c.prompt_words, c.penalties, c.bias_ids, c.bias_values, c.allowed_words, c.restricted,
-        f.stop_ids[:bucket], f.eos_suppression_rows[:rows],
-        b.token_bitmask[:rows] if masked else None, f.masked_rows[:rows] if masked else None,
-        max_drafts=config.max_draft_tokens,
-    )
-    # Stages 8-14: greedy, temperature, min-p, top-k, top-p, the draw, logprobs.
-    sample_rows(s.scores[:rows], b.params(bucket), b.outputs(rows), s.scratch, logits=b.logits[:rows],
-                nothing_allowed=s.nothing_allowed[:rows], logprobs=config.sampler.logprobs_mode,
-                row_controlled=s.row_controlled[:rows], kept=s.kept)
+    run_stages(b.logits[:rows], b.params(bucket), head.config.sampler, b.outputs(rows), compute_logprobs=True,
+               token_bitmask=None if b.token_bitmask is None else b.token_bitmask[:rows],
+               stages=TritonStages(head, bucket))
+
+
+@dataclass(frozen=True)
+class TritonStages(TorchStages):
+    """The stage groups as Triton kernels over the kernel head's static buffers, for one
+    bucket: `logits_processors` (3-7) and `sample_rows` (8-14) one kernel each, with the
+    signatures of `TorchStages`' (engine/sampling/pipeline.py), whose torch ops they must
+    agree with. The kernel of 8-14 computes the kept set and the logprobs itself: the
+    torch groups `kept_set` and `logprobs` are not called."""
+
+    head: KernelStepHead
+    bucket: int
+
+    def logits_processors(self, raw: torch.Tensor, rows: SamplingRows, controls: ControlRows | None,
+                          token_bitmask: torch.Tensor | None) -> ProcessedScores:
+        """Stages 3-7 in one kernel, engine::apply_controls: allowed tokens, token bitmask,
+        EOS/stop suppression, logit bias, penalties (the drafts of a request's earlier rows
+        counted). `raw` [rows, V] f32, the head's logits, stays unprocessed: each row with
+        controls, active stop ids or a restricting bitmask goes to `KernelState.scores`, the
+        others are skipped (`row_controlled`). `controls` must be None: the kernel reads each
+        row's control slot (`KernelState.controls`) itself. `token_bitmask` [rows, W] int32
+        or None. Capture-safe."""
+        if controls is not None:
+            raise ValueError("controls: the controls kernel reads the control slots itself, expected None")
+        b, s, config = self.head.buffers, self.head.state, self.head.config
+        f, c = b.inputs, s.controls
+        n, bucket = raw.shape[0], self.bucket
+        masked = token_bitmask is not None
+        apply_controls(
+            raw, s.scores[:n], s.row_controlled[:n], s.nothing_allowed[:n], s.arrivals[:n],
+            b.resolved_drafts[:n], f.row_to_req[:n], f.local_step[:n], f.control_slots[:bucket],
+            f.row_drafts[:n], f.mtp_info_read_rows[:n], b.pool_tokens,
+            c.counts, c.prompt_words, c.penalties, c.bias_ids, c.bias_values, c.allowed_words, c.restricted,
+            f.stop_ids[:bucket], f.eos_suppression_rows[:n], token_bitmask, f.masked_rows[:n] if masked else None,
+            max_drafts=config.max_draft_tokens,
+        )
+        return ProcessedScores(s.scores[:n], s.nothing_allowed[:n], stops=None, borrowed=False,
+                               row_controlled=s.row_controlled[:n])
+
+    def sample_rows(self, processed: ProcessedScores, plain: torch.Tensor, rows: SamplingRows, cfg: SamplerConfig,
+                    out: SampleOutput, mode: str | None) -> None:
+        """Stages 8-14 in one kernel, engine::sample_rows: greedy, temperature, min-p, top-k,
+        top-p, the draw, the rows' errors, logprobs in `mode`; a row the controls skipped
+        reads its scores from `plain` [rows, V] f32, the logits. In rejection mode it also
+        writes the kept weights verification reads. `cfg`'s variant fields are not read:
+        every row branches on its own parameters. Capture-safe."""
+        s = self.head.state
+        sample_rows(processed.scores, rows.params, out, s.scratch, logits=plain,
+                    nothing_allowed=processed.nothing_allowed, logprobs=mode,
+                    row_controlled=processed.row_controlled, kept=s.kept)
 
 
 @dataclass(frozen=True)

@@ -121,7 +121,8 @@ class StepEngine:
         # Sampling controls (penalties, logit bias, allowed tokens): state only when the config asks.
         self.controls: SamplingControls | None = None
         if config.max_control_slots and self.head.supports_controls:
-            self.controls = SamplingControls(config, self.vocab_size, self.buffers.max_rows, self.device)
+            self.controls = SamplingControls(config, self.vocab_size, self.buffers.max_rows, self.device,
+                                             keep_unprocessed=self.head.controls_in_place)
             self.head.attach_controls(self.controls)
         # What the request tables ask when a request joins, changes or leaves.
         self.control_hook = self.controls or NoControls(
