@@ -273,10 +273,8 @@ class FrontMachine(Lifecycle):
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), chunk=st.integers(1, 4))
-    def step(self, data, chunk, including=None):
+    def step(self, data, chunk):
         chosen = data.draw(st.lists(st.sampled_from(sorted(self.live)), min_size=1, unique=True))
-        if including is not None and including not in chosen:
-            chosen.append(including)
         pairs = [self.live[rid].seq(rid, chunk) for rid in chosen]
         out = self.e.step(torch.cat([h for _, h in pairs]), [s for s, _ in pairs])
         for rid, (s, _), tokens in zip(chosen, pairs, out.tokens):

@@ -37,7 +37,7 @@ from engine.host.ledger import SamplerInputs
 from engine.invariance import warn_not_invariant
 from engine.step.config import EngineConfig, EngineStats
 from engine.step.controls import SamplingControls
-from engine.step.lm_head import LMHead, LocalHead, checked_head_weight
+from engine.step.lm_head import LMHead, LocalHead
 from engine.step.lm_head_choice import RowLogits, choose_row_logits
 from engine.step.prompt_logprobs import PromptRowResults, compute_prompt_logprobs
 from engine.step.static_buffers import StepBuffers
@@ -73,11 +73,7 @@ class KernelHead(LMHead):
         if config.top_k_space_verify:
             raise ValueError("EngineConfig.top_k_space_verify=True: not served by the Triton kernels "
                              "(EngineConfig.kernels='triton'); use kernels='torch'")
-        device = config.resolved_device()
-        self.weight = checked_head_weight(lm_head_weight, device, "lm_head_weight")
-        self.config = config
-        self.vocab_size, self.hidden_size = self.weight.shape
-        self.dtype = self.weight.dtype
+        device = self.hold_weight(lm_head_weight, config)
         # The sample rows' logits: on CUDA the fused gather + GEMM the probe verifies
         # (engine::lm_head_logits, one call per bucket: the weight read once), elsewhere the
         # probed block GEMM; without batch invariance one GEMM call.

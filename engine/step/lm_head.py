@@ -57,6 +57,17 @@ class LMHead(ABC):
     # reference path; the local sampler decides every row itself.
     flags_exact_rows = False
 
+    def hold_weight(self, lm_head_weight: object, config: EngineConfig) -> torch.device:
+        """Check and keep the whole head's weight and the config (weight, config,
+        vocab_size, hidden_size, dtype); returns the engine's device. **Raises**
+        ValueError naming `lm_head_weight` (`checked_head_weight`)."""
+        device = config.resolved_device()
+        self.weight = checked_head_weight(lm_head_weight, device, "lm_head_weight")
+        self.config = config
+        self.vocab_size, self.hidden_size = self.weight.shape
+        self.dtype = self.weight.dtype
+        return device
+
     @abstractmethod
     def attach(self, buffers: StepBuffers) -> None:
         """Take the engine's static buffers (once, before any step)."""
@@ -149,11 +160,7 @@ class LocalHead(LMHead):
     supports_controls = True
 
     def __init__(self, lm_head_weight: torch.Tensor, config: EngineConfig) -> None:
-        device = config.resolved_device()
-        self.weight = checked_head_weight(lm_head_weight, device, "lm_head_weight")
-        self.config = config
-        self.vocab_size, self.hidden_size = self.weight.shape
-        self.dtype = self.weight.dtype
+        device = self.hold_weight(lm_head_weight, config)
         # The block GEMM, probed here (engine.invariance): the first kernel of
         # BLOCK_KERNELS (oneDNN's, MKL's packed weights, mm) at the configured block that
         # holds, else at a fallback block size.
