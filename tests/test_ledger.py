@@ -3,6 +3,7 @@ cases for each docs/contract.md §1 rule, every validation error, and the column
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -14,6 +15,9 @@ from engine.host.draft_slots import DraftSlots
 from engine.host.ledger import LedgerInvariantError, _check_invariants
 from engine.host.request_table import RequestTable
 from tests.ledger_reference import reference_ledger
+
+# CI runs a third of the examples; ENGINE_LONG_TESTS=1 runs them all.
+SCALE = 1 if os.environ.get("ENGINE_LONG_TESTS") == "1" else 3
 
 MAX_DRAFTS = 3
 
@@ -71,7 +75,7 @@ def assert_matches_reference(seqs, **kw):
     return got
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=1500 // SCALE, deadline=None)
 @given(batches(), st.sampled_from([0, MAX_DRAFTS]))
 def test_vectorised_ledger_equals_reference(seqs, mtp_drafts):
     # With max_draft_tokens=0 drafts are not allowed: replace decode requests by plain ones.
@@ -83,7 +87,7 @@ def test_vectorised_ledger_equals_reference(seqs, mtp_drafts):
     assert got.seeds.dtype == np.uint64
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=500 // SCALE, deadline=None)
 @given(batches(), st.data())
 def test_forced_tokens_equal_reference(seqs, data):
     """A request's forced token lands on its first sample row (prefill: its
@@ -96,7 +100,7 @@ def test_forced_tokens_equal_reference(seqs, data):
         assert got.forced_tokens.dtype == np.int64
 
 
-@settings(max_examples=1000, deadline=None)
+@settings(max_examples=1000 // SCALE, deadline=None)
 @given(batches(), st.integers(1, 30))
 def test_compaction_equals_reference(seqs, keep):
     seqs = [_no_prompt_logprobs(s) for s in seqs]
