@@ -3,7 +3,10 @@ of what ran before it: compiler caches, test order, the thread count, the enviro
 from __future__ import annotations
 
 import os
+import random
+import zlib
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import settings
@@ -44,10 +47,16 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _leave_the_process_as_found():
+def _leave_the_process_as_found(request: pytest.FixtureRequest):
     """Each test starts from the thread count and the environment the session started with,
-    whatever an earlier test set (the demo's --threads, a library's setdefault)."""
+    whatever an earlier test set (the demo's --threads, a library's setdefault), and from
+    global random states seeded by its own name: a test that draws from torch's, numpy's or
+    Python's global generator gets the same values whichever tests ran before it."""
     threads, environ = torch.get_num_threads(), dict(os.environ)
+    seed = zlib.crc32(request.node.nodeid.encode())
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
     yield
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
