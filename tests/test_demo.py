@@ -263,7 +263,9 @@ def test_the_summary_speaks_a_users_words_and_its_counts_add_up(capsys, restore_
                   "speculative drafts (n-gram)", "determinism"):
         assert re.search(rf"^  {re.escape(label)}  ", summary, re.M), label
     assert "bucket histogram" not in summary and "host µs" not in summary  # behind --verbose
-    assert f"= {f['replays']} replays of the captured step + 0 eager" in summary
+    # A CPU run says what happens on a CPU: no graphs, no capture, no replays.
+    assert f"= {f['replays']} runs of a bucket's checked step (CPU: no graphs) + 0 eager" in summary
+    assert "bucket check" in summary and "graph capture" not in summary and "captured step" not in out
     step = out.split("\nStep 2 (", 1)[1].split("\nSummary", 1)[0]
     assert "Ledger: " in step and "Row map" in step
     assert max(map(len, (step + summary).splitlines())) <= 100
