@@ -81,7 +81,8 @@ class LLM:
     wheel), "tiny" (a seeded random model, no weights), a local Hugging Face
     checkpoint folder (the `hf` extra), or any `CausalLM` (then pass its `tokenizer`
     for text; an HF or `tokenizers` tokenizer is accepted too). `seed`: None for
-    fresh seeds per request, an int for reproducible runs. `batch_invariant`
+    fresh seeds per request, an int for reproducible runs (it seeds sampling only, never
+    the tiny model's weights). `batch_invariant`
     (default True, as everywhere in the engine): a request's tokens do not depend on
     what else runs beside it; False is faster. `max_num_reqs`: requests decoded
     together (one graph bucket each up to it); `max_context`: prompt + output tokens
@@ -123,10 +124,10 @@ class LLM:
                 raise ValueError(f"tokenizer=: LLM({model!r}) loads the model's own tokenizer; pass tokenizer= only "
                                  "with a model object")
             named = model in ("smollm2", "tiny")
-            # `seed` is the sampling's: the tiny model's weights keep their one seed, so a seed
-            # reported by one LLM reproduces its sample on any other.
             if max_context is None and named:
                 max_context = DEFAULT_MAX_CONTEXT
+            # No `seed` here: it is the sampling's. The tiny model's weights keep their one
+            # seed, so a seed reported by one LLM reproduces its sample on any other.
             loaded = load(model, device=engine_config.resolved_device(), num_slots=config.max_num_reqs,
                           max_context=max_context, batch_invariant=batch_invariant, progress=progress)
             self.model, self.tokenizer, self.label = loaded.model, loaded.tokenizer, loaded.label
