@@ -10,7 +10,7 @@ import importlib
 from typing import Any
 
 from engine.host.ledger import SamplerInputs, prepare_sampler_inputs
-from engine.host.params import SamplingParams, SeqMeta
+from engine.host.params import SamplingParams, SeqMeta, StructuredOutputsParams
 
 # name -> the module that defines it; loaded on first use
 _LAZY = {
@@ -33,7 +33,7 @@ _LAZY = {
     "Logprob": "engine.llm",
 }
 
-__all__ = ["SamplingParams", "SeqMeta", "prepare_sampler_inputs", "SamplerInputs", *sorted(_LAZY)]
+__all__ = ["SamplingParams", "SeqMeta", "StructuredOutputsParams", "prepare_sampler_inputs", "SamplerInputs", *sorted(_LAZY)]
 
 
 def __getattr__(name: str) -> Any:

@@ -15,6 +15,7 @@ torch.cuda.graph cannot run.
 """
 from __future__ import annotations
 
+import functools
 import sys
 import time
 import warnings
@@ -79,16 +80,19 @@ class CaptureReport:
 CaptureProgress = Callable[[int, int, int], None]
 
 
-def show_capture_progress(done: int, total: int, bucket: int) -> None:
-    """A bar on stderr: redrawn in place on a terminal, its last state only in a log."""
+def show_capture_progress(done: int, total: int, bucket: int, *, device: torch.device | None = None) -> None:
+    """A bar on stderr: redrawn in place on a terminal, its last state only in a log. It
+    says what really happens: CUDA graphs captured, or on CPU (no graphs there) each
+    bucket's step run once under the capture-safety check."""
     if not sys.stderr.isatty() and done != total:
         return
     width = 24
     filled = width * done // total
     bar = "#" * filled + "." * (width - filled)
     end = "\n" if done == total else ""
-    print(f"\rcapturing step graphs [{bar}] {done}/{total} (bucket {bucket})",
-          end=end, file=sys.stderr, flush=True)
+    what = "checking each bucket's step (CPU: no graphs)" if device is not None and device.type == "cpu" \
+        else "capturing step graphs"
+    print(f"\r{what} [{bar}] {done}/{total} (bucket {bucket})", end=end, file=sys.stderr, flush=True)
 
 
 class ReplayCounts(NamedTuple):
@@ -171,7 +175,7 @@ class GraphReplayer:
         """Capture every bucket, largest first; on CPU run each once under the safety check.
         `progress`: True draws a bar on stderr, a callable hears each bucket instead."""
         if progress is True:
-            progress = show_capture_progress
+            progress = functools.partial(show_capture_progress, device=self.device)
         if self._captured:
             raise RuntimeError("capture() already ran for this replayer")
         # Largest first: its allocations size the shared pool, and every smaller

@@ -221,7 +221,7 @@ def test_json_has_numbers_snake_case_keys_and_named_logprob_fields(capsys):
 
 
 def test_trace_records_stage_ranges_only_unless_trace_ops(capsys, tmp_path):
-    from engine.trace import STAGES
+    from engine.trace import STAGES, STEP
 
     argv = ["--model", "tiny", "--requests", "2", "--max-tokens", "3", "--max-num-reqs", "1", "--drafts", "0",
             "--json", "--device", "cpu"]
@@ -231,7 +231,8 @@ def test_trace_records_stage_ranges_only_unless_trace_ops(capsys, tmp_path):
     steps = json.JSONDecoder().raw_decode(capsys.readouterr().out)[0]["summary"]["steps"]
     events = [e for e in json.loads(stages_only.read_text())["traceEvents"] if e.get("ph") == "X"]
     names = {e["name"] for e in events}
-    assert {"schedule", "ledger", "staging copy", "replay", "output copy", "model forward"} <= names <= set(STAGES)
+    assert {"schedule", "ledger", "staging copy", "replay", "output copy", "model forward", STEP} <= names
+    assert names <= {*STAGES, STEP}  # the stages and each step's parent range, nothing else
     assert all(e["dur"] >= 0 for e in events)
     assert stages_only.stat().st_size < 2000 * steps  # a few hundred bytes per step
     op_names = {e.get("name") for e in json.loads(with_ops.read_text())["traceEvents"]}
@@ -263,7 +264,9 @@ def test_the_summary_speaks_a_users_words_and_its_counts_add_up(capsys, restore_
                   "speculative drafts (n-gram)", "determinism"):
         assert re.search(rf"^  {re.escape(label)}  ", summary, re.M), label
     assert "bucket histogram" not in summary and "host µs" not in summary  # behind --verbose
-    assert f"= {f['replays']} replays of the captured step + 0 eager" in summary
+    # A CPU run says what happens on a CPU: no graphs, no capture, no replays.
+    assert f"= {f['replays']} runs of a bucket's checked step (CPU: no graphs) + 0 eager" in summary
+    assert "bucket check" in summary and "graph capture" not in summary and "replays of the captured" not in out
     step = out.split("\nStep 2 (", 1)[1].split("\nSummary", 1)[0]
     assert "Ledger: " in step and "Row map" in step
     assert max(map(len, (step + summary).splitlines())) <= 100

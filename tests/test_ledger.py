@@ -328,14 +328,14 @@ def test_invariant_violation_raises():
         (dict(temperature=float("nan")), "temperature=nan"),
         (dict(top_p=0.0), "top_p=0.0"),
         (dict(top_p=1.5), "top_p=1.5"),
-        (dict(top_k=-1), "top_k=-1"),
+        (dict(top_k=-2), "top_k=-2"),  # -1 is vLLM's "off"
         (dict(min_p=1.2), "min_p=1.2"),
         (dict(min_p=-0.1), "min_p=-0.1"),
-        (dict(seed=-1), "seed=-1"),
+        (dict(seed=-2), "seed=-2"),  # -1 is vLLM's None
         (dict(seed=2**64), "seed=18446744073709551616"),
         (dict(min_tokens=-2), "min_tokens=-2"),
         (dict(max_tokens=0), "max_tokens=0"),
-        (dict(logprobs=-1), "logprobs=-1"),
+        (dict(logprobs=-2), "logprobs=-2"),  # -1 is vLLM's "the whole vocabulary"
         (dict(prompt_logprobs=-3), "prompt_logprobs=-3"),
         (dict(stop_token_ids=(5, 2**31)), "stop_token_ids"),
         (dict(top_k=True), "top_k=True"),

@@ -1,4 +1,4 @@
-"""The README's promises: its first lines are the two set-up commands, and its
+"""The README's promises: its title, then the two set-up commands, and its
 embedding example runs as printed."""
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from pathlib import Path
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-def test_readme_starts_with_the_two_commands():
-    first = [line.strip() for line in README.read_text().splitlines()[:2]]
+def test_readme_starts_with_its_title_then_the_two_commands():
+    lines = README.read_text().splitlines()
+    assert lines[0] == "# step engine"
+    first = [line.strip() for line in lines[1:5] if line.strip()]
     assert first[0].startswith("make demo") and first[1].startswith("make test")
 
 

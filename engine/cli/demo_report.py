@@ -94,7 +94,12 @@ def summary_rows(f: dict, drafts_on: bool, device: str) -> list[tuple[str, str]]
         drafts = "none proposed (no n-gram of the output matched)"
     else:
         drafts = f"{f['drafts_accepted']} of {f['drafts_proposed']} accepted ({f['draft_acceptance']:.0%})"
-    graph = "CUDA-graph replays" if device.startswith("cuda") else "replays of the captured step"
+    # On CPU there are no graphs: "capture" runs each bucket's step once under the
+    # capture-safety check, and a "replay" runs that step again over the same buffers.
+    on_cuda = device.startswith("cuda")
+    graph = "CUDA-graph replays" if on_cuda else "runs of a bucket's checked step (CPU: no graphs)"
+    capture = (f"graph capture {f['capture_seconds']:.1f} s ({f['graphs_captured']} graphs)" if on_cuda else
+               f"bucket check {f['capture_seconds']:.1f} s ({f['graphs_captured']} bucket steps run once)")
     eager = f["eager_steps"] + f["eager_fallbacks"]
     idle = f"; the loop also idled {f['idle_steps']} step(s) waiting for arrivals" if f["idle_steps"] else ""
     if f["batch_invariant"]:
@@ -111,8 +116,7 @@ def summary_rows(f: dict, drafts_on: bool, device: str) -> list[tuple[str, str]]
                        f"{f['wall_seconds']:.2f} s, start-up not counted)"),
         ("time to first token", f"median {_seconds(f['ttft_median_seconds'])}, slowest "
                                 f"{_seconds(f['ttft_max_seconds'])} (from each request's arrival)"),
-        ("start-up", f"model load {f['load_seconds']:.1f} s, graph capture {f['capture_seconds']:.1f} s "
-                     f"({f['graphs_captured']} graphs)"),
+        ("start-up", f"model load {f['load_seconds']:.1f} s, {capture}"),
         ("steps", f"{f['engine_steps']} = {f['replays']} {graph} + {eager} eager{idle}"),
         ("speculative drafts (n-gram)", drafts),
         ("determinism", mode),

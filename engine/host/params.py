@@ -23,6 +23,9 @@ UINT64_MAX = 2**64 - 1
 PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty, as vLLM
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # each logit_bias value, as OpenAI and vLLM
 STRUCTURED_FIELDS = ("json_schema", "regex", "grammar")
+# The top-N of `logprobs=-1` before the loop knows the vocabulary: past every cap, so a
+# caller that does not resolve it (`resolve_whole_vocabulary`) is refused, never silently off.
+WHOLE_VOCABULARY = INT32_MAX
 
 
 def _record_layout(fields: Sequence[tuple[str, str]]) -> tuple[np.dtype, struct.Struct]:
@@ -116,6 +119,34 @@ class TokenBias(MappingABC):
         return repr(self._items)
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's `structured_outputs=` for `SamplingParams`: exactly one of `json` (a JSON
+    schema as text or a dict), `regex` or `grammar` (EBNF). The same constraint as the
+    flat `json_schema` / `regex` / `grammar` fields, which it fills in."""
+
+    json: str | Mapping | None = None
+    regex: str | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "grammar") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"StructuredOutputsParams({', '.join(f'{n}=...' for n in given)}): give exactly one of "
+                             "json, regex or grammar")
+        [name] = given
+        value = getattr(self, name)
+        if not (isinstance(value, str) or (name == "json" and isinstance(value, Mapping))):
+            kinds = "a str or a dict" if name == "json" else "a str"
+            raise ValueError(f"StructuredOutputsParams.{name}={value!r}: must be {kinds}")
+
+    def flat(self) -> tuple[str, str | Mapping]:
+        """(the `SamplingParams` field it stands for, its value)."""
+        if self.json is not None:
+            return "json_schema", self.json
+        return ("regex", self.regex) if self.regex is not None else ("grammar", self.grammar)
+
+
 # The scalar fields a numpy scalar may stand for (normalised to a Python int or float).
 _NUMBER_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "min_tokens", "max_tokens", "logprobs",
                   "prompt_logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty", "n")
@@ -123,12 +154,15 @@ _NUMBER_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "min_tokens"
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples. `top_k=0` is off; `temperature=0` is greedy.
+    """How one request samples. `top_k=0` (or -1, vLLM's) is off; `temperature=0` is greedy
+    (and then `n` must be 1, as vLLM: the samples would all be alike).
 
     `prompt_logprobs`: False/None = off, True = the target token's logprob and
     rank only, an int N >= 0 = that plus the top-N alternatives.
     `logprobs`: None = off, an int N >= 0 = the sampled token's logprob and rank
-    plus the top-N alternatives.
+    plus the top-N alternatives. -1 in either (vLLM's) = the whole vocabulary: the
+    loop reads it as the vocabulary's size, refused past `SamplerConfig.max_logprobs`.
+    `seed=-1` is None (vLLM's).
 
     The controls a vLLM user knows, with vLLM's semantics (docs/contract.md §2):
     - `repetition_penalty` (> 0, 1 = off): over the prompt and the output
@@ -137,13 +171,20 @@ class SamplingParams:
       output tokens, subtract the penalty once, or once per occurrence;
     - `logit_bias`: token id -> bias in [-100, 100], added to the logit;
     - `allowed_token_ids`: only these may be sampled (non-empty);
-    - `bad_words`: token sequences; a sequence's last token is banned where
+    - `bad_words`: words as text (tokenized as vLLM does: the word, and the
+      word after a space where that starts with another token of the same
+      count) or token sequences; a sequence's last token is banned where
       the context ends with the rest of it (a one-token word is always banned);
     - `n`: samples per prompt, each with its own seed derived from `seed`;
     - `stop`: strings that end the output (the loop checks them on the text;
       the stop string is cut unless `include_stop_str_in_output`);
     - `json_schema` (a JSON schema as text or a dict), `regex`, `grammar`
-      (EBNF): structured output through xgrammar; at most one of the three.
+      (EBNF): structured output through xgrammar; at most one of the three;
+      or vLLM's `structured_outputs=StructuredOutputsParams(json=...)`, which
+      fills in the flat field;
+    - `skip_special_tokens` (default True), `spaces_between_special_tokens`
+      (default True): how the output text is detokenized, as vLLM: special
+      tokens left out, or kept with a space between each and its neighbours.
     Checks that need the vocabulary or a tokenizer run at submission.
     `ledger_record` (bytes, not a field): the values the ledger reads, packed once the
     fields are validated.
@@ -179,6 +220,9 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     grammar: str | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         ids = self.stop_token_ids
@@ -207,6 +251,14 @@ class SamplingParams:
         scalars into the Python numbers they hold."""
         for name in _NUMBER_FIELDS:
             object.__setattr__(self, name, _plain_number(getattr(self, name)))
+        # vLLM's spellings of "off" and "none": top_k=-1 and seed=-1.
+        if _is_int(self.top_k) and self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        if _is_int(self.seed) and self.seed == -1:
+            object.__setattr__(self, "seed", None)
+        problem = self._take_structured_outputs()
+        if problem:
+            return problem
         bias = self.logit_bias
         if bias is not None:
             if not isinstance(bias, Mapping):
@@ -224,10 +276,10 @@ class SamplingParams:
                 return f"bad_words={words!r}: must be None or a sequence of token-id sequences"
             words = tuple(words)
             for j, word in enumerate(words):
-                if isinstance(word, (str, bytes)) or not isinstance(word, Iterable):
-                    return (f"bad_words[{j}]={word!r}: must be a sequence of token ids "
-                            "(tokenize a word first; its last token is the one banned)")
-            object.__setattr__(self, "bad_words", tuple(tuple(map(_plain_number, word)) for word in words))
+                if isinstance(word, bytes) or not isinstance(word, (str, Iterable)):
+                    return f"bad_words[{j}]={word!r}: must be a word (a str) or a sequence of token ids"
+            object.__setattr__(self, "bad_words", tuple(
+                word if isinstance(word, str) else tuple(map(_plain_number, word)) for word in words))
         stop = self.stop
         if isinstance(stop, str):
             stop = (stop,)  # vLLM accepts one string
@@ -248,13 +300,35 @@ class SamplingParams:
                 return f"json_schema={schema!r}: not valid JSON ({e})"
         return None
 
+    def _take_structured_outputs(self) -> str | None:
+        """`structured_outputs` fills in its flat field; one given beside it must agree
+        (as in `SamplingParams(**vars(params))`)."""
+        given = self.structured_outputs
+        if given is None:
+            return None
+        if not isinstance(given, StructuredOutputsParams):
+            return f"structured_outputs={given!r}: must be None or a StructuredOutputsParams"
+        name, value = given.flat()
+        if name == "json_schema" and isinstance(value, Mapping):
+            try:
+                value = json.dumps(value)
+            except (TypeError, ValueError) as e:
+                return f"structured_outputs.json={value!r}: not serialisable as JSON ({e})"
+        for flat in STRUCTURED_FIELDS:
+            current = getattr(self, flat)
+            if current is not None and (flat != name or current != value):
+                return (f"structured_outputs={given!r} and {flat}={current!r}: give the constraint one way, "
+                        "not both")
+        object.__setattr__(self, name, value)
+        return None
+
     def problem(self) -> str | None:
         """The first invalid field as 'field=value: why', or None when valid."""
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             return f"temperature={t!r}: must be a finite number >= 0 (0 means greedy)"
         if not _is_int(self.top_k) or self.top_k < 0 or self.top_k > INT32_MAX:
-            return f"top_k={self.top_k!r}: must be an int >= 0 (0 means off)"
+            return f"top_k={self.top_k!r}: must be an int >= 0, or -1 (0 and -1 mean off)"
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
             return f"top_p={p!r}: must lie in (0, 1]"
@@ -269,11 +343,13 @@ class SamplingParams:
             return f"max_tokens={self.max_tokens!r}: must be None or an int >= 1"
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             return f"min_tokens={self.min_tokens!r}: exceeds max_tokens={self.max_tokens!r}"
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= INT32_MAX):
-            return f"logprobs={self.logprobs!r}: must be None or an int in [0, 2**31) (top-N alternatives)"
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not -1 <= self.logprobs <= INT32_MAX):
+            return (f"logprobs={self.logprobs!r}: must be None, an int in [0, 2**31) (top-N alternatives) or -1 "
+                    "(the whole vocabulary)")
         pl = self.prompt_logprobs
-        if not (pl is None or isinstance(pl, bool) or (_is_int(pl) and 0 <= pl <= INT32_MAX)):
-            return f"prompt_logprobs={pl!r}: must be a bool or an int in [0, 2**31) (top-N alternatives)"
+        if not (pl is None or isinstance(pl, bool) or (_is_int(pl) and -1 <= pl <= INT32_MAX)):
+            return (f"prompt_logprobs={pl!r}: must be a bool, an int in [0, 2**31) (top-N alternatives) or -1 "
+                    "(the whole vocabulary)")
         for tok in self.stop_token_ids:
             if not _is_int(tok) or not 0 <= tok <= INT32_MAX:
                 return f"stop_token_ids={self.stop_token_ids!r}: token {tok!r} is not an int32 token id >= 0"
@@ -305,12 +381,18 @@ class SamplingParams:
                     return f"allowed_token_ids: token {tok!r} is not an int32 token id >= 0"
         for j, word in enumerate(self.bad_words or ()):
             if not word:
-                return f"bad_words[{j}]=(): an empty bad word bans nothing"
+                return f"bad_words[{j}]={word!r}: an empty bad word bans nothing"
+            if isinstance(word, str):
+                if not word.strip():
+                    return f"bad_words[{j}]={word!r}: a word of white space bans nothing"
+                continue
             for tok in word:
                 if not _is_int(tok) or not 0 <= tok <= INT32_MAX:
                     return f"bad_words[{j}]: token {tok!r} is not an int32 token id >= 0"
         if not _is_int(self.n) or self.n < 1:
             return f"n={self.n!r}: must be an int >= 1"
+        if self.n > 1 and self.is_greedy:
+            return f"n={self.n}: must be 1 when temperature=0 (greedy): every sample would be the same (as vLLM)"
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 return f"stop={self.stop!r}: {s!r} is not a non-empty string"
@@ -323,6 +405,9 @@ class SamplingParams:
                 return f"{name}={value!r}: must be None or a non-empty string"
         if len(given) > 1:
             return f"{given[0]} and {given[1]}: at most one structured-output constraint per request"
+        for name in ("skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                return f"{name}={getattr(self, name)!r}: must be a bool"
         return None
 
     @property
@@ -341,16 +426,20 @@ class SamplingParams:
 
     @property
     def num_prompt_logprobs(self) -> int:
-        """-1 when prompt logprobs are off, else the number of top-N alternatives."""
+        """-1 when prompt logprobs are off, else the number of top-N alternatives
+        (`WHOLE_VOCABULARY` for -1, until the loop reads it as the vocabulary's size)."""
         pl = self.prompt_logprobs
         if pl is None or pl is False:
             return -1
-        return 0 if pl is True else int(pl)
+        return 0 if pl is True else WHOLE_VOCABULARY if pl == -1 else int(pl)
 
     @property
     def num_logprobs(self) -> int:
-        """-1 when sample logprobs are off, else the number of top-N alternatives."""
-        return -1 if self.logprobs is None else int(self.logprobs)
+        """-1 when sample logprobs are off, else the number of top-N alternatives
+        (`WHOLE_VOCABULARY` for -1, as `num_prompt_logprobs`)."""
+        if self.logprobs is None:
+            return -1
+        return WHOLE_VOCABULARY if self.logprobs == -1 else int(self.logprobs)
 
     @property
     def is_greedy(self) -> bool:

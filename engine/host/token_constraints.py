@@ -248,7 +248,8 @@ class TokenConstraints:
         structured = params.structured
         if structured is None and not params.bad_words:
             return None
-        for j, word in enumerate(params.bad_words or ()):
+        bad_words = self.bad_word_tokens(request_id, params.bad_words or ())
+        for j, word in enumerate(bad_words):
             outside = [t for t in word if t >= self.vocab_size]
             if outside:
                 raise ValueError(f"request {request_id!r}: params.bad_words[{j}]={word}: token {outside[0]} is "
@@ -276,7 +277,32 @@ class TokenConstraints:
             except ValueError as err:  # the tokenizer's vocabulary is not one xgrammar can read
                 raise ValueError(f"request {request_id!r}: params.{kind}: {err}") from None
             matcher = grammars.matcher(grammars.compiled(request_id, kind, text), stops)
-        return TokenConstraint(matcher, params.bad_words or (), stops)
+        return TokenConstraint(matcher, bad_words, stops)
+
+    def bad_word_tokens(self, request_id: Hashable, words: Sequence[str | Sequence[int]]) -> list[tuple[int, ...]]:
+        """The token sequences `bad_words` stands for. A word given as text is read as vLLM
+        reads it: the word with its leading white space stripped, as the tokenizer encodes
+        it at the start of a text; and, when a space before it makes a different first
+        token and the same number of tokens, that encoding too (the word inside a text).
+        **Raises** ValueError naming the request and the word when there is no tokenizer
+        or the word encodes to nothing."""
+        sequences: list[tuple[int, ...]] = []
+        for j, word in enumerate(words):
+            if not isinstance(word, str):
+                sequences.append(tuple(word))
+                continue
+            if self.tokenizer is None:
+                raise ValueError(f"request {request_id!r}: params.bad_words[{j}]={word!r}: a word as text needs a "
+                                 "tokenizer (PersistentBatch(..., tokenizer=), DecodeLoop(..., tokenizer=)); or give "
+                                 "its token ids")
+            alone = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            if not alone:
+                raise ValueError(f"request {request_id!r}: params.bad_words[{j}]={word!r}: encodes to no tokens")
+            sequences.append(alone)
+            inside = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if inside and inside[0] != alone[0] and len(inside) == len(alone):
+                sequences.append(inside)
+        return sequences
 
     def grammars(self) -> GrammarCache:
         """The grammar cache over `tokenizer` (a `GrammarTokenizer`), made on first use."""

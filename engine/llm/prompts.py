@@ -27,6 +27,7 @@ ACCEPTED = ("a str, a list of token ids, a chat (a list of {'role': ..., 'conten
 class Prompt(NamedTuple):
     text: str | None  # the text as given, or the chat rendered by the template; None for token ids
     token_ids: list[int]
+    chat: bool = False  # rendered from a conversation with the chat template
 
 
 def _is_int(value: object) -> bool:
@@ -87,7 +88,7 @@ def read_prompt(i: int, prompt: object, tokenizer: HFProtocol | None, vocab_size
         check_conversation(prompt, where)
         ids = tokenizer.chat_prompt(list(prompt), add_generation_prompt=True)
         text = tokenizer.chat_text(list(prompt), add_generation_prompt=True)
-        return Prompt(text, checked_prompt(i, ids, vocab_size, label=where).tolist())
+        return Prompt(text, checked_prompt(i, ids, vocab_size, label=where).tolist(), chat=True)
     if isinstance(prompt, (bytes, bytearray, Mapping)) or not isinstance(prompt, (Sequence, np.ndarray, torch.Tensor)):
         raise ValueError(f"{where}={prompt!r}: a {type(prompt).__name__}; a prompt is {ACCEPTED}")
     try:

@@ -39,6 +39,7 @@ import torch
 
 from engine.host.params import SamplingParams
 from engine.loop.config import LoopConfig, engine_config_for
+from engine.loop.detokenize import output_decoder
 from engine.host.token_ids import check_request_id
 from engine.loop.requests import (Completion, RunningRequest, StepEvent, drop_oldest_finished, fresh_seed,
                                   sibling_seed)
@@ -52,7 +53,7 @@ from engine.step.checkpoint import EngineCheckpoint
 from engine.step.config import EngineConfig
 from engine.step.outputs import StepOutput
 from engine.step.step_engine import StepEngine
-from engine.trace import stage
+from engine.trace import stage, step_range
 
 
 @dataclass
@@ -145,7 +146,8 @@ class DecodeLoop:
             request = RunningRequest(sample_id, prompt, sample_params, max_tokens, -1, completion,
                                      family=request_id if params.n > 1 else None)
             if params.stop:
-                request.text = OutputText(self.tokenizer, params.stop, params.include_stop_str_in_output)
+                request.text = OutputText(output_decoder(self.tokenizer, params), params.stop,
+                                          params.include_stop_str_in_output)
             self.waiting.insert(position + j, (arrival_step, request))
 
     def check(self, request_id: Hashable, prompt_tokens: Sequence[int], params: SamplingParams | None = None, *,
@@ -162,8 +164,14 @@ class DecodeLoop:
     def forget(self, request_id: Hashable) -> Completion | list[Completion]:
         """Hand over a finished request's completion (all n for a request with n > 1) and
         drop every record of it, so a long-lived loop keeps nothing per finished request.
-        **Raises** ValueError for a request that is unknown or has not finished."""
+        A family is handed over whole: the id of one of its samples, `(request_id, j)`,
+        is refused (forgetting it alone would leave the family's id unusable).
+        **Raises** ValueError for a request that is unknown or has not finished, or a sample id."""
         check_request_id(request_id)
+        owner = self._family_of(request_id)
+        if owner is not None:
+            raise ValueError(f"request {request_id!r}: one of the {len(self.families[owner])} samples of request "
+                             f"{owner!r}; forget {owner!r} to hand over all of them")
         family = self.families.get(request_id)
         sample_ids = family or (request_id,)
         unfinished = [sample_id for sample_id in sample_ids if sample_id not in self.finished]
@@ -174,6 +182,14 @@ class DecodeLoop:
         self._known.difference_update((request_id, *sample_ids))
         self.families.pop(request_id, None)
         return done if family else done[0]
+
+    def _family_of(self, request_id: Hashable) -> Hashable | None:
+        """The id of the n > 1 request whose sample `request_id` is, or None."""
+        if isinstance(request_id, tuple) and len(request_id) == 2:
+            family = self.families.get(request_id[0])
+            if family is not None and request_id in family:
+                return request_id[0]
+        return None
 
     def abort(self, request_id: Hashable) -> Completion | list[Completion]:
         """Stop a queued or running request (between steps): it gives back its batch
@@ -220,7 +236,7 @@ class DecodeLoop:
         tokenizer (a stop string sets its kept text when it matches)."""
         completion = req.completion
         if self.tokenizer is not None and completion.text is None:
-            completion.text = self.tokenizer.decode(completion.tokens)
+            completion.text = output_decoder(self.tokenizer, req.params).decode(completion.tokens)
         self.finished[req.request_id] = completion
         if self._handed is not None:
             self._handed[req.request_id] = completion
@@ -325,23 +341,25 @@ class DecodeLoop:
         if not batch:
             self.stats.steps += 1
             return [], []
-        rows = np.fromiter((s.req.table_row for s in batch), dtype=np.int64, count=len(batch))
         seqlen_q = np.fromiter((s.seqlen_q for s in batch), dtype=np.int32, count=len(batch))
-        seqlen_k = np.fromiter((s.seqlen_k for s in batch), dtype=np.int32, count=len(batch))
-        token_ids = torch.from_numpy(np.concatenate([s.tokens for s in batch]))
-        forward_batch = ForwardBatch.of([s.req.kv_slot for s in batch], seqlen_q, seqlen_k)
-        t1 = time.perf_counter()
-        with stage("model forward"):
-            # Straight into the engine's static source: no copy between the
-            # model's last layer and the captured gather.
-            self.model.forward(token_ids, forward_batch.positions(), forward_batch, out=self.engine.source)
-        t2 = time.perf_counter()
-        with stage("ledger"):
-            prepared = self.last_step = self.batch.prepare_rows(rows, seqlen_q, seqlen_k,
-                                                                draft_tokens=self._draft_tokens(batch))
-        out = self.engine.run(self.engine.source, prepared.inputs, prepared.arrays, host_start=t2)
-        t3 = time.perf_counter()
-        events, left = self._apply(batch, prepared, out, undo)
+        # The rest of the step under one parent range (a trace's "step"), with its arguments.
+        with step_range(self.stats.steps, len(batch), int(seqlen_q.sum()), self.engine.buckets.bucket_for(len(batch))):
+            rows = np.fromiter((s.req.table_row for s in batch), dtype=np.int64, count=len(batch))
+            seqlen_k = np.fromiter((s.seqlen_k for s in batch), dtype=np.int32, count=len(batch))
+            token_ids = torch.from_numpy(np.concatenate([s.tokens for s in batch]))
+            forward_batch = ForwardBatch.of([s.req.kv_slot for s in batch], seqlen_q, seqlen_k)
+            t1 = time.perf_counter()
+            with stage("model forward"):
+                # Straight into the engine's static source: no copy between the
+                # model's last layer and the captured gather.
+                self.model.forward(token_ids, forward_batch.positions(), forward_batch, out=self.engine.source)
+            t2 = time.perf_counter()
+            with stage("ledger"):
+                prepared = self.last_step = self.batch.prepare_rows(rows, seqlen_q, seqlen_k,
+                                                                    draft_tokens=self._draft_tokens(batch))
+            out = self.engine.run(self.engine.source, prepared.inputs, prepared.arrays, host_start=t2)
+            t3 = time.perf_counter()
+            events, left = self._apply(batch, prepared, out, undo)
         self.stats.schedule_seconds += (t1 - t0) + (time.perf_counter() - t3)
         self.stats.forward_seconds += t2 - t1
         self.stats.engine_seconds += t3 - t2

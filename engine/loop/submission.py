@@ -3,6 +3,7 @@
 request, the field and the value."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Hashable, NamedTuple, Sequence
 
 import numpy as np
@@ -41,6 +42,8 @@ def check_submission(
     check_request_id(request_id)
     if request_id in known:
         raise ValueError(f"request {request_id!r}: request_id was already submitted")
+    if isinstance(params, SamplingParams):
+        params = whole_vocabulary_read(request_id, params, batch)
     # What the batch checks (the prompt, the caps on logprobs, stop ids, controls), once, here.
     prompt, params = batch.check(request_id, prompt_tokens, params)
     if params.n > config.max_n:
@@ -71,3 +74,19 @@ def check_submission(
         )
     batch.check_constraints(request_id, params)  # bad words, structured output (compiled, cached)
     return Submission(prompt, params, sample_ids, max_tokens, int(arrival_step))
+
+
+def whole_vocabulary_read(request_id: Hashable, params: SamplingParams, batch: PersistentBatch) -> SamplingParams:
+    """`logprobs=-1` / `prompt_logprobs=-1` (vLLM's "the whole vocabulary") as the
+    vocabulary's size, where `SamplerConfig.max_logprobs` allows that many; **raises**
+    ValueError naming the request, the field and the cap where it does not."""
+    asked = [name for name in ("logprobs", "prompt_logprobs") if getattr(params, name) == -1
+             and not isinstance(getattr(params, name), bool)]
+    if not asked:
+        return params
+    vocab = batch.engine.vocab_size
+    cap = batch.engine.config.sampler.max_logprobs
+    if vocab > cap:
+        raise ValueError(f"request {request_id!r}: params.{asked[0]}=-1: the whole vocabulary ({vocab} tokens) is more "
+                         f"than max_logprobs={cap} (EngineConfig(sampler=SamplerConfig(max_logprobs=...)))")
+    return dataclasses.replace(params, **{name: vocab for name in asked})

@@ -94,6 +94,11 @@ class HFProtocol:
     text; Hugging Face's own `decode` keeps them)."""
 
     eos_token_id: int | None = None
+    # Whether conversations render through a chat template of the model's own (an
+    # instruct model answers inside it; raw text often gets an empty completion).
+    has_chat_template: bool = False
+    # The ids `decode(..., skip_special_tokens=True)` leaves out.
+    special_ids: frozenset[int] = frozenset()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         raise NotImplementedError
@@ -155,6 +160,8 @@ class ChatMLFormat(HFProtocol):
     and followed by `<|im_start|>assistant\\n` when a reply is wanted.
     """
 
+    has_chat_template = True
+
     def __init__(self, system_prompt: str | None = None) -> None:
         self.system_prompt = system_prompt
 
@@ -179,6 +186,11 @@ class ChatMLFormat(HFProtocol):
         return "".join(parts)
 
 
+def added_special_ids(tokenizer: Tokenizer) -> frozenset[int]:
+    """The ids of a `tokenizers.Tokenizer`'s added tokens marked special."""
+    return frozenset(i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special)
+
+
 class ChatMLTokenizer(ChatMLFormat):
     """Implements `engine.models.protocol.ChatTokenizer` for ChatML models (SmolLM2-Instruct):
     a `tokenizers` BPE plus the template's default system message."""
@@ -186,6 +198,10 @@ class ChatMLTokenizer(ChatMLFormat):
     def __init__(self, tokenizer: Tokenizer, system_prompt: str | None = None) -> None:
         super().__init__(system_prompt)
         self.tokenizer = tokenizer
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        return added_special_ids(self.tokenizer)
 
     @property
     def vocab_size(self) -> int:
@@ -223,6 +239,7 @@ class ByteChatMLTokenizer(ChatMLFormat):
     seeded random model): ids 0-255 are bytes, 256 is `<|im_start|>`, 257 `<|im_end|>`."""
 
     SPECIALS = ("<|im_start|>", "<|im_end|>")
+    special_ids = frozenset(range(256, 256 + len(SPECIALS)))
 
     @property
     def vocab_size(self) -> int:
@@ -266,6 +283,10 @@ class PlainTokenizer(HFProtocol):
         self.eos_token_id = eos_token_id
 
     @property
+    def special_ids(self) -> frozenset[int]:
+        return added_special_ids(self.tokenizer)
+
+    @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
@@ -297,6 +318,14 @@ class HFChatTokenizer(HFProtocol):
     @property
     def eos_token_id(self) -> int | None:
         return self.tokenizer.eos_token_id
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        return frozenset(self.tokenizer.all_special_ids)
 
     @property
     def vocab_size(self) -> int:

@@ -217,7 +217,7 @@ class StepEngine:
         `progress`: True draws one bar on stderr over every set's buckets; a callable
         hears (graphs captured, graphs to capture, bucket) instead."""
         total = sum(len(replayer.buckets) for replayer in self.replayers.values())
-        hear = show_capture_progress if progress is True else progress
+        hear = functools.partial(show_capture_progress, device=self.device) if progress is True else progress
         reports: list[CaptureReport] = []
         for replayer in self.replayers.values():
             offset = sum(len(report.buckets) for report in reports)  # graphs of the sets before this one
