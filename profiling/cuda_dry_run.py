@@ -117,6 +117,18 @@ class DryRunConfig:
 
 
 @dataclass
+class HostTraffic:
+    """Engine steps and the host waits they made outside their graphs."""
+
+    steps: int = 0
+    d2h_reads: int = 0
+    pageable_h2d: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
 class DryRunReport:
     """What the dry run checked: ops per bucket of every captured graph set, steps run,
     and the host waits (device-to-host reads, pageable copies) of those steps outside
@@ -128,6 +140,14 @@ class DryRunReport:
     pageable_copies: Counter[str] = field(default_factory=Counter)  # call site -> copies
     costs: list[GraphCost] = field(default_factory=list)  # a cost run: one per graph set and bucket
     seconds: float = 0.0
+    # The host traffic of the steps the graphs serve (one replay: within the largest bucket, no
+    # prompt logprobs), where the bar is one copy each way, and of the other engine steps, apart.
+    graph_steps: HostTraffic = field(default_factory=lambda: HostTraffic())
+    other_steps: HostTraffic = field(default_factory=lambda: HostTraffic())
+
+    def host_summary(self) -> dict[str, int | dict[str, int]]:
+        """The JSON's "host": the graph steps' counts, and the other engine steps' under "other"."""
+        return {**self.graph_steps.as_dict(), "other": self.other_steps.as_dict()}
 
     def add_capture(self, name: str, report: CaptureReport) -> None:
         self.graphs[name] = tuple(zip(report.buckets, report.ops_checked))
@@ -145,6 +165,9 @@ class DryRunReport:
         yield f"pageable host-to-device copies outside the graphs ({total} in all; each one a host wait):"
         for site, count in sorted(self.pageable_copies.items()):
             yield f"  {count:4d}  {site}"
+        for label, traffic in (("graph steps", self.graph_steps), ("other steps", self.other_steps)):
+            yield (f"{label}: {traffic.steps}, device-to-host reads {traffic.d2h_reads}, "
+                   f"pageable host-to-device copies {traffic.pageable_h2d}")
         yield f"dry run passed in {self.seconds:.1f} s"
 
 
@@ -267,17 +290,30 @@ class _Run:
     def capture(self, name: str, replayer: GraphReplayer) -> None:
         self.report.add_capture(name, replayer.capture(progress=False))
 
+    @property
+    def runs_steps(self) -> bool:
+        """Whether the scenarios run their steps: a check run does; a cost run on the fake
+        device too, for the host counts (on a GPU its steps are gpu_check's own part)."""
+        return not self.costing or self.cuda is not None
+
     @contextmanager
-    def steps(self, name: str, count: int) -> Iterator[None]:
+    def steps(self, name: str, count: int, kind: str | None = "graph") -> Iterator[None]:
         """Count `count` steps of scenario `name` and the host traffic they cause (not
-        the one-time copies of construction and capture)."""
+        the one-time copies of construction and capture). `kind`: "graph" for engine steps
+        the graphs serve, "other" for engine steps beyond them, None for the model's."""
         if self.cuda is not None:
             reads, copies = Counter(self.cuda.host_reads), Counter(self.cuda.pageable_copies)
         yield
         self.report.steps[name] += count
         if self.cuda is not None:
-            self.report.host_reads.update(self.cuda.host_reads - reads)
-            self.report.pageable_copies.update(self.cuda.pageable_copies - copies)
+            new_reads, new_copies = self.cuda.host_reads - reads, self.cuda.pageable_copies - copies
+            self.report.host_reads.update(new_reads)
+            self.report.pageable_copies.update(new_copies)
+            if kind is not None:
+                traffic = self.report.graph_steps if kind == "graph" else self.report.other_steps
+                traffic.steps += count
+                traffic.d2h_reads += sum(new_reads.values())
+                traffic.pageable_h2d += sum(new_copies.values())
 
 
 def _sets(engine: StepEngine, name: str, torch_sets: dict[str, str]) -> dict[str, str]:
@@ -293,16 +329,17 @@ def _engine(run: _Run) -> None:
     engine = StepEngine(run.weight(cfg.vocab, cfg.hidden),
                         EngineConfig(device="cuda", max_num_reqs=cfg.max_num_reqs, eos_token_id=2, kernels=cfg.kernels))
     run.graph_sets("engine", engine, _sets(engine, "engine", {"": FILTERED, " plain": PLAIN, " greedy": GREEDY}))
-    if run.costing:
+    if not run.runs_steps:
         return
     n = min(5, cfg.max_num_reqs)
     greedy = lambda i: SamplingParams(temperature=0.0, seed=i)  # noqa: E731
     with_prompt_logprobs = lambda i: SamplingParams(temperature=0.5, seed=i, prompt_logprobs=True, logprobs=2)  # noqa: E731
     hidden = run.weight(n * 6, cfg.hidden)
-    with run.steps("engine", 5):
+    with run.steps("engine", 3):
         engine.step(engine.source, scenario_requests(n, params=mixed_params))  # zero-copy source
         engine.step(hidden, scenario_requests(n, decode=True, params=mixed_params))  # rows copied into the source
         engine.step(engine.source, scenario_requests(n, decode=True, params=greedy))  # the greedy graphs
+    with run.steps("engine", 2, kind="other"):
         engine.step(engine.source, scenario_requests(n, prompt=9, params=with_prompt_logprobs))
         engine.step(engine.source, scenario_requests(cfg.max_num_reqs + 1, decode=True))  # above the largest bucket: eager
 
@@ -314,7 +351,7 @@ def _drafts(run: _Run, mode: str) -> None:
         max_control_slots=cfg.max_num_reqs, max_logit_bias=8, max_allowed_token_ids=64, kernels=cfg.kernels))
     run.graph_sets(f"drafts {mode}", engine, _sets(engine, f"drafts {mode}", {
         "": FILTERED, " plain": PLAIN, " greedy": GREEDY, " controls": CONTROLLED}))
-    if run.costing:
+    if not run.runs_steps:
         return
     n = min(4, cfg.max_num_reqs)
     drafts = [list(range(10 + i, 10 + i + k)) for i in range(n)]
@@ -355,7 +392,7 @@ def _sharded(run: _Run) -> None:
                                    ParallelConfig(strategy="candidates"))
         run.graph_sets(f"sharded tp={cfg.tp}", engine,
                        {f"sharded tp={cfg.tp} {strategy}": strategy for strategy in engine.replayers})
-        if run.costing:
+        if not run.runs_steps:
             return
         n = min(4, cfg.max_num_reqs)
         top_k = lambda i: SamplingParams(temperature=0.8, top_k=20, seed=i)  # noqa: E731
@@ -388,7 +425,7 @@ def _model(run: _Run) -> None:
     # Token ids and positions arrive on the device, as a decode loop keeps them.
     ids = torch.zeros(prefill.num_tokens, dtype=torch.int64, device="cuda")
     positions = torch.arange(prefill.num_tokens, device="cuda") % int(prompt.min())
-    with run.steps("model", 2):
+    with run.steps("model", 2, kind=None):
         model.forward(ids, positions, prefill)
         # An eager step (its shapes follow the batch): host-side planning is allowed,
         # waiting for the device is not.
@@ -417,6 +454,8 @@ def run(cfg: DryRunConfig, *, real_cuda: bool = False, cost: bool = False, repla
         # FakeTensor data pointers read 0 (the checks use storage identities instead).
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         warnings.filterwarnings("ignore", message="a step with .* requests exceeds the largest graph bucket")
+        # A cost run's steps (for the host counts) run its engines uncaptured, eagerly.
+        warnings.filterwarnings("ignore", message=r"EngineConfig\(use_graphs=True\) but this engine's graphs were never")
         cuda = None
         if not real_cuda:
             cuda = stack.enter_context(FakeCuda())
@@ -508,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
             "drafts": cfg.max_draft_tokens, "tp": cfg.tp, "node_us": args.node_us, "bandwidth_tbs": args.bandwidth_tbs,
             "seconds": round(report.seconds, 1),
             "graphs": [c.as_dict(args.node_us, args.bandwidth_tbs, detail=args.cost_detail) for c in report.costs],
+            **({} if args.real_cuda else {"host": report.host_summary()}),
             **({"calibration": calibrated} if calibrated is not None else {}),
         })
         if args.json_out:
