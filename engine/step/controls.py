@@ -20,9 +20,10 @@ gathered from its request's slot, go to the sampler
 unprocessed logits and applies them to `buffers.logits` in place, in vLLM's
 order, so every path that reads the logits afterwards (the exact rows, draft
 verification) sees the processed ones; then the tokens the step emits are
-added to the counts, on the device. The host copies what each replay counted
-(one small copy beside the outputs') so that `StepEngine.rollback` can take
-back the last step, or a step that raised after its replay.
+added to the counts, on the device. What each replay counted comes back to
+the host with the step's outputs, in their one copy (`counted_index` lives in
+`StepBuffers.output_area`), so that `StepEngine.rollback` can take back the
+last step, or a step that raised after its replay.
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ class SamplingControls:
     the step of the engine's controls graphs."""
 
     def __init__(self, config: EngineConfig, vocab_size: int, max_rows: int, device: torch.device, *,
-                 keep_unprocessed: bool = True):
+                 keep_unprocessed: bool = True, counted_index: torch.Tensor | None = None):
         slots = config.max_control_slots + 1
         words = bitmask_words(vocab_size)
         self.config, self.vocab_size, self.device = config, vocab_size, device
@@ -74,7 +75,9 @@ class SamplingControls:
         self.unprocessed = (torch.zeros(max_rows, vocab_size, dtype=torch.float32, device=device)
                             if keep_unprocessed else None)
         # Per sample row of the last replay: the flat counts index (slot * V + token) it added 1 to, -1 none.
-        self.counted_index = torch.full((max_rows,), -1, dtype=torch.int64, device=device)
+        # An engine's lives among the step's outputs (`StepBuffers.output_area`), which come back in one copy.
+        self.counted_index = (torch.full((max_rows,), -1, dtype=torch.int64, device=device) if counted_index is None
+                              else counted_index)
         self._free = list(range(slots - 1, 0, -1))
         # Host side, for undoing: the flat indices the last finished step added to; those of
         # the parts of a step in flight, and the rows of a replayed part not collected yet.
@@ -255,10 +258,10 @@ class SamplingControls:
         """A part of the step ran over `rows` sample rows: its counts are on the device."""
         self._uncollected = rows
 
-    def collected(self, rows: int) -> None:
-        """After the part's exact rows: copy what it counted to the host (one small copy)."""
-        index = self.counted_index[:rows].to("cpu", copy=True).numpy()
-        self._parts.append(index[index >= 0])
+    def collected(self, counted_index: np.ndarray) -> None:
+        """After the part's exact rows: what it counted, per sample row (-1 none), as the
+        step's output copy brought it."""
+        self._parts.append(counted_index[counted_index >= 0])
         self._uncollected = 0
 
     def finish_step(self, dropped: np.ndarray) -> None:

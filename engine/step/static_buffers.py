@@ -25,6 +25,7 @@ from engine.host.step_fields import StepField
 from engine.sampling.row_params import RowParams
 from engine.sampling.sample_output import SampleOutput
 from engine.step.staging import StepArrays
+from engine.step.transfer import OutputArea, OutputCopy
 
 
 # The stage whose fields make up `RowParams`, the sampler's view.
@@ -128,6 +129,10 @@ class StepBuffers:
     out: SampleOutput  # [max_rows] results
     num_accepted: torch.Tensor  # [max_reqs] int64: drafts accepted per request
     emitted: torch.Tensor  # [max_rows] int64: rejection mode's emitted token per row (-1 = none)
+    # The three above (and the penalty counts' indices) are views into this one packed buffer,
+    # which one copy a step brings back to the host (engine/step/transfer.py).
+    output_area: OutputArea
+    output_copy: OutputCopy
     resolved_drafts: torch.Tensor  # [max_rows] int64: the draft each row verified (staged or from the pool)
     pool_tokens: torch.Tensor  # [(pool_slots + 1) * max_draft] int64; the extra slot absorbs "no write"
     pool_logprobs: torch.Tensor  # same shape, f32
@@ -209,6 +214,7 @@ class StepBuffers:
         pool_logprobs = torch.full(((pool_slots + 1) * width,), -float("inf"), device=device)
         pool_tokens[:width] = vocab_size - 1
         pool_logprobs[0] = 0.0
+        outputs = OutputArea.allocate(max_rows, max_reqs, max_logprobs, device)
         return cls(
             max_reqs=max_reqs,
             max_rows=max_rows,
@@ -217,9 +223,11 @@ class StepBuffers:
             source=torch.zeros(max_source_rows, hidden_size, dtype=source_dtype, device=device),
             hidden=torch.zeros(max_rows, hidden_size, dtype=source_dtype, device=device),
             logits=torch.zeros(max_rows, vocab_size, dtype=torch.float32, device=device),
-            out=SampleOutput.allocate(max_rows, max_logprobs, device),
-            num_accepted=torch.zeros(max_reqs, dtype=torch.int64, device=device),
-            emitted=torch.full((max_rows,), -1, dtype=torch.int64, device=device),
+            out=outputs.out,
+            num_accepted=outputs.num_accepted,
+            emitted=outputs.emitted,
+            output_area=outputs,
+            output_copy=OutputCopy(outputs),
             resolved_drafts=torch.full((max_rows,), -1, dtype=torch.int64, device=device),
             pool_tokens=pool_tokens,
             pool_logprobs=pool_logprobs,

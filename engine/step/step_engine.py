@@ -122,7 +122,8 @@ class StepEngine:
         self.controls: SamplingControls | None = None
         if config.max_control_slots and self.head.supports_controls:
             self.controls = SamplingControls(config, self.vocab_size, self.buffers.max_rows, self.device,
-                                             keep_unprocessed=self.head.controls_in_place)
+                                             keep_unprocessed=self.head.controls_in_place,
+                                             counted_index=self.buffers.output_area.counted_index)
             self.head.attach_controls(self.controls)
         # What the request tables ask when a request joins, changes or leaves.
         self.control_hook = self.controls or NoControls(
@@ -339,13 +340,16 @@ class StepEngine:
                         self.stats.eager_steps += 1
             if controlled:
                 self.controls.replayed(self.buffers.rows_for(part_bucket))
-            self.head.before_exact_rows(graphs, part_bucket, len(part.row_to_req))
+            # A head that may flag rows for the exact path: the output copy first, for the flags.
+            fetched = self.buffers.output_copy.fetch(wide=want_top) if self.head.flags_exact_rows else None
+            self.head.before_exact_rows(graphs, part_bucket, fetched is not None and bool(
+                fetched.rows("needs_exact", len(part.row_to_req)).any()))
             results.append(collect(self.buffers, self.config, part_bucket, part, self.stats,
                                    want_top=want_top, want_logprobs=want_logprobs,
                                    controls=self.controls if controlled and self.head.controls_in_place else None,
-                                   exact_rows=self.head.flags_exact_rows))
+                                   fetched=fetched, counted=controlled))
             if controlled:
-                self.controls.collected(self.buffers.rows_for(part_bucket))
+                self.controls.collected(results[-1].counted_index)
             host_start = time.perf_counter()
         if bucket is not None:
             self.stats.bucket_histogram[bucket] = self.stats.bucket_histogram.get(bucket, 0) + 1
