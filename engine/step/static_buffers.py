@@ -149,6 +149,8 @@ class StepBuffers:
     _req_count: str  # the first declared per-request field: its length is the step's requests
     _sampler_views: tuple[tuple[str, bool, torch.Tensor], ...]  # (name, per row, device view) of RowParams
     _copy_done: torch.cuda.Event | None = None
+    # Bytes of the declared fields; past them, room for `carried_bytes` of writes carried along.
+    _field_bytes: int = 0
     # Per staged field: leading entries that may hold non-padding values.
     _high_water: dict[str, int] = field(default_factory=dict)
 
@@ -169,11 +171,13 @@ class StepBuffers:
         pool_slots: int = 0,
         draft_probs: bool = False,
         token_bitmask_words: int = 0,
+        carried_bytes: int = 0,
     ) -> StepBuffers:
         """Static buffers for the declared per-step fields (and the fixed
         ones: source, hidden, logits, outputs, draft pool; a token bitmask of
         `token_bitmask_words` int32 words per row unless 0); raises ValueError
-        naming a field the buffers cannot stage."""
+        naming a field the buffers cannot stage. `carried_bytes`: room past the
+        fields for what `load(carried=...)` brings along (staged control writes)."""
         declared = tuple(step_fields)
         rows_per_req = 1 + max_draft_tokens
         max_rows = max_reqs * rows_per_req
@@ -187,6 +191,8 @@ class StepBuffers:
             layout.append((f, width, dtype, offset, nbytes))
             offset += -(-nbytes // _ALIGN) * _ALIGN
         pinned = device.type == "cuda"
+        field_bytes = offset
+        offset += -(-carried_bytes // _ALIGN) * _ALIGN
         staging = torch.zeros(offset, dtype=torch.uint8, pin_memory=pinned)
         packed = torch.zeros(offset, dtype=torch.uint8, device=device)
         views, staged, plan, rule_padded = {}, {}, [], []
@@ -244,6 +250,7 @@ class StepBuffers:
             _req_count=next(f.name for f in declared if f.per == "req"),
             _sampler_views=sampler_views,
             _copy_done=torch.cuda.Event() if pinned else None,
+            _field_bytes=field_bytes,
             _high_water={f.name: 0 for f in declared},
         )
 
@@ -271,19 +278,25 @@ class StepBuffers:
         named.update({f"out.{k}": v for k, v in vars(self.out).items()})
         return named
 
-    def load(self, arrays: StepArrays, bucket: int) -> None:
+    def load(self, arrays: StepArrays, bucket: int, carried: np.ndarray | None = None) -> None:
         """Stage one step's host arrays (real entries, then padding up to the
         bucket) and issue the single host-to-device copy.
 
         `arrays` has one attribute per declared field (`StepArrays`, or any
         object with those names), in batch order; None stages padding only.
         The first declared per-row and per-request fields (never None) give
-        the step's sample rows and requests."""
+        the step's sample rows and requests. `carried`: bytes (uint8) that
+        travel in the same copy, after the fields: `carried_view(len(carried))`
+        is their device twin once it is issued."""
         rows = len(getattr(arrays, self._row_count))
         n = len(getattr(arrays, self._req_count))
         cap_reqs, cap_rows = bucket, self.rows_for(bucket)
         if n > cap_reqs or rows > cap_rows:
             raise ValueError(f"bucket={bucket}: holds {cap_reqs} requests / {cap_rows} rows, step has {n} / {rows}")
+        carried_bytes = 0 if carried is None else len(carried)
+        if self._field_bytes + carried_bytes > self.staging.numel():
+            raise ValueError(f"carried={carried_bytes} bytes: over the {self.staging.numel() - self._field_bytes} "
+                             "allocated (carried_bytes)")
         if self._copy_done is not None:
             # The previous step's copy may still read the staging area.
             self._copy_done.synchronize()
@@ -311,12 +324,20 @@ class StepBuffers:
             hw[name] = count
             if row_numbers and real is not None:
                 view[real] = True
+        end = self._field_bytes
+        if carried_bytes:
+            self.staging.numpy()[end : end + carried_bytes] = carried
+            end += -(-carried_bytes // _ALIGN) * _ALIGN
         non_blocking = self._copy_done is not None
         # Copied as int64 words: torch's CPU byte copy goes through a parallel
         # path that costs milliseconds on a busy 2-core machine.
-        self.packed.view(torch.int64).copy_(self.staging.view(torch.int64), non_blocking=non_blocking)
+        self.packed[:end].view(torch.int64).copy_(self.staging[:end].view(torch.int64), non_blocking=non_blocking)
         if self._copy_done is not None:
             self._copy_done.record()
+
+    def carried_view(self, nbytes: int) -> torch.Tensor:
+        """[nbytes] uint8 on the device: what `load(carried=...)` brought along."""
+        return self.packed[self._field_bytes : self._field_bytes + nbytes]
 
     def params(self, bucket: int) -> RowParams:
         """The sampler's view of a bucket: leading slices of the sample-stage fields."""

@@ -47,7 +47,7 @@ from engine.sampling.token_bitmask import bitmask_words
 from engine.step.checkpoint import EngineCheckpoint, copy_counters, restore_counters
 from engine.step.collect import CollectedRows, collect
 from engine.step.config import EngineConfig, EngineStats
-from engine.step.controls import SamplingControls
+from engine.step.controls import ControlWrites, SamplingControls
 from engine.step.drafts import StepDrafts
 from engine.step.kernel_head import local_head
 from engine.step.lm_head import LMHead
@@ -116,6 +116,9 @@ class StepEngine:
             pool_slots=config.pool_slots,
             draft_probs=config.verify_mode == "rejection" and config.max_draft_tokens > 0,
             token_bitmask_words=bitmask_words(self.vocab_size) if self.head.masked_graphs is not None else 0,
+            # Room for a control write of every slot, carried with the step's copy.
+            carried_bytes=ControlWrites.nbytes(config.max_control_slots, config.max_logit_bias,
+                                               bitmask_words(self.vocab_size)) if self.head.supports_controls else 0,
         )
         self.head.attach(self.buffers)
         # Sampling controls (penalties, logit bias, allowed tokens): state only when the config asks.
@@ -123,7 +126,8 @@ class StepEngine:
         if config.max_control_slots and self.head.supports_controls:
             self.controls = SamplingControls(config, self.vocab_size, self.buffers.max_rows, self.device,
                                              keep_unprocessed=self.head.controls_in_place,
-                                             counted_index=self.buffers.output_area.counted_index)
+                                             counted_index=self.buffers.output_area.counted_index,
+                                             steps_carry_writes=True)
             self.head.attach_controls(self.controls)
         # What the request tables ask when a request joins, changes or leaves.
         self.control_hook = self.controls or NoControls(
@@ -389,8 +393,9 @@ class StepEngine:
 
     @torch.no_grad()
     def stage_step(self, hidden_states: torch.Tensor, arrays: StepArrays, bucket: int) -> None:
-        """The host part of a step: stage the per-step arrays and issue the one
-        host-to-device copy (plus the caller's rows when not zero-copy)."""
+        """The host part of a step: stage the per-step arrays and the control writes
+        staged since the last step, and issue the one host-to-device copy (plus the
+        caller's rows when not zero-copy)."""
         b = self.buffers
         sample_rows = arrays.selected_token_indices
         with stage("staging copy"):
@@ -409,5 +414,8 @@ class StepEngine:
                 mask = arrays.token_bitmask
                 b.token_bitmask[: len(mask)].copy_(upload(torch.from_numpy(mask), self.device))
                 arrays = dataclasses.replace(arrays, masked_rows=(mask != -1).any(1))  # a row of -1 words: unrestricted
+            writes = None if self.controls is None else self.controls.writes.pending()
             b.load(arrays if sample_rows is arrays.selected_token_indices
-                   else dataclasses.replace(arrays, selected_token_indices=sample_rows), bucket)
+                   else dataclasses.replace(arrays, selected_token_indices=sample_rows), bucket, carried=writes)
+            if writes is not None:
+                self.controls.apply_writes(b.carried_view(len(writes)))
