@@ -25,8 +25,13 @@ the host wait for the device is not.
 
 Prints the ops checked per bucket, then the device-to-host reads and pageable
 host-to-device copies the steps made outside their graphs (legal, but each one
-a host wait), by call site. Exits 1 naming the op, the reason and the call site
-on a violation, also for a host tensor in a device op outside the graphs.
+a host wait), by call site, and their totals for the graph steps (the engine
+steps within the largest bucket without prompt logprobs: the bar is one packed
+copy each way, so at most one read a step and no pageable copy) apart from the
+other engine steps. Exits 1 naming the op, the reason and the call site on a
+violation, also for a host tensor in a device op outside the graphs, and when
+the graph steps miss that bar. With --real-cuda the steps run under CUDA's
+sync debug mode instead, and a graph step's flagged sync misses the bar.
 `--real-cuda` is the twin on a GPU: the same scenarios with real graph capture,
 whose first warm-up per bucket runs under the same check (graphs/replay.py);
 profiling/gpu_check.sh runs it.
@@ -41,7 +46,9 @@ checked graph set's step (every graph set's with --all-graph-sets) run once per
 bucket under a kernel counter, no steps. It prints per graph the kernels, their
 bytes, how many times the step reads the LM-head weight, a modelled H200 replay
 time and the floor. With --real-cuda each of those graphs is also captured and
-its replay timed beside the model (gpu_check.sh).
+its replay timed beside the model (gpu_check.sh). On the fake device the cost run
+also runs the scenarios' steps (uncaptured), and its JSON carries their host
+counts: "host": {"steps", "d2h_reads", "pageable_h2d", "other": {...}}.
 """
 from __future__ import annotations
 
@@ -121,11 +128,12 @@ class HostTraffic:
     """Engine steps and the host waits they made outside their graphs."""
 
     steps: int = 0
-    d2h_reads: int = 0
-    pageable_h2d: int = 0
+    d2h_reads: int = 0  # the fake device's count
+    pageable_h2d: int = 0  # the fake device's count
+    syncs: int = 0  # on a GPU: the calls torch.cuda.set_sync_debug_mode flags as synchronizing
 
     def as_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
+        return {"steps": self.steps, "d2h_reads": self.d2h_reads, "pageable_h2d": self.pageable_h2d}
 
 
 @dataclass
@@ -138,6 +146,7 @@ class DryRunReport:
     steps: Counter[str] = field(default_factory=Counter)  # scenario -> steps run
     host_reads: Counter[str] = field(default_factory=Counter)  # call site -> reads
     pageable_copies: Counter[str] = field(default_factory=Counter)  # call site -> copies
+    cuda_syncs: Counter[str] = field(default_factory=Counter)  # on a GPU: call site -> flagged syncs
     costs: list[GraphCost] = field(default_factory=list)  # a cost run: one per graph set and bucket
     seconds: float = 0.0
     # The host traffic of the steps the graphs serve (one replay: within the largest bucket, no
@@ -148,6 +157,15 @@ class DryRunReport:
     def host_summary(self) -> dict[str, int | dict[str, int]]:
         """The JSON's "host": the graph steps' counts, and the other engine steps' under "other"."""
         return {**self.graph_steps.as_dict(), "other": self.other_steps.as_dict()}
+
+    def host_bar(self) -> str | None:
+        """What breaks the bar of the graph steps (one device-to-host read a step at most, no
+        pageable copy, on a GPU no flagged sync), or None."""
+        g = self.graph_steps
+        if g.d2h_reads > g.steps or g.pageable_h2d or g.syncs:
+            return (f"graph steps: {g.steps} steps made {g.d2h_reads} device-to-host reads, {g.pageable_h2d} "
+                    f"pageable copies, {g.syncs} flagged syncs (bar: at most one read a step, no other)")
+        return None
 
     def add_capture(self, name: str, report: CaptureReport) -> None:
         self.graphs[name] = tuple(zip(report.buckets, report.ops_checked))
@@ -165,9 +183,13 @@ class DryRunReport:
         yield f"pageable host-to-device copies outside the graphs ({total} in all; each one a host wait):"
         for site, count in sorted(self.pageable_copies.items()):
             yield f"  {count:4d}  {site}"
+        if self.cuda_syncs:
+            yield f"synchronizing calls CUDA's sync debug mode flagged in the steps ({sum(self.cuda_syncs.values())}):"
+            for site, count in sorted(self.cuda_syncs.items()):
+                yield f"  {count:4d}  {site}"
         for label, traffic in (("graph steps", self.graph_steps), ("other steps", self.other_steps)):
             yield (f"{label}: {traffic.steps}, device-to-host reads {traffic.d2h_reads}, "
-                   f"pageable host-to-device copies {traffic.pageable_h2d}")
+                   f"pageable host-to-device copies {traffic.pageable_h2d}, flagged syncs {traffic.syncs}")
         yield f"dry run passed in {self.seconds:.1f} s"
 
 
@@ -299,21 +321,35 @@ class _Run:
     @contextmanager
     def steps(self, name: str, count: int, kind: str | None = "graph") -> Iterator[None]:
         """Count `count` steps of scenario `name` and the host traffic they cause (not
-        the one-time copies of construction and capture). `kind`: "graph" for engine steps
-        the graphs serve, "other" for engine steps beyond them, None for the model's."""
+        the one-time copies of construction and capture): on the fake device its reads and
+        pageable copies, on a GPU the calls CUDA's sync debug mode flags as synchronizing.
+        `kind`: "graph" for engine steps the graphs serve, "other" for engine steps beyond
+        them, None for the model's."""
+        traffic = HostTraffic(steps=count)
         if self.cuda is not None:
             reads, copies = Counter(self.cuda.host_reads), Counter(self.cuda.pageable_copies)
-        yield
-        self.report.steps[name] += count
-        if self.cuda is not None:
+            yield
             new_reads, new_copies = self.cuda.host_reads - reads, self.cuda.pageable_copies - copies
             self.report.host_reads.update(new_reads)
             self.report.pageable_copies.update(new_copies)
-            if kind is not None:
-                traffic = self.report.graph_steps if kind == "graph" else self.report.other_steps
-                traffic.steps += count
-                traffic.d2h_reads += sum(new_reads.values())
-                traffic.pageable_h2d += sum(new_copies.values())
+            traffic.d2h_reads, traffic.pageable_h2d = sum(new_reads.values()), sum(new_copies.values())
+        else:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    yield
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            syncs = Counter(f"{project_path(w.filename)}:{w.lineno}" for w in caught
+                            if "synchronizing CUDA operation" in str(w.message))
+            self.report.cuda_syncs.update(syncs)
+            traffic.syncs = sum(syncs.values())
+        self.report.steps[name] += count
+        if kind is not None:
+            total = self.report.graph_steps if kind == "graph" else self.report.other_steps
+            for f in dataclasses.fields(HostTraffic):
+                setattr(total, f.name, getattr(total, f.name) + getattr(traffic, f.name))
 
 
 def _sets(engine: StepEngine, name: str, torch_sets: dict[str, str]) -> dict[str, str]:
@@ -566,6 +602,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for line in report.lines():
         print(line)
+    broken = report.host_bar()
+    if broken is not None:
+        print(f"FAILED: {broken}", file=sys.stderr)
+        return 1
     return 0
 
 
