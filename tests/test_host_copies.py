@@ -4,6 +4,7 @@ and its JSON carries them; the step's outputs come back in one packed copy, and 
 control state of requests that join travels with the step's packed input copy."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -13,7 +14,9 @@ import torch
 from engine import EngineConfig, SamplingParams, StepEngine
 from engine.host.params import SeqMeta
 from engine.models.llama_weights import LlamaConfig
+from engine.sampling.sample_output import SampleOutput
 from engine.step.controls import SamplingControls
+from engine.step.transfer import OutputArea, OutputCopy
 from profiling.cuda_dry_run import DryRunConfig, main, run
 
 SMALL = DryRunConfig(hidden=64, vocab=2048, max_num_reqs=2, max_draft_tokens=1, tp=2, model=LlamaConfig.tiny())
@@ -105,3 +108,48 @@ def test_control_writes_wait_for_the_next_step_and_the_latest_wins(seed: int) ->
     for slot, p, prompt in zip(slots, params, prompts):
         for name, value in _expected_state(p, prompt, max_bias).items():
             np.testing.assert_array_equal(_slot_state(controls, slot)[name], value, err_msg=f"slot {slot} {name}")
+
+
+def test_the_output_area_holds_every_output_once_and_one_fetch_brings_them_back() -> None:
+    """Every field SampleOutput.allocate declares, with its dtype and width, plus the drafts
+    accepted, the emitted tokens and the counts' index, in disjoint views of one buffer; the
+    narrow ones first. A fetch returns what the views held, in a twin the next fetch leaves
+    alone (double-buffered)."""
+    max_rows, max_reqs, num_top = 12, 3, 5
+    area = OutputArea.allocate(max_rows, max_reqs, num_top, torch.device("cpu"))
+    declared = SampleOutput.allocate(max_rows, num_top)
+    views = {f.name: getattr(area.out, f.name) for f in dataclasses.fields(SampleOutput)}
+    views.update(num_accepted=area.num_accepted, emitted=area.emitted, counted_index=area.counted_index)
+    for name, like in vars(declared).items():
+        assert views[name].dtype == like.dtype and views[name].shape == like.shape, name
+    assert area.num_accepted.shape == (max_reqs,) and area.emitted.shape == area.counted_index.shape == (max_rows,)
+    assert (area.emitted == -1).all() and (area.counted_index == -1).all()
+    spans = sorted((v.data_ptr(), v.data_ptr() + v.numel() * v.element_size(), name) for name, v in views.items())
+    assert all(end <= start for (_, end, _), (start, _, _) in zip(spans, spans[1:])), spans  # disjoint
+    base = area.packed.data_ptr()
+    assert max(end for _, end, name in spans if views[name].dim() == 1) - base <= area.narrow_bytes
+    assert min(start for start, _, name in spans if views[name].dim() == 2) - base >= area.narrow_bytes
+
+    def scribble(seed: int) -> dict[str, np.ndarray]:
+        gen = torch.Generator().manual_seed(seed)
+        for view in views.values():
+            if view.dtype == torch.bool:
+                view.copy_(torch.rand(view.shape, generator=gen) < 0.5)
+            elif view.is_floating_point():
+                view.copy_(torch.randn(view.shape, generator=gen))
+            else:
+                view.copy_(torch.randint(-9, 2**40, view.shape, generator=gen))
+        return {name: view.numpy().copy() for name, view in views.items()}
+
+    copy = OutputCopy(area)
+    first_values = scribble(1)
+    first = copy.fetch(wide=True)
+    second_values = scribble(2)
+    second = copy.fetch(wide=False)
+    for name, values in first_values.items():  # the second fetch went into the other twin
+        np.testing.assert_array_equal(first.rows(name, 7), values[:7], err_msg=name)
+    for name, values in second_values.items():
+        if views[name].dim() == 1:
+            np.testing.assert_array_equal(second.rows(name, 7), values[:7], err_msg=name)
+    with pytest.raises(ValueError, match="top_ids"):
+        second.rows("top_ids", 7)
