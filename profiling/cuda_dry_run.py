@@ -130,10 +130,12 @@ class HostTraffic:
     steps: int = 0
     d2h_reads: int = 0  # the fake device's count
     pageable_h2d: int = 0  # the fake device's count
+    h2d_copies: int = 0  # the fake device's count: every host-to-device copy, pinned ones too
     syncs: int = 0  # on a GPU: the calls torch.cuda.set_sync_debug_mode flags as synchronizing
 
     def as_dict(self) -> dict[str, int]:
-        return {"steps": self.steps, "d2h_reads": self.d2h_reads, "pageable_h2d": self.pageable_h2d}
+        return {"steps": self.steps, "d2h_reads": self.d2h_reads, "pageable_h2d": self.pageable_h2d,
+                "h2d_copies": self.h2d_copies}
 
 
 @dataclass
@@ -146,6 +148,7 @@ class DryRunReport:
     steps: Counter[str] = field(default_factory=Counter)  # scenario -> steps run
     host_reads: Counter[str] = field(default_factory=Counter)  # call site -> reads
     pageable_copies: Counter[str] = field(default_factory=Counter)  # call site -> copies
+    h2d_copies: Counter[str] = field(default_factory=Counter)  # call site -> every host-to-device copy
     cuda_syncs: Counter[str] = field(default_factory=Counter)  # on a GPU: call site -> flagged syncs
     costs: list[GraphCost] = field(default_factory=list)  # a cost run: one per graph set and bucket
     seconds: float = 0.0
@@ -183,13 +186,18 @@ class DryRunReport:
         yield f"pageable host-to-device copies outside the graphs ({total} in all; each one a host wait):"
         for site, count in sorted(self.pageable_copies.items()):
             yield f"  {count:4d}  {site}"
+        total = sum(self.h2d_copies.values())
+        yield f"host-to-device copies outside the graphs, pinned ones too ({total} in all):"
+        for site, count in sorted(self.h2d_copies.items()):
+            yield f"  {count:4d}  {site}"
         if self.cuda_syncs:
             yield f"synchronizing calls CUDA's sync debug mode flagged in the steps ({sum(self.cuda_syncs.values())}):"
             for site, count in sorted(self.cuda_syncs.items()):
                 yield f"  {count:4d}  {site}"
         for label, traffic in (("graph steps", self.graph_steps), ("other steps", self.other_steps)):
             yield (f"{label}: {traffic.steps}, device-to-host reads {traffic.d2h_reads}, "
-                   f"pageable host-to-device copies {traffic.pageable_h2d}, flagged syncs {traffic.syncs}")
+                   f"pageable host-to-device copies {traffic.pageable_h2d} (of {traffic.h2d_copies}), "
+                   f"flagged syncs {traffic.syncs}")
         yield f"dry run passed in {self.seconds:.1f} s"
 
 
@@ -328,11 +336,15 @@ class _Run:
         traffic = HostTraffic(steps=count)
         if self.cuda is not None:
             reads, copies = Counter(self.cuda.host_reads), Counter(self.cuda.pageable_copies)
+            uploads = Counter(self.cuda.h2d_copies)
             yield
             new_reads, new_copies = self.cuda.host_reads - reads, self.cuda.pageable_copies - copies
+            new_uploads = self.cuda.h2d_copies - uploads
             self.report.host_reads.update(new_reads)
             self.report.pageable_copies.update(new_copies)
+            self.report.h2d_copies.update(new_uploads)
             traffic.d2h_reads, traffic.pageable_h2d = sum(new_reads.values()), sum(new_copies.values())
+            traffic.h2d_copies = sum(new_uploads.values())
         else:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
