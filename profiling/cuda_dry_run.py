@@ -72,12 +72,15 @@ from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
 from engine.models.llama import LlamaModel
 from engine.models.llama_weights import LayerWeights, LlamaConfig, LlamaWeights
 from engine.models.protocol import ForwardBatch
+from engine.host.ledger import SamplerInputs
 from engine.host.params import SamplingParams, SeqMeta
 from engine.parallel.sharded_engine import ParallelConfig, ShardedStepEngine
 from engine.parallel.vocab_parallel import VocabShards
+from engine.sampling.token_bitmask import bitmask_words
 from engine.step.config import EngineConfig
 from engine.step.kernel_head import KERNELS
 from engine.step.lm_head import CONTROLLED, FILTERED, GREEDY, PLAIN
+from engine.step.staging import StepArrays
 from engine.step.step_engine import StepEngine
 from graphs.buckets import BucketTable
 from graphs.capture_safety import CaptureSafetyError, capture_safety_check
@@ -383,13 +386,27 @@ def _engine(run: _Run) -> None:
     greedy = lambda i: SamplingParams(temperature=0.0, seed=i)  # noqa: E731
     with_prompt_logprobs = lambda i: SamplingParams(temperature=0.5, seed=i, prompt_logprobs=True, logprobs=2)  # noqa: E731
     hidden = run.weight(n * 6, cfg.hidden)
-    with run.steps("engine", 3):
+    masked = engine.head.masked_graphs is not None
+    with run.steps("engine", 4 if masked else 3):
         engine.step(engine.source, scenario_requests(n, params=mixed_params))  # zero-copy source
         engine.step(hidden, scenario_requests(n, decode=True, params=mixed_params))  # rows copied into the source
         engine.step(engine.source, scenario_requests(n, decode=True, params=greedy))  # the greedy graphs
+        if masked:  # structured output: a row restricted by the token bitmask (tokens 0-31 only)
+            engine.run(engine.source, *_masked_step(engine, scenario_requests(n, decode=True, params=mixed_params)))
     with run.steps("engine", 2, kind="other"):
         engine.step(engine.source, scenario_requests(n, prompt=9, params=with_prompt_logprobs))
         engine.step(engine.source, scenario_requests(cfg.max_num_reqs + 1, decode=True))  # above the largest bucket: eager
+
+
+def _masked_step(engine: StepEngine, seqs: list[SeqMeta]) -> tuple[SamplerInputs, StepArrays]:
+    """What `engine.step(engine.source, seqs)` runs, with a token bitmask that lets the first
+    sample row draw only tokens 0-31 (as a grammar's matcher would fill it)."""
+    inputs, stop_ids = engine.seq_front.ledger(seqs)
+    arrays = engine.drafts.step_arrays(inputs, stop_ids)
+    arrays.control_slots = engine.seq_front.control_slots(inputs)
+    arrays.token_bitmask = np.full((inputs.num_sample_rows, bitmask_words(engine.vocab_size)), -1, dtype=np.int32)
+    arrays.token_bitmask[0, 1:] = 0
+    return inputs, arrays
 
 
 def _drafts(run: _Run, mode: str) -> None:

@@ -32,6 +32,10 @@ def test_a_graph_step_copies_once_each_way(kernels: str) -> None:
     assert host["steps"] >= 15, host
     assert host["d2h_reads"] <= host["steps"], (host, report.host_reads)
     assert host["pageable_h2d"] == 0, report.pageable_copies
+    # One packed copy a step (on the kernel head's engine a step restricted by a token bitmask
+    # among them); apart, pinned: the rejection scenario's draft distributions (two requests
+    # hand them in each of its two steps with drafts) and a step's row index (not zero-copy).
+    assert host["h2d_copies"] == host["steps"] + 5, report.h2d_copies
     other = host["other"]
     assert other["steps"] == 2 and other["d2h_reads"] >= 1  # prompt logprobs and the eager fallback
     assert sum(report.host_reads.values()) == host["d2h_reads"] + other["d2h_reads"]
@@ -42,7 +46,7 @@ def test_cost_json_carries_the_host_counts(capsys: pytest.CaptureFixture[str]) -
             "--buckets", "2"]
     assert main(argv) == 0
     host = json.loads(capsys.readouterr().out)["host"]
-    assert {"steps", "d2h_reads", "pageable_h2d", "other"} <= set(host)
+    assert {"steps", "d2h_reads", "pageable_h2d", "h2d_copies", "other"} <= set(host)
     assert host["steps"] >= 15 and host["d2h_reads"] <= host["steps"] and host["pageable_h2d"] == 0, host
 
 

@@ -177,7 +177,8 @@ class StepBuffers:
         ones: source, hidden, logits, outputs, draft pool; a token bitmask of
         `token_bitmask_words` int32 words per row unless 0); raises ValueError
         naming a field the buffers cannot stage. `carried_bytes`: room past the
-        fields for what `load(carried=...)` brings along (staged control writes)."""
+        fields for what `load(carried=...)` brings along (staged control writes, a
+        step's token bitmask)."""
         declared = tuple(step_fields)
         rows_per_req = 1 + max_draft_tokens
         max_rows = max_reqs * rows_per_req
@@ -278,25 +279,25 @@ class StepBuffers:
         named.update({f"out.{k}": v for k, v in vars(self.out).items()})
         return named
 
-    def load(self, arrays: StepArrays, bucket: int, carried: np.ndarray | None = None) -> None:
+    def load(self, arrays: StepArrays, bucket: int, carried: Sequence[np.ndarray] = ()) -> list[torch.Tensor]:
         """Stage one step's host arrays (real entries, then padding up to the
         bucket) and issue the single host-to-device copy.
 
         `arrays` has one attribute per declared field (`StepArrays`, or any
         object with those names), in batch order; None stages padding only.
         The first declared per-row and per-request fields (never None) give
-        the step's sample rows and requests. `carried`: bytes (uint8) that
-        travel in the same copy, after the fields: `carried_view(len(carried))`
-        is their device twin once it is issued."""
+        the step's sample rows and requests. `carried`: byte arrays (uint8) that
+        travel in the same copy, after the fields; returns their device twins
+        ([len] uint8 each, 8-aligned), to be read by device work queued after it."""
         rows = len(getattr(arrays, self._row_count))
         n = len(getattr(arrays, self._req_count))
         cap_reqs, cap_rows = bucket, self.rows_for(bucket)
         if n > cap_reqs or rows > cap_rows:
             raise ValueError(f"bucket={bucket}: holds {cap_reqs} requests / {cap_rows} rows, step has {n} / {rows}")
-        carried_bytes = 0 if carried is None else len(carried)
-        if self._field_bytes + carried_bytes > self.staging.numel():
-            raise ValueError(f"carried={carried_bytes} bytes: over the {self.staging.numel() - self._field_bytes} "
-                             "allocated (carried_bytes)")
+        starts = np.cumsum([0] + [-(-len(c) // _ALIGN) * _ALIGN for c in carried]) + self._field_bytes
+        if starts[-1] > self.staging.numel():
+            raise ValueError(f"carried={[len(c) for c in carried]} bytes: over the "
+                             f"{self.staging.numel() - self._field_bytes} allocated (carried_bytes)")
         if self._copy_done is not None:
             # The previous step's copy may still read the staging area.
             self._copy_done.synchronize()
@@ -324,20 +325,17 @@ class StepBuffers:
             hw[name] = count
             if row_numbers and real is not None:
                 view[real] = True
-        end = self._field_bytes
-        if carried_bytes:
-            self.staging.numpy()[end : end + carried_bytes] = carried
-            end += -(-carried_bytes // _ALIGN) * _ALIGN
+        host = self.staging.numpy()
+        for start, piece in zip(starts, carried):
+            host[start : start + len(piece)] = piece
+        end = int(starts[-1])
         non_blocking = self._copy_done is not None
         # Copied as int64 words: torch's CPU byte copy goes through a parallel
         # path that costs milliseconds on a busy 2-core machine.
         self.packed[:end].view(torch.int64).copy_(self.staging[:end].view(torch.int64), non_blocking=non_blocking)
         if self._copy_done is not None:
             self._copy_done.record()
-
-    def carried_view(self, nbytes: int) -> torch.Tensor:
-        """[nbytes] uint8 on the device: what `load(carried=...)` brought along."""
-        return self.packed[self._field_bytes : self._field_bytes + nbytes]
+        return [self.packed[start : start + len(piece)] for start, piece in zip(starts, carried)]
 
     def params(self, bucket: int) -> RowParams:
         """The sampler's view of a bucket: leading slices of the sample-stage fields."""

@@ -116,9 +116,11 @@ class StepEngine:
             pool_slots=config.pool_slots,
             draft_probs=config.verify_mode == "rejection" and config.max_draft_tokens > 0,
             token_bitmask_words=bitmask_words(self.vocab_size) if self.head.masked_graphs is not None else 0,
-            # Room for a control write of every slot, carried with the step's copy.
-            carried_bytes=ControlWrites.nbytes(config.max_control_slots, config.max_logit_bias,
-                                               bitmask_words(self.vocab_size)) if self.head.supports_controls else 0,
+            # Room for a control write of every slot and a step's token bitmask, carried with its copy.
+            carried_bytes=(ControlWrites.nbytes(config.max_control_slots, config.max_logit_bias,
+                                                bitmask_words(self.vocab_size)) if self.head.supports_controls else 0)
+            + (config.max_num_reqs * (1 + config.max_draft_tokens) * bitmask_words(self.vocab_size) * 4
+               if self.head.masked_graphs is not None else 0),
         )
         self.head.attach(self.buffers)
         # Sampling controls (penalties, logit bias, allowed tokens): state only when the config asks.
@@ -393,9 +395,10 @@ class StepEngine:
 
     @torch.no_grad()
     def stage_step(self, hidden_states: torch.Tensor, arrays: StepArrays, bucket: int) -> None:
-        """The host part of a step: stage the per-step arrays and the control writes
-        staged since the last step, and issue the one host-to-device copy (plus the
-        caller's rows when not zero-copy)."""
+        """The host part of a step: stage the per-step arrays, the control writes
+        staged since the last step and the token bitmask, and issue the one
+        host-to-device copy (plus the caller's rows when not zero-copy, and
+        rejection mode's draft distributions)."""
         b = self.buffers
         sample_rows = arrays.selected_token_indices
         with stage("staging copy"):
@@ -409,13 +412,19 @@ class StepEngine:
             if arrays.draft_probs:
                 for row, q in arrays.draft_probs.items():
                     b.draft_probs[row : row + len(q)].copy_(upload(q, self.device))
-            if arrays.token_bitmask is not None:
-                # Only steps that restrict a row pay for this copy (the masked graphs read it).
-                mask = arrays.token_bitmask
-                b.token_bitmask[: len(mask)].copy_(upload(torch.from_numpy(mask), self.device))
-                arrays = dataclasses.replace(arrays, masked_rows=(mask != -1).any(1))  # a row of -1 words: unrestricted
+            carried = []
             writes = None if self.controls is None else self.controls.writes.pending()
-            b.load(arrays if sample_rows is arrays.selected_token_indices
-                   else dataclasses.replace(arrays, selected_token_indices=sample_rows), bucket, carried=writes)
             if writes is not None:
-                self.controls.apply_writes(b.carried_view(len(writes)))
+                carried.append(writes)
+            mask = arrays.token_bitmask
+            if mask is not None:
+                # Only steps that restrict a row carry it (the masked graphs read it).
+                carried.append(np.ascontiguousarray(mask, dtype=np.int32).reshape(-1).view(np.uint8))
+                arrays = dataclasses.replace(arrays, masked_rows=(mask != -1).any(1))  # a row of -1 words: unrestricted
+            twins = b.load(arrays if sample_rows is arrays.selected_token_indices
+                           else dataclasses.replace(arrays, selected_token_indices=sample_rows), bucket, carried=carried)
+            # Device work queued behind the copy: the writes into their slots, the mask into its buffer.
+            if writes is not None:
+                self.controls.apply_writes(twins[0])
+            if mask is not None:
+                b.token_bitmask[: len(mask)].copy_(twins[-1].view(torch.int32).view(len(mask), -1))
