@@ -157,3 +157,36 @@ def test_the_output_area_holds_every_output_once_and_one_fetch_brings_them_back(
             np.testing.assert_array_equal(second.rows(name, 7), values[:7], err_msg=name)
     with pytest.raises(ValueError, match="top_ids"):
         second.rows("top_ids", 7)
+
+
+def test_residual_draws_carry_their_own_raw_logprob_and_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rejection mode: a row that emits a residual draw (not its own) reports that token's raw
+    logprob and rank, read back in one copy; every emitted token is checked against a float64
+    log-softmax of its row's logits (rank: 1 + the tokens with a larger logit). 6 seeds x 4
+    requests x 3 drafts of a uniform draft distribution, so most drafts are rejected."""
+    import engine.step.collect as collect_module
+
+    rescored = []
+    original = collect_module._rescore
+    monkeypatch.setattr(collect_module, "_rescore", lambda *a: rescored.append(len(a[1])) or original(*a))
+    vocab, hidden_size, k, n = 96, 16, 3, 4
+    weight = torch.randn(vocab, hidden_size, generator=torch.Generator().manual_seed(1)) * 2
+    engine = StepEngine(weight, EngineConfig(max_num_reqs=n, max_draft_tokens=k, device="cpu",
+                                             verify_mode="rejection", use_graphs=False, draft_pool_slots=n + 1))
+    uniform = np.full((k, vocab), -np.log(vocab), dtype=np.float32)
+    for seed in range(6):
+        gen = torch.Generator().manual_seed(100 + seed)
+        hidden = torch.randn(n * (1 + k), hidden_size, generator=gen)
+        seqs = [SeqMeta(f"r{seed}.{i}", False, 1 + k, 15 + k, 10, num_generated=5,
+                        params=SamplingParams(temperature=1.0, seed=seed * 10 + i, logprobs=0), mtp_write_slot=i + 1)
+                for i in range(n)]
+        drafts = [[int(t) for t in torch.randint(0, vocab, (k,), generator=gen)] for _ in range(n)]
+        out = engine.step(hidden, seqs, drafts, [uniform] * n)
+        logits = hidden.double() @ weight.double().T  # [rows, V]
+        for i in range(n):
+            for j, (token, scored) in enumerate(zip(out.tokens[i], out.logprobs[i])):
+                row = logits[i * (1 + k) + j]
+                assert scored.token == token
+                assert scored.logprob == pytest.approx(float(torch.log_softmax(row, 0)[token]), abs=1e-4)
+                assert scored.rank == 1 + int((row > row[token]).sum()), (seed, i, j)
+    assert sum(rescored) > 0  # residual draws happened

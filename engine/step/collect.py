@@ -93,9 +93,10 @@ def collect(buffers: StepBuffers, config: EngineConfig, bucket: int, arrays: Ste
             # A failed row emits nothing: no residual draw to rescore.
             changed = np.flatnonzero((emitted >= 0) & (emitted != result.tokens) & (result.error == 0))
             if len(changed):
-                # A residual draw is not the row's own draw: its logprob and rank differ.
+                # A residual draw is not the row's own draw: its logprob and rank differ. A second
+                # read of the device this step, only when a row emits a residual draw.
                 unprocessed = b.logits if controls is None else controls.unprocessed
-                _rescore(unprocessed[changed], emitted[changed], result, changed)
+                _rescore(unprocessed[upload(changed, unprocessed.device)], emitted[changed], result, changed)
             result.tokens = np.where(emitted >= 0, emitted, result.tokens)
     return result
 
@@ -103,9 +104,11 @@ def collect(buffers: StepBuffers, config: EngineConfig, bucket: int, arrays: Ste
 def _rescore(logits: torch.Tensor, tokens: np.ndarray, result: CollectedRows, rows: np.ndarray) -> None:
     """Raw logprob and rank of `tokens` at `rows` (rejection mode's residual draws)."""
     raw = logits.to(torch.float32)
-    logprob, rank = token_logprobs(raw, torch.as_tensor(tokens, device=raw.device))
-    result.logprob[rows] = logprob.cpu().numpy()
-    result.rank[rows] = rank.cpu().numpy()
+    logprob, rank = token_logprobs(raw, upload(tokens, raw.device))
+    # One copy back: f64 holds the f32 logprob and the rank (< 2**53) exactly.
+    both = torch.stack([logprob.to(torch.float64), rank.to(torch.float64)]).cpu().numpy()
+    result.logprob[rows] = both[0]
+    result.rank[rows] = both[1]
 
 
 def _host_results(fetched: HostOutputs, rows: int, *, want_top: bool) -> CollectedRows:
