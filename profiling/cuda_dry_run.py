@@ -25,8 +25,13 @@ the host wait for the device is not.
 
 Prints the ops checked per bucket, then the device-to-host reads and pageable
 host-to-device copies the steps made outside their graphs (legal, but each one
-a host wait), by call site. Exits 1 naming the op, the reason and the call site
-on a violation, also for a host tensor in a device op outside the graphs.
+a host wait), by call site, and their totals for the graph steps (the engine
+steps within the largest bucket without prompt logprobs: the bar is one packed
+copy each way, so at most one read a step and no pageable copy) apart from the
+other engine steps. Exits 1 naming the op, the reason and the call site on a
+violation, also for a host tensor in a device op outside the graphs, and when
+the graph steps miss that bar. With --real-cuda the steps run under CUDA's
+sync debug mode instead, and a graph step's flagged sync misses the bar.
 `--real-cuda` is the twin on a GPU: the same scenarios with real graph capture,
 whose first warm-up per bucket runs under the same check (graphs/replay.py);
 profiling/gpu_check.sh runs it.
@@ -41,7 +46,9 @@ checked graph set's step (every graph set's with --all-graph-sets) run once per
 bucket under a kernel counter, no steps. It prints per graph the kernels, their
 bytes, how many times the step reads the LM-head weight, a modelled H200 replay
 time and the floor. With --real-cuda each of those graphs is also captured and
-its replay timed beside the model (gpu_check.sh).
+its replay timed beside the model (gpu_check.sh). On the fake device the cost run
+also runs the scenarios' steps (uncaptured), and its JSON carries their host
+counts: "host": {"steps", "d2h_reads", "pageable_h2d", "other": {...}}.
 """
 from __future__ import annotations
 
@@ -65,12 +72,15 @@ from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
 from engine.models.llama import LlamaModel
 from engine.models.llama_weights import LayerWeights, LlamaConfig, LlamaWeights
 from engine.models.protocol import ForwardBatch
+from engine.host.ledger import SamplerInputs
 from engine.host.params import SamplingParams, SeqMeta
 from engine.parallel.sharded_engine import ParallelConfig, ShardedStepEngine
 from engine.parallel.vocab_parallel import VocabShards
+from engine.sampling.token_bitmask import bitmask_words
 from engine.step.config import EngineConfig
 from engine.step.kernel_head import KERNELS
 from engine.step.lm_head import CONTROLLED, FILTERED, GREEDY, PLAIN
+from engine.step.staging import StepArrays
 from engine.step.step_engine import StepEngine
 from graphs.buckets import BucketTable
 from graphs.capture_safety import CaptureSafetyError, capture_safety_check
@@ -117,6 +127,21 @@ class DryRunConfig:
 
 
 @dataclass
+class HostTraffic:
+    """Engine steps and the host waits they made outside their graphs."""
+
+    steps: int = 0
+    d2h_reads: int = 0  # the fake device's count
+    pageable_h2d: int = 0  # the fake device's count
+    h2d_copies: int = 0  # the fake device's count: every host-to-device copy, pinned ones too
+    syncs: int = 0  # on a GPU: the calls torch.cuda.set_sync_debug_mode flags as synchronizing
+
+    def as_dict(self) -> dict[str, int]:
+        return {"steps": self.steps, "d2h_reads": self.d2h_reads, "pageable_h2d": self.pageable_h2d,
+                "h2d_copies": self.h2d_copies}
+
+
+@dataclass
 class DryRunReport:
     """What the dry run checked: ops per bucket of every captured graph set, steps run,
     and the host waits (device-to-host reads, pageable copies) of those steps outside
@@ -126,8 +151,27 @@ class DryRunReport:
     steps: Counter[str] = field(default_factory=Counter)  # scenario -> steps run
     host_reads: Counter[str] = field(default_factory=Counter)  # call site -> reads
     pageable_copies: Counter[str] = field(default_factory=Counter)  # call site -> copies
+    h2d_copies: Counter[str] = field(default_factory=Counter)  # call site -> every host-to-device copy
+    cuda_syncs: Counter[str] = field(default_factory=Counter)  # on a GPU: call site -> flagged syncs
     costs: list[GraphCost] = field(default_factory=list)  # a cost run: one per graph set and bucket
     seconds: float = 0.0
+    # The host traffic of the steps the graphs serve (one replay: within the largest bucket, no
+    # prompt logprobs), where the bar is one copy each way, and of the other engine steps, apart.
+    graph_steps: HostTraffic = field(default_factory=lambda: HostTraffic())
+    other_steps: HostTraffic = field(default_factory=lambda: HostTraffic())
+
+    def host_summary(self) -> dict[str, int | dict[str, int]]:
+        """The JSON's "host": the graph steps' counts, and the other engine steps' under "other"."""
+        return {**self.graph_steps.as_dict(), "other": self.other_steps.as_dict()}
+
+    def host_bar(self) -> str | None:
+        """What breaks the bar of the graph steps (one device-to-host read a step at most, no
+        pageable copy, on a GPU no flagged sync), or None."""
+        g = self.graph_steps
+        if g.d2h_reads > g.steps or g.pageable_h2d or g.syncs:
+            return (f"graph steps: {g.steps} steps made {g.d2h_reads} device-to-host reads, {g.pageable_h2d} "
+                    f"pageable copies, {g.syncs} flagged syncs (bar: at most one read a step, no other)")
+        return None
 
     def add_capture(self, name: str, report: CaptureReport) -> None:
         self.graphs[name] = tuple(zip(report.buckets, report.ops_checked))
@@ -145,6 +189,18 @@ class DryRunReport:
         yield f"pageable host-to-device copies outside the graphs ({total} in all; each one a host wait):"
         for site, count in sorted(self.pageable_copies.items()):
             yield f"  {count:4d}  {site}"
+        total = sum(self.h2d_copies.values())
+        yield f"host-to-device copies outside the graphs, pinned ones too ({total} in all):"
+        for site, count in sorted(self.h2d_copies.items()):
+            yield f"  {count:4d}  {site}"
+        if self.cuda_syncs:
+            yield f"synchronizing calls CUDA's sync debug mode flagged in the steps ({sum(self.cuda_syncs.values())}):"
+            for site, count in sorted(self.cuda_syncs.items()):
+                yield f"  {count:4d}  {site}"
+        for label, traffic in (("graph steps", self.graph_steps), ("other steps", self.other_steps)):
+            yield (f"{label}: {traffic.steps}, device-to-host reads {traffic.d2h_reads}, "
+                   f"pageable host-to-device copies {traffic.pageable_h2d} (of {traffic.h2d_copies}), "
+                   f"flagged syncs {traffic.syncs}")
         yield f"dry run passed in {self.seconds:.1f} s"
 
 
@@ -267,17 +323,48 @@ class _Run:
     def capture(self, name: str, replayer: GraphReplayer) -> None:
         self.report.add_capture(name, replayer.capture(progress=False))
 
+    @property
+    def runs_steps(self) -> bool:
+        """Whether the scenarios run their steps: a check run does; a cost run on the fake
+        device too, for the host counts (on a GPU its steps are gpu_check's own part)."""
+        return not self.costing or self.cuda is not None
+
     @contextmanager
-    def steps(self, name: str, count: int) -> Iterator[None]:
+    def steps(self, name: str, count: int, kind: str | None = "graph") -> Iterator[None]:
         """Count `count` steps of scenario `name` and the host traffic they cause (not
-        the one-time copies of construction and capture)."""
+        the one-time copies of construction and capture): on the fake device its reads and
+        pageable copies, on a GPU the calls CUDA's sync debug mode flags as synchronizing.
+        `kind`: "graph" for engine steps the graphs serve, "other" for engine steps beyond
+        them, None for the model's."""
+        traffic = HostTraffic(steps=count)
         if self.cuda is not None:
             reads, copies = Counter(self.cuda.host_reads), Counter(self.cuda.pageable_copies)
-        yield
+            uploads = Counter(self.cuda.h2d_copies)
+            yield
+            new_reads, new_copies = self.cuda.host_reads - reads, self.cuda.pageable_copies - copies
+            new_uploads = self.cuda.h2d_copies - uploads
+            self.report.host_reads.update(new_reads)
+            self.report.pageable_copies.update(new_copies)
+            self.report.h2d_copies.update(new_uploads)
+            traffic.d2h_reads, traffic.pageable_h2d = sum(new_reads.values()), sum(new_copies.values())
+            traffic.h2d_copies = sum(new_uploads.values())
+        else:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    yield
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            syncs = Counter(f"{project_path(w.filename)}:{w.lineno}" for w in caught
+                            if "synchronizing CUDA operation" in str(w.message))
+            self.report.cuda_syncs.update(syncs)
+            traffic.syncs = sum(syncs.values())
         self.report.steps[name] += count
-        if self.cuda is not None:
-            self.report.host_reads.update(self.cuda.host_reads - reads)
-            self.report.pageable_copies.update(self.cuda.pageable_copies - copies)
+        if kind is not None:
+            total = self.report.graph_steps if kind == "graph" else self.report.other_steps
+            for f in dataclasses.fields(HostTraffic):
+                setattr(total, f.name, getattr(total, f.name) + getattr(traffic, f.name))
 
 
 def _sets(engine: StepEngine, name: str, torch_sets: dict[str, str]) -> dict[str, str]:
@@ -293,18 +380,33 @@ def _engine(run: _Run) -> None:
     engine = StepEngine(run.weight(cfg.vocab, cfg.hidden),
                         EngineConfig(device="cuda", max_num_reqs=cfg.max_num_reqs, eos_token_id=2, kernels=cfg.kernels))
     run.graph_sets("engine", engine, _sets(engine, "engine", {"": FILTERED, " plain": PLAIN, " greedy": GREEDY}))
-    if run.costing:
+    if not run.runs_steps:
         return
     n = min(5, cfg.max_num_reqs)
     greedy = lambda i: SamplingParams(temperature=0.0, seed=i)  # noqa: E731
     with_prompt_logprobs = lambda i: SamplingParams(temperature=0.5, seed=i, prompt_logprobs=True, logprobs=2)  # noqa: E731
     hidden = run.weight(n * 6, cfg.hidden)
-    with run.steps("engine", 5):
+    masked = engine.head.masked_graphs is not None
+    with run.steps("engine", 4 if masked else 3):
         engine.step(engine.source, scenario_requests(n, params=mixed_params))  # zero-copy source
         engine.step(hidden, scenario_requests(n, decode=True, params=mixed_params))  # rows copied into the source
         engine.step(engine.source, scenario_requests(n, decode=True, params=greedy))  # the greedy graphs
+        if masked:  # structured output: a row restricted by the token bitmask (tokens 0-31 only)
+            engine.run(engine.source, *_masked_step(engine, scenario_requests(n, decode=True, params=mixed_params)))
+    with run.steps("engine", 2, kind="other"):
         engine.step(engine.source, scenario_requests(n, prompt=9, params=with_prompt_logprobs))
         engine.step(engine.source, scenario_requests(cfg.max_num_reqs + 1, decode=True))  # above the largest bucket: eager
+
+
+def _masked_step(engine: StepEngine, seqs: list[SeqMeta]) -> tuple[SamplerInputs, StepArrays]:
+    """What `engine.step(engine.source, seqs)` runs, with a token bitmask that lets the first
+    sample row draw only tokens 0-31 (as a grammar's matcher would fill it)."""
+    inputs, stop_ids = engine.seq_front.ledger(seqs)
+    arrays = engine.drafts.step_arrays(inputs, stop_ids)
+    arrays.control_slots = engine.seq_front.control_slots(inputs)
+    arrays.token_bitmask = np.full((inputs.num_sample_rows, bitmask_words(engine.vocab_size)), -1, dtype=np.int32)
+    arrays.token_bitmask[0, 1:] = 0
+    return inputs, arrays
 
 
 def _drafts(run: _Run, mode: str) -> None:
@@ -314,7 +416,7 @@ def _drafts(run: _Run, mode: str) -> None:
         max_control_slots=cfg.max_num_reqs, max_logit_bias=8, max_allowed_token_ids=64, kernels=cfg.kernels))
     run.graph_sets(f"drafts {mode}", engine, _sets(engine, f"drafts {mode}", {
         "": FILTERED, " plain": PLAIN, " greedy": GREEDY, " controls": CONTROLLED}))
-    if run.costing:
+    if not run.runs_steps:
         return
     n = min(4, cfg.max_num_reqs)
     drafts = [list(range(10 + i, 10 + i + k)) for i in range(n)]
@@ -355,7 +457,7 @@ def _sharded(run: _Run) -> None:
                                    ParallelConfig(strategy="candidates"))
         run.graph_sets(f"sharded tp={cfg.tp}", engine,
                        {f"sharded tp={cfg.tp} {strategy}": strategy for strategy in engine.replayers})
-        if run.costing:
+        if not run.runs_steps:
             return
         n = min(4, cfg.max_num_reqs)
         top_k = lambda i: SamplingParams(temperature=0.8, top_k=20, seed=i)  # noqa: E731
@@ -388,7 +490,7 @@ def _model(run: _Run) -> None:
     # Token ids and positions arrive on the device, as a decode loop keeps them.
     ids = torch.zeros(prefill.num_tokens, dtype=torch.int64, device="cuda")
     positions = torch.arange(prefill.num_tokens, device="cuda") % int(prompt.min())
-    with run.steps("model", 2):
+    with run.steps("model", 2, kind=None):
         model.forward(ids, positions, prefill)
         # An eager step (its shapes follow the batch): host-side planning is allowed,
         # waiting for the device is not.
@@ -417,6 +519,8 @@ def run(cfg: DryRunConfig, *, real_cuda: bool = False, cost: bool = False, repla
         # FakeTensor data pointers read 0 (the checks use storage identities instead).
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         warnings.filterwarnings("ignore", message="a step with .* requests exceeds the largest graph bucket")
+        # A cost run's steps (for the host counts) run its engines uncaptured, eagerly.
+        warnings.filterwarnings("ignore", message=r"EngineConfig\(use_graphs=True\) but this engine's graphs were never")
         cuda = None
         if not real_cuda:
             cuda = stack.enter_context(FakeCuda())
@@ -508,6 +612,7 @@ def main(argv: list[str] | None = None) -> int:
             "drafts": cfg.max_draft_tokens, "tp": cfg.tp, "node_us": args.node_us, "bandwidth_tbs": args.bandwidth_tbs,
             "seconds": round(report.seconds, 1),
             "graphs": [c.as_dict(args.node_us, args.bandwidth_tbs, detail=args.cost_detail) for c in report.costs],
+            **({} if args.real_cuda else {"host": report.host_summary()}),
             **({"calibration": calibrated} if calibrated is not None else {}),
         })
         if args.json_out:
@@ -526,6 +631,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for line in report.lines():
         print(line)
+    broken = report.host_bar()
+    if broken is not None:
+        print(f"FAILED: {broken}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -23,7 +23,8 @@ device-to-host copy) cannot see values that do not exist: it returns zeros
 and is counted in `host_reads`, by call site, so a run reports how many
 device-to-host syncs each step pays outside its graphs. Host-to-device copies
 that are not pinned and non-blocking (each one a host wait on CUDA) are
-counted in `pageable_copies` the same way.
+counted in `pageable_copies` the same way, and every host-to-device copy in
+`h2d_copies`.
 """
 from __future__ import annotations
 
@@ -80,6 +81,7 @@ class FakeCuda:
         self._pinned: set[int] = set()
         self.host_reads: Counter[str] = Counter()  # call site -> device-to-host reads
         self.pageable_copies: Counter[str] = Counter()  # call site -> host-to-device copies not pinned + non_blocking
+        self.h2d_copies: Counter[str] = Counter()  # call site -> every host-to-device copy
         self._stack: ExitStack | None = None
 
     # -- what the patched functions need -------------------------------------------
@@ -92,9 +94,11 @@ class FakeCuda:
         self.host_reads[_call_site()] += 1
 
     def count_copy(self, source: torch.Tensor, non_blocking: bool) -> None:
-        """Record a host-to-device copy: pageable (or blocking) ones by call site."""
+        """Record a host-to-device copy by call site, and apart the pageable (or blocking) ones."""
+        site = _call_site()
+        self.h2d_copies[site] += 1
         if not (non_blocking and self.is_pinned(source)):
-            self.pageable_copies[_call_site()] += 1
+            self.pageable_copies[site] += 1
 
     def host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """What a device-to-host copy of a fake tensor delivers: zeros (counted). Made with
@@ -245,6 +249,7 @@ class _FakeCudaFunctions(TorchFunctionMode):
                 # Host data straight onto the device: a pageable copy (the fake mode
                 # builds the tensor without dispatching one).
                 self.cuda.pageable_copies[_call_site()] += 1
+                self.cuda.h2d_copies[_call_site()] += 1
         if func is torch.Tensor.data_ptr and _is_fake(args[0]):
             # Every fake data pointer reads 0; code that compares pointers (is this the
             # static source?) needs distinct ones: the storage's identity plus the offset.

@@ -59,6 +59,9 @@ run "$PY" -m pytest -q -x tests/test_step_engine.py tests/test_speculative.py
 # The fake-CUDA dry run's real twin: its scenarios (both candidate graph sets, drafts in
 # both verify modes, prompt logprobs, a sharded rank, the invariant model's decode step)
 # capturing real graphs, each bucket's first warm-up under the CUDA capture-safety rules.
+# Its steps run under torch.cuda.set_sync_debug_mode("warn"): the graph steps (one packed
+# copy each way, control writes carried along, the outputs read after an event) must make
+# no synchronizing call; it lists any by call site and exits 1.
 run "$PY" -m profiling.cuda_dry_run --real-cuda --max-num-reqs 16
 # The Triton kernel head (kernels="auto" on CUDA) against the torch head on the GPU: the
 # same steps, tokens identical, median step times side by side.

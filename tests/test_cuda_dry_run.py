@@ -36,11 +36,12 @@ def test_dry_run_passes_and_reports_ops_per_bucket(capsys: pytest.CaptureFixture
         counts = [int(ops) for ops in re.findall(r"\b\d+:(\d+)", line)]
         assert counts and min(counts) > 50, line  # every bucket ran a real step under the check
     assert re.search(r"^  engine +1:\d+  2:\d+$", out, re.M), out  # both buckets of max_num_reqs=2
-    # The exact path's flag read after each replay is counted, not hidden.
-    assert re.search(r"engine/step/collect.py:\d+", out)
+    # The output copy after each replay is counted, not hidden: one read a graph step.
+    assert re.search(r"engine/step/transfer.py:\d+", out)
+    assert re.search(r"^graph steps: (\d+), device-to-host reads \1, pageable host-to-device copies 0", out, re.M), out
     # The engine's own per-step uploads (staging, source-copy index, draft probabilities)
     # are pinned and asynchronous; what is left pageable is listed, and is not the engine's.
-    pageable = out.split("pageable host-to-device copies")[1].split("dry run passed")[0]
+    pageable = out.split("pageable host-to-device copies")[1].split("host-to-device copies outside the graphs, pinned")[0]
     assert "step_engine.py" not in pageable and "static_buffers.py" not in pageable, pageable
     assert not any(f"engine/step/{name}.py" in pageable for name in ("body", "collect", "drafts", "lm_head", "kernel_head", "kernel_step")), pageable
     assert "dry run passed" in out
@@ -74,16 +75,17 @@ def _host_factory(e: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
 
 
 def test_a_host_tensor_in_a_device_op_outside_the_graphs_fails_the_dry_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Eager code after the replay (here the output collection) is held to CUDA's device rules."""
-    import engine.step.collect as collect_module
+    """Eager code after the replay (here the output copy) is held to CUDA's device rules."""
+    from engine.step.transfer import OutputCopy
 
-    original = collect_module._host_results
+    original = OutputCopy.fetch
 
-    def planted(out, *, want_top):
-        out.tokens + torch.ones(out.tokens.shape[0], dtype=torch.int64)  # a host vector in a device op
-        return original(out, want_top=want_top)
+    def planted(self, *, wide):
+        tokens = self.area.out.tokens
+        tokens + torch.ones(tokens.shape[0], dtype=torch.int64)  # a host vector in a device op
+        return original(self, wide=wide)
 
-    monkeypatch.setattr(collect_module, "_host_results", planted)
+    monkeypatch.setattr(OutputCopy, "fetch", planted)
     with pytest.raises(DryRunFailure, match=r"StepEngine: aten.add.Tensor .*devices(?s:.*)test_cuda_dry_run.py"):
         run(SMALL)
 

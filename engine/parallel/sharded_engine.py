@@ -148,11 +148,11 @@ class VocabParallelHead(LMHead):
         self.stats.exchanged_bytes += self.sampler.exchanged_bytes(strategy, rows)
         return strategy
 
-    def before_exact_rows(self, graphs: str, bucket: int, rows: int) -> None:
+    def before_exact_rows(self, graphs: str, bucket: int, flagged: bool) -> None:
         """After a candidate step with flagged rows the full logits they are redone
         over are gathered first. Every rank sees the same flags (they derive from
         the merged data), so all gather together."""
-        if graphs == "candidates" and bool(self.buffers.out.needs_exact[:rows].any()):
+        if graphs == "candidates" and flagged:
             capacity = self.buffers.rows_for(bucket)
             self.sampler.all_gather_logits(capacity)
             self.stats.exact_gathers += 1

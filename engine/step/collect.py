@@ -5,7 +5,8 @@
                  redone by the eager reference path, drafts re-verified against
                  them. The local head decides every row inside the graph.
     output copy  the real rows of the static outputs, copied to the host before
-                 the next replay overwrites them
+                 the next replay overwrites them: one packed copy of every output
+                 (engine/step/transfer.py), the step's one read of the device
     rescoring    rejection mode: a residual draw's own logprob and rank, by the sampler
                  rerun on the row's scores with that token forced, in the row's mode
 """
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 
 from engine.sampling.exact import sample_exact
+from engine.ops import upload
 from engine.sampling.sample_output import SampleOutput
 from engine.sampling.sampler import sample
 from engine.step.body import verify_drafts
@@ -27,6 +29,7 @@ from engine.step.config import EngineConfig, EngineStats
 from engine.step.controls import SamplingControls
 from engine.step.staging import StepArrays
 from engine.step.static_buffers import StepBuffers
+from engine.step.transfer import HostOutputs
 from engine.trace import stage
 
 
@@ -41,6 +44,7 @@ class CollectedRows:
     top_ids: np.ndarray | None = None  # [rows, N] int64; None: no request asked for top logprobs
     top_logprobs: np.ndarray | None = None  # [rows, N] f32
     num_accepted: np.ndarray | None = None  # [n] int64: drafts accepted per request (`collect` sets it)
+    counted_index: np.ndarray | None = None  # [rows] int64: flat penalty-count index each row added to, -1 none
 
     @classmethod
     def concatenate(cls, parts: Sequence[CollectedRows]) -> CollectedRows:
@@ -56,24 +60,30 @@ ScoresAfter = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor | None]
 
 def collect(buffers: StepBuffers, config: EngineConfig, bucket: int, arrays: StepArrays, stats: EngineStats, *,
             want_top: bool, want_logprobs: bool = True, controls: SamplingControls | None = None,
-            exact_rows: bool = False, scores_after: ScoresAfter | None = None) -> CollectedRows:
+            fetched: HostOutputs | None = None, counted: bool = False,
+            scores_after: ScoresAfter | None = None) -> CollectedRows:
     """Redo flagged rows exactly, re-verify if needed, and copy the real rows
     out: per sample row tokens, logprob, rank, error (and top_ids /
-    top_logprobs with `want_top`), per request num_accepted.
+    top_logprobs with `want_top`), per request num_accepted, per row the
+    penalty counts' index.
     `controls`: the sampling-control state when the step ran a controls
     graph (`buffers.logits` hold the controlled logits, raw logprobs come
     from its unprocessed ones, and the counts follow the exact rows' draws).
-    `exact_rows`: whether the head's sampler may have flagged rows (False:
-    nothing is read before the output copy). `scores_after`: the rows as the
-    sampler saw them, for rescoring residual draws (rejection mode)."""
+    `fetched`: the step's output copy when the head's sampler may have flagged
+    rows (it was fetched to read the flags); None: fetched here. `counted`: the
+    step added its tokens to the penalty counts (`CollectedRows.counted_index`).
+    `scores_after`: the rows as the sampler saw them, for rescoring residual
+    draws (rejection mode)."""
     b = buffers
     rows, capacity, n = len(arrays.row_to_req), b.rows_for(bucket), len(arrays.temperatures)
     params, out = b.params(bucket), b.outputs(capacity)
     token_bitmask = b.token_bitmask if arrays.token_bitmask is not None else None  # the step's, staged
     with stage("exact rows"):
-        flags = out.needs_exact[:rows].cpu() if exact_rows else None
-        if flags is not None and bool(flags.any()):
-            index = torch.nonzero(flags).flatten()
+        flags = fetched.rows("needs_exact", rows) if fetched is not None else None
+        if flags is not None and flags.any():
+            # The rows change on the device: the copy is fetched again after them.
+            fetched = None
+            index = upload(np.flatnonzero(flags), b.logits.device)
             sample_exact(b.logits[:capacity], params, config.sampler, index, out, compute_logprobs=want_logprobs,
                          unprocessed=None if controls is None else controls.unprocessed[:capacity],
                          token_bitmask=None if token_bitmask is None else token_bitmask[:capacity])
@@ -84,15 +94,19 @@ def collect(buffers: StepBuffers, config: EngineConfig, bucket: int, arrays: Ste
             if controls is not None:
                 controls.recount(b, config, bucket)  # the graph counted the flagged rows' first draws
     with stage("output copy"):
-        result = _host_results(b.outputs(rows), want_top=want_top)
+        if fetched is None:
+            fetched = b.output_copy.fetch(wide=want_top)
+        result = _host_results(fetched, rows, want_top=want_top)
         k = config.max_draft_tokens
-        result.num_accepted = b.num_accepted[:n].to("cpu", copy=True).numpy() if k else np.zeros(n, np.int64)
+        result.num_accepted = fetched.rows("num_accepted", n) if k else np.zeros(n, np.int64)
+        result.counted_index = fetched.rows("counted_index", rows) if counted else None
         if k and config.verify_mode == "rejection":
-            emitted = b.emitted[:rows].to("cpu", copy=True).numpy()
+            emitted = fetched.rows("emitted", rows)
             # A failed row emits nothing: no residual draw to rescore.
             changed = np.flatnonzero((emitted >= 0) & (emitted != result.tokens) & (result.error == 0))
             if len(changed) and want_logprobs:
-                # A residual draw is not the row's own draw: its logprob and rank differ.
+                # A residual draw is not the row's own draw: its logprob and rank differ. A second
+                # read of the device this step, only when a row emits a residual draw.
                 _rescore(b, config, bucket, scores_after, changed, emitted[changed], result,
                          token_bitmask=token_bitmask)
             result.tokens = np.where(emitted >= 0, emitted, result.tokens)
@@ -106,26 +120,23 @@ def _rescore(b: StepBuffers, config: EngineConfig, bucket: int, scores_after: Sc
     so a residual draw reports what its own draw would (raw: of the unprocessed logits;
     processed: of the distribution the row drew from)."""
     device = b.logits.device
-    index = torch.as_tensor(rows, dtype=torch.int64, device=device)
+    index = upload(rows, device)
     scores, unprocessed = scores_after(index)
-    params = b.params(bucket).rows(index)
-    params = dataclasses.replace(params, forced_tokens=torch.as_tensor(tokens, dtype=torch.int64, device=device))
+    params = dataclasses.replace(b.params(bucket).rows(index), forced_tokens=upload(tokens, device))
     full = dataclasses.replace(config.sampler, stages="filters", top_k="radix", top_p=True, chunk_rows=0)
     out = SampleOutput.allocate(len(rows), 0, device)
     sample(scores, params, full, out, unprocessed=unprocessed,
            token_bitmask=None if token_bitmask is None else token_bitmask[index])
-    result.logprob[rows] = out.logprob.cpu().numpy()
-    result.rank[rows] = out.rank.cpu().numpy()
+    # One copy back: f64 holds the f32 logprob and the rank (< 2**53) exactly.
+    both = torch.stack([out.logprob.to(torch.float64), out.rank.to(torch.float64)]).cpu().numpy()
+    result.logprob[rows] = both[0]
+    result.rank[rows] = both[1]
 
 
-def _host_results(out: SampleOutput, *, want_top: bool) -> CollectedRows:
-    """Copy the real rows of the outputs to the host. A copy also on CPU, where
-    `.cpu()` would return the static buffer itself and the next step would
-    overwrite the results under the caller's feet."""
-
-    def host(tensor: torch.Tensor) -> np.ndarray:
-        return tensor.to("cpu", copy=True).numpy()
-
-    return CollectedRows(tokens=host(out.tokens), logprob=host(out.logprob), rank=host(out.rank), error=host(out.error),
-                         top_ids=host(out.top_ids) if want_top else None,
-                         top_logprobs=host(out.top_logprobs) if want_top else None)
+def _host_results(fetched: HostOutputs, rows: int, *, want_top: bool) -> CollectedRows:
+    """The real rows of the outputs, copied out of the pinned twin (the step after next
+    overwrites it)."""
+    return CollectedRows(tokens=fetched.rows("tokens", rows), logprob=fetched.rows("logprob", rows),
+                         rank=fetched.rows("rank", rows), error=fetched.rows("error", rows),
+                         top_ids=fetched.rows("top_ids", rows) if want_top else None,
+                         top_logprobs=fetched.rows("top_logprobs", rows) if want_top else None)

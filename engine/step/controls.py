@@ -20,20 +20,31 @@ gathered from its request's slot, go to the sampler
 unprocessed logits and applies them to `buffers.logits` in place, in vLLM's
 order, so every path that reads the logits afterwards (the exact rows, draft
 verification) sees the processed ones; then the tokens the step emits are
-added to the counts, on the device. The host copies what each replay counted
-(one small copy beside the outputs') so that `StepEngine.rollback` can take
-back the last step, or a step that raised after its replay.
+added to the counts, on the device. What each replay counted comes back to
+the host with the step's outputs, in their one copy (`counted_index` lives in
+`StepBuffers.output_area`), so that `StepEngine.rollback` can take back the
+last step, or a step that raised after its replay.
+
+The other way, a request's controls reach the device with the step's packed
+input copy (staged writes, as vLLM's model runner v2 does): joining or
+changing writes one record per slot on the host (`ControlWrites`, the latest
+record of a slot wins), the next step carries the records after its fields
+(`StepBuffers.load(carried=...)`), and a few scatters apply them on the device
+before its replay. A slot's counts are zeroed on the device when it is handed
+out (a fill, no copy). Controls without an engine's steps (`steps_carry_writes`
+False) apply each write at once, with a copy of its own.
 """
 from __future__ import annotations
 
 import logging
-from typing import Hashable, Sequence
+from typing import Hashable, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
 from engine.host.control_slots import first_control, uses_controls
 from engine.host.params import SamplingParams
+from engine.ops import upload
 from engine.sampling.errors import RowError
 from engine.sampling.pipeline import ControlRows
 from engine.sampling.token_bitmask import BITS_PER_WORD, bitmask_words
@@ -50,6 +61,70 @@ def pack_tokens(tokens: np.ndarray, vocab: int) -> np.ndarray:
     return np.packbits(bits.reshape(-1, BITS_PER_WORD), axis=1, bitorder="little").view("<i4").reshape(-1).astype(np.int32)
 
 
+class _Column(NamedTuple):
+    """One field of a control write record."""
+
+    name: str
+    dtype: np.dtype
+    width: int
+    start: int  # byte offset in the record, 8-aligned
+
+
+_TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32, np.dtype(np.float32): torch.float32,
+          np.dtype(np.bool_): torch.bool}
+
+
+class ControlWrites:
+    """Control state staged on the host, one fixed-size record per slot, until a step
+    carries the records to the device (`pending`) and `apply` scatters them into the
+    slots' rows. A slot staged twice keeps its latest record."""
+
+    def __init__(self, capacity: int, max_logit_bias: int, words: int):
+        declared = (("slot", np.int64, 1), ("penalties", np.float32, 3), ("restricted", np.bool_, 1),
+                    ("bias_ids", np.int64, max_logit_bias), ("bias_values", np.float32, max_logit_bias),
+                    ("prompt_words", np.int32, words), ("allowed_words", np.int32, words))
+        columns, offset = [], 0
+        for name, dtype, width in declared:
+            columns.append(_Column(name, np.dtype(dtype), width, offset))
+            offset += -(-np.dtype(dtype).itemsize * width // 8) * 8
+        self.columns = tuple(columns)
+        self.record_bytes = offset
+        self._records = np.zeros((capacity, offset), dtype=np.uint8)
+        self._index: dict[int, int] = {}  # slot -> its record
+
+    @staticmethod
+    def nbytes(capacity: int, max_logit_bias: int, words: int) -> int:
+        """Bytes of `capacity` records: what a step may carry at most."""
+        return capacity * ControlWrites(0, max_logit_bias, words).record_bytes
+
+    def stage(self, slot: int, **values: np.ndarray | float | bool) -> None:
+        """Record every column but `slot` for `slot` (replacing a record staged before)."""
+        i = self._index.setdefault(slot, len(self._index))
+        record = self._records[i]
+        for column in self.columns:
+            value = slot if column.name == "slot" else values[column.name]
+            record[column.start : column.start + column.dtype.itemsize * column.width].view(column.dtype)[:] = value
+
+    def pending(self) -> np.ndarray | None:
+        """[records * record_bytes] uint8: the staged records, None when there are none."""
+        return self._records[: len(self._index)].reshape(-1) if self._index else None
+
+    def apply(self, records: torch.Tensor, controls: SamplingControls) -> None:
+        """Scatter the records `pending` returned, now on the controls' device, into the
+        slots' rows; the records are done with. Eager, before the step's replay."""
+        table = records.view(len(self._index), self.record_bytes)  # [records, record_bytes] uint8
+
+        def column(name: str) -> torch.Tensor:  # [records, width]
+            c = next(c for c in self.columns if c.name == name)
+            return table[:, c.start : c.start + c.dtype.itemsize * c.width].view(_TORCH[c.dtype])
+
+        slots = column("slot")[:, 0]
+        for name in ("penalties", "bias_ids", "bias_values", "prompt_words", "allowed_words"):
+            getattr(controls, name).index_copy_(0, slots, column(name))
+        controls.restricted.index_copy_(0, slots, column("restricted")[:, 0])
+        self._index.clear()
+
+
 class SamplingControls:
     """The control slots of one engine and their static buffers (see the module docstring).
 
@@ -58,7 +133,8 @@ class SamplingControls:
     the step of the engine's controls graphs."""
 
     def __init__(self, config: EngineConfig, vocab_size: int, max_rows: int, device: torch.device, *,
-                 keep_unprocessed: bool = True):
+                 keep_unprocessed: bool = True, counted_index: torch.Tensor | None = None,
+                 steps_carry_writes: bool = False):
         slots = config.max_control_slots + 1
         words = bitmask_words(vocab_size)
         self.config, self.vocab_size, self.device = config, vocab_size, device
@@ -74,8 +150,14 @@ class SamplingControls:
         self.unprocessed = (torch.zeros(max_rows, vocab_size, dtype=torch.float32, device=device)
                             if keep_unprocessed else None)
         # Per sample row of the last replay: the flat counts index (slot * V + token) it added 1 to, -1 none.
-        self.counted_index = torch.full((max_rows,), -1, dtype=torch.int64, device=device)
+        # An engine's lives among the step's outputs (`StepBuffers.output_area`), which come back in one copy.
+        self.counted_index = (torch.full((max_rows,), -1, dtype=torch.int64, device=device) if counted_index is None
+                              else counted_index)
         self._free = list(range(slots - 1, 0, -1))
+        # What joins and changes wrote, until a step carries it (or at once, see the module doc).
+        self.writes = ControlWrites(slots - 1, config.max_logit_bias, words)
+        self.steps_carry_writes = steps_carry_writes
+        self._prompt_words = np.zeros((slots, words), dtype=np.int32)  # the host's copy, for rewrites
         # Host side, for undoing: the flat indices the last finished step added to; those of
         # the parts of a step in flight, and the rows of a replayed part not collected yet.
         self.last_step: np.ndarray | None = None
@@ -150,30 +232,35 @@ class SamplingControls:
         return True
 
     def join(self, params: SamplingParams, prompt_tokens: Sequence[int] | None) -> int:
-        """A slot for a checked request: its counts zeroed, its prompt, penalties,
-        bias and allowed set written (eager, outside any graph). Returns the slot."""
+        """A slot for a checked request: its counts zeroed (on the device, now), its
+        prompt, penalties, bias and allowed set staged for the next step. Returns the slot."""
         slot = self._free.pop()
         self.counts[slot].zero_()
         prompt = np.zeros(0, np.int64) if prompt_tokens is None else np.asarray(prompt_tokens, dtype=np.int64)
-        self.prompt_words[slot].copy_(torch.from_numpy(pack_tokens(prompt, self.vocab_size)))
+        self._prompt_words[slot] = pack_tokens(prompt, self.vocab_size)
         self.rewrite(slot, params)
         return slot
 
     def rewrite(self, slot: int, params: SamplingParams) -> None:
-        """New penalties, bias and allowed set for a slot (its counts and prompt stay)."""
-        self.penalties[slot] = torch.tensor(
-            [params.repetition_penalty, params.frequency_penalty, params.presence_penalty], dtype=torch.float32)
+        """New penalties, bias and allowed set for a slot (its counts and prompt stay), staged
+        for the next step."""
         bias = params.logit_bias or {}
         ids = np.zeros(self.config.max_logit_bias, np.int64)
         values = np.zeros(self.config.max_logit_bias, np.float32)
         ids[: len(bias)] = list(bias.keys())
         values[: len(bias)] = list(bias.values())
-        self.bias_ids[slot].copy_(torch.from_numpy(ids))
-        self.bias_values[slot].copy_(torch.from_numpy(values))
         allowed = params.allowed_token_ids
-        self.restricted[slot] = allowed is not None
-        words = pack_tokens(np.asarray(allowed or (), np.int64), self.vocab_size)
-        self.allowed_words[slot].copy_(torch.from_numpy(words))
+        self.writes.stage(slot, penalties=np.array([params.repetition_penalty, params.frequency_penalty,
+                                                    params.presence_penalty], np.float32),
+                          restricted=allowed is not None, bias_ids=ids, bias_values=values,
+                          prompt_words=self._prompt_words[slot],
+                          allowed_words=pack_tokens(np.asarray(allowed or (), np.int64), self.vocab_size))
+        if not self.steps_carry_writes:
+            self.apply_writes(upload(self.writes.pending(), self.device))
+
+    def apply_writes(self, records: torch.Tensor) -> None:
+        """Scatter the staged writes, `writes.pending()` brought to the device, into the slots."""
+        self.writes.apply(records, self)
 
     def leave(self, slot: int) -> None:
         """Give a slot back; its state is rewritten when it is handed out again."""
@@ -255,10 +342,10 @@ class SamplingControls:
         """A part of the step ran over `rows` sample rows: its counts are on the device."""
         self._uncollected = rows
 
-    def collected(self, rows: int) -> None:
-        """After the part's exact rows: copy what it counted to the host (one small copy)."""
-        index = self.counted_index[:rows].to("cpu", copy=True).numpy()
-        self._parts.append(index[index >= 0])
+    def collected(self, counted_index: np.ndarray) -> None:
+        """After the part's exact rows: what it counted, per sample row (-1 none), as the
+        step's output copy brought it."""
+        self._parts.append(counted_index[counted_index >= 0])
         self._uncollected = 0
 
     def finish_step(self, dropped: np.ndarray) -> None:

@@ -100,9 +100,10 @@ class LMHead(ABC):
     def graphs_for(self, inputs: SamplerInputs, rows: int, stats: EngineStats) -> str:
         """The graph set of this step; `rows`: the static rows its buckets run over."""
 
-    def before_exact_rows(self, graphs: str, bucket: int, rows: int) -> None:
-        """After the replay of `bucket` (`rows` real rows), before the exact rows read
-        `buffers.logits`: full logits rows must be there by then."""
+    def before_exact_rows(self, graphs: str, bucket: int, flagged: bool) -> None:
+        """After the replay of `bucket`, before the exact rows read `buffers.logits`
+        (`flagged`: some row needs them, as the step's output copy says): full logits
+        rows must be there by then."""
 
     def scores_after(self, graphs: str, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """After a replay of `graphs`, sample rows `index` [k] int64 as the sampler saw them:

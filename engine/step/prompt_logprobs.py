@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from engine.host.ledger import SamplerInputs
-from engine.ops import BlockGemm, gather, get_logits
+from engine.ops import BlockGemm, gather, get_logits, upload
 from engine.sampling.filters import top_k_mask
 from engine.sampling.logprobs import token_logprobs, top_n_ids
 from engine.sampling.normaliser import raw_log_normaliser
@@ -91,7 +91,7 @@ class PromptRowResults:
         """
         stop = start + logits.shape[0]
         self.finite[start:stop] = torch.isfinite(logits).all(1).cpu().numpy()
-        target = torch.as_tensor(self.targets[start:stop], dtype=torch.int64).to(logits.device)
+        target = upload(self.targets[start:stop].astype(np.int64), logits.device)
         kept = None if row_top_k is None else top_k_mask(logits, row_top_k, max(1, int(row_top_k.max())))
         log_norm = raw_log_normaliser(logits, logits.amax(-1), kept)  # [chunk] f64
         # Rank and top-N come from the raw logits; both are unchanged by the
@@ -201,9 +201,9 @@ def prompt_row_logprobs(
     results = PromptRowResults.allocate(targets, num_top, lm_head_weight.shape[0])
     for start in range(0, len(rows), chunk_rows):
         stop = min(start + chunk_rows, len(rows))
-        hidden = gather(hidden_states, torch.as_tensor(rows[start:stop], dtype=torch.int64).to(device))
+        hidden = gather(hidden_states, upload(np.asarray(rows[start:stop], np.int64), device))
         logits = get_logits(hidden, lm_head_weight, batch_invariant=batch_invariant, kernel=kernel)  # [chunk, vocab] fp32
-        k = None if row_top_k is None else torch.as_tensor(row_top_k[start:stop], dtype=torch.int64).to(device)
+        k = None if row_top_k is None else upload(np.asarray(row_top_k[start:stop], np.int64), device)
         results.score(start, logits, k)
     return results
 

@@ -3,9 +3,10 @@
 `StepArrays` holds what `StepBuffers.load` copies: one attribute per
 declared per-step field (`engine/host/step_fields.py`), under the same
 names and in the same order (tests/test_step_fields.py holds them equal),
-plus the drafts' distributions for the rejection-mode buffer and the token
-bitmask, which travel in copies of their own. `from_inputs` and the split
-into parts derive from the declaration.
+plus the drafts' distributions for the rejection-mode buffer, which travel
+in copies of their own, and the token bitmask, which rides the same copy
+after the fields. `from_inputs` and the split into parts derive from the
+declaration.
 """
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ class StepArrays:
     # What travels in copies of its own:
     draft_probs: dict[int, torch.Tensor] | None = None  # first sample row -> [k, V] q of its drafts
     # [rows, ceil(V / 32)] int32 in xgrammar's packed layout (bit b of word w: token 32 w + b, 1 = allowed;
-    # a row of -1 restricts nothing); None: no row is restricted this step. Its own copy, only when set.
+    # a row of -1 restricts nothing); None: no row is restricted this step. Carried by the step's copy
+    # when set.
     token_bitmask: np.ndarray | None = None
 
     @classmethod

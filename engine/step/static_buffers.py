@@ -25,6 +25,7 @@ from engine.host.step_fields import StepField
 from engine.sampling.row_params import RowParams
 from engine.sampling.sample_output import SampleOutput
 from engine.step.staging import StepArrays
+from engine.step.transfer import OutputArea, OutputCopy
 
 
 # The stage whose fields make up `RowParams`, the sampler's view.
@@ -128,6 +129,10 @@ class StepBuffers:
     out: SampleOutput  # [max_rows] results
     num_accepted: torch.Tensor  # [max_reqs] int64: drafts accepted per request
     emitted: torch.Tensor  # [max_rows] int64: rejection mode's emitted token per row (-1 = none)
+    # The three above (and the penalty counts' indices) are views into this one packed buffer,
+    # which one copy a step brings back to the host (engine/step/transfer.py).
+    output_area: OutputArea
+    output_copy: OutputCopy
     resolved_drafts: torch.Tensor  # [max_rows] int64: the draft each row verified (staged or from the pool)
     pool_tokens: torch.Tensor  # [(pool_slots + 1) * max_draft] int64; the extra slot absorbs "no write"
     pool_logprobs: torch.Tensor  # same shape, f32
@@ -144,6 +149,8 @@ class StepBuffers:
     _req_count: str  # the first declared per-request field: its length is the step's requests
     _sampler_views: tuple[tuple[str, bool, torch.Tensor], ...]  # (name, per row, device view) of RowParams
     _copy_done: torch.cuda.Event | None = None
+    # Bytes of the declared fields; past them, room for `carried_bytes` of writes carried along.
+    _field_bytes: int = 0
     # Per staged field: leading entries that may hold non-padding values.
     _high_water: dict[str, int] = field(default_factory=dict)
 
@@ -164,11 +171,14 @@ class StepBuffers:
         pool_slots: int = 0,
         draft_probs: bool = False,
         token_bitmask_words: int = 0,
+        carried_bytes: int = 0,
     ) -> StepBuffers:
         """Static buffers for the declared per-step fields (and the fixed
         ones: source, hidden, logits, outputs, draft pool; a token bitmask of
         `token_bitmask_words` int32 words per row unless 0); raises ValueError
-        naming a field the buffers cannot stage."""
+        naming a field the buffers cannot stage. `carried_bytes`: room past the
+        fields for what `load(carried=...)` brings along (staged control writes, a
+        step's token bitmask)."""
         declared = tuple(step_fields)
         rows_per_req = 1 + max_draft_tokens
         max_rows = max_reqs * rows_per_req
@@ -182,6 +192,8 @@ class StepBuffers:
             layout.append((f, width, dtype, offset, nbytes))
             offset += -(-nbytes // _ALIGN) * _ALIGN
         pinned = device.type == "cuda"
+        field_bytes = offset
+        offset += -(-carried_bytes // _ALIGN) * _ALIGN
         staging = torch.zeros(offset, dtype=torch.uint8, pin_memory=pinned)
         packed = torch.zeros(offset, dtype=torch.uint8, device=device)
         views, staged, plan, rule_padded = {}, {}, [], []
@@ -209,6 +221,7 @@ class StepBuffers:
         pool_logprobs = torch.full(((pool_slots + 1) * width,), -float("inf"), device=device)
         pool_tokens[:width] = vocab_size - 1
         pool_logprobs[0] = 0.0
+        outputs = OutputArea.allocate(max_rows, max_reqs, max_logprobs, device)
         return cls(
             max_reqs=max_reqs,
             max_rows=max_rows,
@@ -217,9 +230,11 @@ class StepBuffers:
             source=torch.zeros(max_source_rows, hidden_size, dtype=source_dtype, device=device),
             hidden=torch.zeros(max_rows, hidden_size, dtype=source_dtype, device=device),
             logits=torch.zeros(max_rows, vocab_size, dtype=torch.float32, device=device),
-            out=SampleOutput.allocate(max_rows, max_logprobs, device),
-            num_accepted=torch.zeros(max_reqs, dtype=torch.int64, device=device),
-            emitted=torch.full((max_rows,), -1, dtype=torch.int64, device=device),
+            out=outputs.out,
+            num_accepted=outputs.num_accepted,
+            emitted=outputs.emitted,
+            output_area=outputs,
+            output_copy=OutputCopy(outputs),
             resolved_drafts=torch.full((max_rows,), -1, dtype=torch.int64, device=device),
             pool_tokens=pool_tokens,
             pool_logprobs=pool_logprobs,
@@ -236,6 +251,7 @@ class StepBuffers:
             _req_count=next(f.name for f in declared if f.per == "req"),
             _sampler_views=sampler_views,
             _copy_done=torch.cuda.Event() if pinned else None,
+            _field_bytes=field_bytes,
             _high_water={f.name: 0 for f in declared},
         )
 
@@ -263,19 +279,25 @@ class StepBuffers:
         named.update({f"out.{k}": v for k, v in vars(self.out).items()})
         return named
 
-    def load(self, arrays: StepArrays, bucket: int) -> None:
+    def load(self, arrays: StepArrays, bucket: int, carried: Sequence[np.ndarray] = ()) -> list[torch.Tensor]:
         """Stage one step's host arrays (real entries, then padding up to the
         bucket) and issue the single host-to-device copy.
 
         `arrays` has one attribute per declared field (`StepArrays`, or any
         object with those names), in batch order; None stages padding only.
         The first declared per-row and per-request fields (never None) give
-        the step's sample rows and requests."""
+        the step's sample rows and requests. `carried`: byte arrays (uint8) that
+        travel in the same copy, after the fields; returns their device twins
+        ([len] uint8 each, 8-aligned), to be read by device work queued after it."""
         rows = len(getattr(arrays, self._row_count))
         n = len(getattr(arrays, self._req_count))
         cap_reqs, cap_rows = bucket, self.rows_for(bucket)
         if n > cap_reqs or rows > cap_rows:
             raise ValueError(f"bucket={bucket}: holds {cap_reqs} requests / {cap_rows} rows, step has {n} / {rows}")
+        starts = np.cumsum([0] + [-(-len(c) // _ALIGN) * _ALIGN for c in carried]) + self._field_bytes
+        if starts[-1] > self.staging.numel():
+            raise ValueError(f"carried={[len(c) for c in carried]} bytes: over the "
+                             f"{self.staging.numel() - self._field_bytes} allocated (carried_bytes)")
         if self._copy_done is not None:
             # The previous step's copy may still read the staging area.
             self._copy_done.synchronize()
@@ -303,12 +325,17 @@ class StepBuffers:
             hw[name] = count
             if row_numbers and real is not None:
                 view[real] = True
+        host = self.staging.numpy()
+        for start, piece in zip(starts, carried):
+            host[start : start + len(piece)] = piece
+        end = int(starts[-1])
         non_blocking = self._copy_done is not None
         # Copied as int64 words: torch's CPU byte copy goes through a parallel
         # path that costs milliseconds on a busy 2-core machine.
-        self.packed.view(torch.int64).copy_(self.staging.view(torch.int64), non_blocking=non_blocking)
+        self.packed[:end].view(torch.int64).copy_(self.staging[:end].view(torch.int64), non_blocking=non_blocking)
         if self._copy_done is not None:
             self._copy_done.record()
+        return [self.packed[start : start + len(piece)] for start, piece in zip(starts, carried)]
 
     def params(self, bucket: int) -> RowParams:
         """The sampler's view of a bucket: leading slices of the sample-stage fields."""

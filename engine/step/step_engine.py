@@ -50,7 +50,7 @@ from engine.sampling.token_bitmask import bitmask_words
 from engine.step.checkpoint import EngineCheckpoint, copy_counters, restore_counters
 from engine.step.collect import CollectedRows, collect
 from engine.step.config import EngineConfig, EngineStats
-from engine.step.controls import SamplingControls
+from engine.step.controls import ControlWrites, SamplingControls
 from engine.step.drafts import StepDrafts
 from engine.step.kernel_head import local_head
 from engine.step.lm_head import LMHead
@@ -119,13 +119,20 @@ class StepEngine:
             pool_slots=config.pool_slots,
             draft_probs=config.verify_mode == "rejection" and config.max_draft_tokens > 0,
             token_bitmask_words=bitmask_words(self.vocab_size) if self.head.masked_graphs is not None else 0,
+            # Room for a control write of every slot and a step's token bitmask, carried with its copy.
+            carried_bytes=(ControlWrites.nbytes(config.max_control_slots, config.max_logit_bias,
+                                                bitmask_words(self.vocab_size)) if self.head.supports_controls else 0)
+            + (config.max_num_reqs * (1 + config.max_draft_tokens) * bitmask_words(self.vocab_size) * 4
+               if self.head.masked_graphs is not None else 0),
         )
         self.head.attach(self.buffers)
         # Sampling controls (penalties, logit bias, allowed tokens): state only when the config asks.
         self.controls: SamplingControls | None = None
         if config.max_control_slots and self.head.supports_controls:
             self.controls = SamplingControls(config, self.vocab_size, self.buffers.max_rows, self.device,
-                                             keep_unprocessed=self.head.controls_in_place)
+                                             keep_unprocessed=self.head.controls_in_place,
+                                             counted_index=self.buffers.output_area.counted_index,
+                                             steps_carry_writes=True)
             self.head.attach_controls(self.controls)
         # What the request tables ask when a request joins, changes or leaves.
         self.control_hook = self.controls or NoControls(
@@ -363,14 +370,17 @@ class StepEngine:
                         self.stats.eager_steps += 1
             if controlled:
                 self.controls.replayed(self.buffers.rows_for(part_bucket))
-            self.head.before_exact_rows(graphs, part_bucket, len(part.row_to_req))
+            # A head that may flag rows for the exact path: the output copy first, for the flags.
+            fetched = self.buffers.output_copy.fetch(wide=want_top) if self.head.flags_exact_rows else None
+            self.head.before_exact_rows(graphs, part_bucket, fetched is not None and bool(
+                fetched.rows("needs_exact", len(part.row_to_req)).any()))
             results.append(collect(self.buffers, self.config, part_bucket, part, self.stats,
                                    want_top=want_top, want_logprobs=want_logprobs,
                                    controls=self.controls if in_place else None,
-                                   exact_rows=self.head.flags_exact_rows,
+                                   fetched=fetched, counted=controlled,
                                    scores_after=functools.partial(self.head.scores_after, graphs)))
             if controlled:
-                self.controls.collected(self.buffers.rows_for(part_bucket))
+                self.controls.collected(results[-1].counted_index)
             host_start = time.perf_counter()
         if bucket is not None:
             self.stats.bucket_histogram[bucket] = self.stats.bucket_histogram.get(bucket, 0) + 1
@@ -410,8 +420,10 @@ class StepEngine:
 
     @torch.no_grad()
     def stage_step(self, hidden_states: torch.Tensor, arrays: StepArrays, bucket: int) -> None:
-        """The host part of a step: stage the per-step arrays and issue the one
-        host-to-device copy (plus the caller's rows when not zero-copy)."""
+        """The host part of a step: stage the per-step arrays, the control writes
+        staged since the last step and the token bitmask, and issue the one
+        host-to-device copy (plus the caller's rows when not zero-copy, and
+        rejection mode's draft distributions)."""
         b = self.buffers
         sample_rows = arrays.selected_token_indices
         with stage("staging copy"):
@@ -425,10 +437,19 @@ class StepEngine:
             if arrays.draft_probs:
                 for row, q in arrays.draft_probs.items():
                     b.draft_probs[row : row + len(q)].copy_(upload(q, self.device))
-            if arrays.token_bitmask is not None:
-                # Only steps that restrict a row pay for this copy (the masked graphs read it).
-                mask = arrays.token_bitmask
-                b.token_bitmask[: len(mask)].copy_(upload(torch.from_numpy(mask), self.device))
+            carried = []
+            writes = None if self.controls is None else self.controls.writes.pending()
+            if writes is not None:
+                carried.append(writes)
+            mask = arrays.token_bitmask
+            if mask is not None:
+                # Only steps that restrict a row carry it (the masked graphs read it).
+                carried.append(np.ascontiguousarray(mask, dtype=np.int32).reshape(-1).view(np.uint8))
                 arrays = dataclasses.replace(arrays, masked_rows=(mask != -1).any(1))  # a row of -1 words: unrestricted
-            b.load(arrays if sample_rows is arrays.selected_token_indices
-                   else dataclasses.replace(arrays, selected_token_indices=sample_rows), bucket)
+            twins = b.load(arrays if sample_rows is arrays.selected_token_indices
+                           else dataclasses.replace(arrays, selected_token_indices=sample_rows), bucket, carried=carried)
+            # Device work queued behind the copy: the writes into their slots, the mask into its buffer.
+            if writes is not None:
+                self.controls.apply_writes(twins[0])
+            if mask is not None:
+                b.token_bitmask[: len(mask)].copy_(twins[-1].view(torch.int32).view(len(mask), -1))
