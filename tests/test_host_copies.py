@@ -168,7 +168,8 @@ def test_residual_draws_carry_their_own_raw_logprob_and_rank(monkeypatch: pytest
 
     rescored = []
     original = collect_module._rescore
-    monkeypatch.setattr(collect_module, "_rescore", lambda *a: rescored.append(len(a[1])) or original(*a))
+    monkeypatch.setattr(collect_module, "_rescore",
+                        lambda *a, **kw: rescored.append(len(a[4])) or original(*a, **kw))
     vocab, hidden_size, k, n = 96, 16, 3, 4
     weight = torch.randn(vocab, hidden_size, generator=torch.Generator().manual_seed(1)) * 2
     engine = StepEngine(weight, EngineConfig(max_num_reqs=n, max_draft_tokens=k, device="cpu",
