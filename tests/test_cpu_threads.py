@@ -69,3 +69,16 @@ def test_a_busy_process_is_seen():
     assert source == "runnable tasks of other processes"
     assert seen >= 1
 
+
+
+def test_llm_takes_the_default_and_says_why(monkeypatch):
+    from engine import LLM
+    from engine.step.config import EngineConfig
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(cpu_threads, "busy_elsewhere", lambda: (0.0, "planted"))
+    llm = LLM("tiny", max_num_reqs=1, device="cpu", engine_config=EngineConfig(device="cpu", use_graphs=False))
+    assert llm.threads == ThreadChoice(cpu_threads.usable_cores(), llm.threads.reason)
+    assert torch.get_num_threads() == llm.threads.count and "0 busy" in llm.threads.reason
+    assert LLM("tiny", max_num_reqs=1, threads=1, engine_config=EngineConfig(device="cpu", use_graphs=False)).threads \
+        == ThreadChoice(1, "as asked")
