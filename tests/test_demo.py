@@ -172,7 +172,7 @@ def test_tiny_model_shows_visible_text_and_drafts_off_prints_no_nan(capsys, rest
                  "--drafts", "0", "--threads", "1", "--device", "cpu"])
     out = capsys.readouterr().out
     assert code == 0 and torch.get_num_threads() == 1
-    assert "(1 CPU thread)" in out
+    assert "(1 CPU thread: as asked)" in out  # the count and why
     answers = [line.split("assistant: ", 1)[1] for line in out.splitlines() if "assistant: " in line]
     assert len(answers) == 4
     shown = [a.rsplit("  [", 1)[0].split(" (token ids ", 1)[0].strip("'") for a in answers]

@@ -35,6 +35,7 @@ from engine.cli.demo_report import (RunResult, RunTimes, completion_json, shown_
 from engine.cli.prompts import CHAT_PROMPTS
 from engine.cli.telemetry import Telemetry
 from engine.cli.usage import OneLineParser, UsageError, quiet_on_closed_pipe
+from engine.cpu_threads import use_threads
 from engine.host.params import SamplingParams
 from engine.llm.loading import Loaded, check_model_name, load
 from engine.loop.config import LoopConfig
@@ -261,7 +262,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--drafts", type=int, default=2, help="n-gram draft tokens per step (0 = off)")
     parser.add_argument("--seed", type=int, default=0, help="workload and engine seed, in [0, 2**32)")
     parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's choice); on a busy machine 1 is often fastest")
+                        help="torch CPU threads (default on a CPU: the cores less those other processes keep busy "
+                             "now, engine.cpu_threads)")
     parser.add_argument("--fast", action="store_true",
                         help="batch invariance off: faster, and a request's tokens may depend on its neighbours")
     parser.add_argument("--check-determinism", action="store_true",
@@ -289,8 +291,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    # Chosen before the model loads: its batch-invariance probes hold at the count they ran at.
+    choice = use_threads(args.threads) if args.threads is not None or args.device == "cpu" else None
     torch.manual_seed(args.seed)
     say = (lambda *a: None) if args.json else print
 
@@ -298,7 +300,8 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_model(args)
     load_seconds = time.perf_counter() - t0
     threads = torch.get_num_threads()
-    say(f"model: {loaded.label} on {args.device} ({threads} CPU thread{'' if threads == 1 else 's'}), "
+    why = "" if choice is None else f": {choice.reason}"
+    say(f"model: {loaded.label} on {args.device} ({threads} CPU thread{'' if threads == 1 else 's'}{why}), "
         f"loaded in {load_seconds:.1f} s")
     chat = workload(args.requests, args.max_tokens, args.seed)
     # The controls need a real vocabulary: a schema over the tiny model's bytes or a test
@@ -342,6 +345,7 @@ def run(args: argparse.Namespace) -> int:
             "model": loaded.label,
             "device": args.device,
             "threads": torch.get_num_threads(),
+            "threads_reason": None if choice is None else choice.reason,
             "completions": [completion_json(result.completions[rid]) for rid, *_ in chat],
             "controls": [{"prompt": text, "asks": control_label(params), **completion_json(result.completions[rid])}
                          for rid, text, params, _ in controls],

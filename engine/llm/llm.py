@@ -35,6 +35,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from engine.cpu_threads import ThreadChoice, check_threads, use_threads
 from engine.host.params import SamplingParams
 from engine.llm.loading import load
 from engine.llm.progress import Bar
@@ -88,7 +89,9 @@ class LLM:
     together (one graph bucket each up to it); `max_context`: prompt + output tokens
     per request. A request without `max_tokens` generates at most 16 (vLLM's default). `config` / `engine_config`: the loop's and the engine's full
     configuration, for what the shortcuts do not cover. `progress`: bars on stderr
-    while loading and capturing.
+    while loading and capturing. `threads`: torch's CPU threads for the process
+    (`torch.set_num_threads`); None on a CPU: the cores less those other
+    processes keep busy now (`engine.cpu_threads`), kept in `self.threads` with why.
 
     **Raises** ValueError naming the argument, the value and what is accepted,
     before anything is loaded.
@@ -107,11 +110,16 @@ class LLM:
         config: LoopConfig | None = None,
         engine_config: EngineConfig | None = None,
         progress: bool = False,
+        threads: int | None = None,
     ) -> None:
         _check_arguments(seed, max_num_reqs, max_context, device, progress)
+        check_threads(threads)
         config, engine_config = _configs(seed, max_num_reqs, batch_invariant, device, config, engine_config)
         self.config = config
         start = time.perf_counter()
+        # Before the model loads: its batch-invariance probes hold at the count they ran at.
+        on_cpu = engine_config.resolved_device().type == "cpu"
+        self.threads: ThreadChoice | None = use_threads(threads) if threads is not None or on_cpu else None
         if isinstance(model, CausalLM):
             if max_context is not None:
                 raise ValueError(f"max_context={max_context}: applies to the models LLM loads; this one has its "

@@ -34,17 +34,6 @@ def _min_id_of_max(score: torch.Tensor, ids: torch.Tensor, fill: int) -> torch.T
     return torch.where(score == best, ids, torch.full_like(ids, fill)).amin(-1)
 
 
-def _first_above(cum: torch.Tensor, weights: torch.Tensor, level: torch.Tensor) -> torch.Tensor:
-    """[rows, 1] the first column whose cumulative weight `cum` [rows, W] exceeds
-    `level` [rows, 1], never past the last column of positive weight: a token of
-    weight 0 is never drawn, even where a rounded sum (or a zero total) would
-    let the search run past the last positive one."""
-    pick = torch.searchsorted(cum, level, right=True)
-    columns = torch.arange(weights.shape[1], device=weights.device)
-    last_positive = torch.where(weights > 0, columns, -1).amax(-1, keepdim=True).clamp(min=0)
-    return torch.minimum(pick, last_positive)
-
-
 def greedy_token(raw: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, vocab: int) -> torch.Tensor:
     """The largest valid raw logit's token, ties to the smallest id.
 
@@ -94,23 +83,34 @@ def inverse_cdf_draw(weights: torch.Tensor, block_mass: torch.Tensor, u: torch.T
 
     Parameters: `weights` [rows, V] f32 nonnegative (the kept weights), 0
     for tokens never drawn; `block_mass` [rows, blocks] f64 their masses
-    summed per block (`normaliser.block_sums`); `u` [rows] f64 in (0, 1).
-    Returns: [rows] int64 token ids: the first token whose running mass
-    exceeds u * total. Capture-safe.
+    summed per block (`normaliser.block_sums` of these weights); `u` [rows]
+    f64 in (0, 1). Returns: [rows] int64 token ids: the first token whose
+    running mass exceeds u * total, always a token of positive mass where
+    the total is positive. A row of total 0 (no token of positive weight:
+    the sampler fails such a row) gets a token of the last block.
+    Capture-safe.
     """
     rows, vocab = weights.shape
     block_cum = block_mass.cumsum(-1)  # [rows, blocks] f64 integers: exact
-    target = (u * block_cum[:, -1])[:, None]
-    block = torch.searchsorted(block_cum, target, right=True).clamp_(max=block_cum.shape[1] - 1)  # [rows, 1]
-    before = torch.where(block > 0, block_cum.gather(1, (block - 1).clamp(min=0)), torch.zeros_like(target))
+    blocks = block_cum.shape[1]
+    target = u[:, None] * block_cum[:, -1:]  # [rows, 1] f64, below the total for u < 1
+    block = torch.searchsorted(block_cum, target, right=True).clamp_(max=blocks - 1)  # [rows, 1]
+    # The mass before the block: the exclusive running sum, exact as every partial sum is.
+    before = (block_cum - block_mass).gather(1, block)  # [rows, 1] f64
     width = min(BLOCK, vocab)
-    ids = block * BLOCK + torch.arange(width, device=weights.device)  # [rows, width]
-    in_vocab = ids < vocab
-    ids = ids.clamp(max=vocab - 1)
-    inner = torch.where(in_vocab, weights.gather(1, ids), torch.zeros((), dtype=weights.dtype, device=weights.device))
-    inner_mass = token_masses(inner, vocab)  # [rows, width] f64
-    # before + the running mass inside the block: integers, so the comparison with target is exact.
-    pick = _first_above(before + inner_mass.cumsum(-1), inner_mass, target)
+    ids = torch.arange(width, device=weights.device) + block * BLOCK  # [rows, width]
+    if vocab % width:  # the last block is partial: its columns past the vocabulary weigh 0
+        in_vocab = ids < vocab
+        ids = ids.clamp_(max=vocab - 1)
+        inner = torch.where(in_vocab, weights.gather(1, ids), 0.0)
+    else:
+        inner = weights.gather(1, ids)
+    # before + the running mass inside the block: integers, so the comparison with target is
+    # exact. The block holds the first running mass above target (before <= target < before
+    # + the block's mass), and a running sum passes target only at a token of positive mass;
+    # the clamp only keeps a total-0 row's search inside the block.
+    cum = token_masses(inner, vocab).cumsum_(-1).add_(before)  # [rows, width] f64
+    pick = torch.searchsorted(cum, target, right=True).clamp_(max=width - 1)
     return ids.gather(1, pick).squeeze(1)
 
 

@@ -38,4 +38,4 @@ def first_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = x.view(rows, vocab // width, width)
     values, block = blocks.amax(-1).max(-1)  # the first block that holds the row's maximum
     inside = blocks.gather(1, block.view(rows, 1, 1).expand(rows, 1, width)).view(rows, width).max(-1).indices
-    return values, block * width + inside
+    return values, inside.add_(block, alpha=width)

@@ -57,7 +57,7 @@ class SamplingRows:
     @cached_property
     def temperature(self) -> torch.Tensor:
         """[rows] f32, 1 for greedy rows."""
-        return torch.where(self.greedy, torch.ones_like(self._temperature), self._temperature)
+        return torch.where(self.greedy, 1.0, self._temperature)
 
     @cached_property
     def _top_k(self) -> torch.Tensor:

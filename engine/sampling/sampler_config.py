@@ -28,7 +28,7 @@ class SamplerConfig:
     top_k: str = "radix"  # TOP_K_MODES: how "filters" finds the top-k cut
     top_p: bool = True  # whether "filters" runs top-p (False: no row has it)
     logprobs: bool = True  # False: this variant never computes logprobs (no request wants them)
-    chunk_rows: int = 0  # > 0: sample at most this many rows at a time (on CPU, big temporaries cost page faults)
+    chunk_rows: int = 0  # > 0: sample at most this many rows at a time, fewer for a wide V (sampler.SLICE_ELEMENTS)
 
     def __post_init__(self) -> None:
         for name in ("candidate_cap", "max_logprobs", "chunk_rows"):

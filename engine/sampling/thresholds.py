@@ -132,7 +132,7 @@ def processed_scores(masked: torch.Tensor, best: torch.Tensor, rows: SamplingRow
     """The shift M [rows] f32 (the largest valid score, 0 for a row with none:
     it fails) and z = (masked - M) / T [rows, V] f32 (docs/contract.md §2,
     temperature), from `masked` scores and their row maximum `best`. Capture-safe."""
-    shift = torch.where(best > -math.inf, best, torch.zeros_like(best))
+    shift = torch.where(best > -math.inf, best, 0.0)
     return shift, processed_logits(masked, shift, rows.temperature)
 
 

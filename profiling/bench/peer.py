@@ -25,7 +25,7 @@ again under `.venv-peer/bin/python`, or prints how to make that venv and exits
 0. `python -m profiling.bench all` leaves it out (it needs the peer venv and
 takes minutes).
 
-    python -m profiling.bench [--threads N] peer [--quick] [--json] [--repeats 5] [--part sampler|tail]
+    python -m profiling.bench [--threads N] peer [--quick] [--json] [--repeats 5] [--part sampler|tail] [--clock wall|cpu]
                                               [--plot [DIR]] [--from-json FILE]
 
 `--plot [DIR]` also writes one PNG per part and vocabulary (ours vs vLLM by
@@ -242,11 +242,18 @@ def alternate(ours: Callable[[], float], theirs: Callable[[], float], repeats: i
     return statistics.median(t_ours), statistics.median(t_theirs)
 
 
-def timed(fn: Callable[[], object]) -> Callable[[], float]:
+# What a timed call's seconds are: "wall" (`time.perf_counter`), or "cpu", the calling
+# thread's CPU time (`time.thread_time`): on a machine shared with other work, most of a
+# call's wall time can be the wait for a core, which the CPU time leaves out. With
+# `--threads 1` each side runs on the calling thread, so its CPU time is all of its work.
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
+def timed(fn: Callable[[], object], clock: Callable[[], float] = time.perf_counter) -> Callable[[], float]:
     def run() -> float:
-        start = time.perf_counter()
+        start = clock()
         fn()
-        return time.perf_counter() - start
+        return clock() - start
     return run
 
 
@@ -286,7 +293,8 @@ class Result:
         return self.vllm_us / self.ours_us
 
 
-def bench_sampler(v: SimpleNamespace, vocab: int, batch: int, cases: Sequence[str], repeats: int) -> list[Result]:
+def bench_sampler(v: SimpleNamespace, vocab: int, batch: int, cases: Sequence[str], repeats: int,
+                  clock: Callable[[], float] = time.perf_counter) -> list[Result]:
     logits = lm_like_logits(batch, vocab)  # [B, V] f32
     scratch = torch.empty_like(logits)  # vLLM's sampler writes into its logits
     sampler = v.Sampler()
@@ -297,17 +305,17 @@ def bench_sampler(v: SimpleNamespace, vocab: int, batch: int, cases: Sequence[st
         metadata = vllm_metadata(v, case, batch)
 
         def ours() -> float:
-            start = time.perf_counter()
+            start = clock()
             if cfg.stages != "greedy":  # the greedy graph set never reads the uniforms
                 stage_uniforms(params)
             sample(logits, params, cfg, out, compute_logprobs=False)
-            return time.perf_counter() - start
+            return clock() - start
 
         def theirs() -> float:
             scratch.copy_(logits)  # untimed: the copy only restores the input
-            start = time.perf_counter()
+            start = clock()
             sampler(scratch, metadata)
-            return time.perf_counter() - start
+            return clock() - start
 
         t_ours, t_theirs = alternate(ours, theirs, repeats)
         exact = int(sample(logits, params, cfg, out, compute_logprobs=False).needs_exact.sum())
@@ -315,7 +323,8 @@ def bench_sampler(v: SimpleNamespace, vocab: int, batch: int, cases: Sequence[st
     return results
 
 
-def bench_tail(v: SimpleNamespace, vocab: int, hidden_size: int, batch: int, cases: Sequence[str], repeats: int) -> list[Result]:
+def bench_tail(v: SimpleNamespace, vocab: int, hidden_size: int, batch: int, cases: Sequence[str], repeats: int,
+               clock: Callable[[], float] = time.perf_counter) -> list[Result]:
     weight, hidden = tail_inputs(vocab, hidden_size, batch)
     engine = StepEngine(weight, EngineConfig(max_num_reqs=batch, buckets=(batch,), device="cpu"))
     engine.capture()
@@ -326,8 +335,8 @@ def bench_tail(v: SimpleNamespace, vocab: int, hidden_size: int, batch: int, cas
         exact_before = engine.stats.exact_rows
         engine.step(hidden, seqs)
         exact = engine.stats.exact_rows - exact_before
-        t_ours, t_theirs = alternate(timed(lambda: engine.step(hidden, seqs)),
-                                     timed(lambda: sampler(hidden @ weight.T, metadata)), repeats)
+        t_ours, t_theirs = alternate(timed(lambda: engine.step(hidden, seqs), clock),
+                                     timed(lambda: sampler(hidden @ weight.T, metadata), clock), repeats)
         results.append(Result("tail", vocab, hidden_size, batch, case, t_ours * 1e6, t_theirs * 1e6, exact))
     if engine.stats.replays == 0:
         raise RuntimeError("tail: the engine never replayed a captured graph")
@@ -344,7 +353,7 @@ def ratio_matrix(results: Sequence[Result], part: str, vocab: int, cases: Sequen
 
 def report(results: Sequence[Result], floor: dict[str, float] | None, meta: dict[str, object], cases: Sequence[str]) -> None:
     print(f"vLLM {meta['vllm']} V1 Sampler vs ours; torch {meta['torch']}, {meta['threads']} threads, {meta['cpu']}; "
-          f"median of {meta['repeats']} alternating repeats; ratio = vLLM / ours (higher is better for us)")
+          f"median of {meta['repeats']} alternating repeats, {meta.get('clock', 'wall')} time; ratio = vLLM / ours (higher is better for us)")
     print_table(["part", "V", "H", "B", "case", "ours ms", "vLLM ms", "vLLM/ours", "exact rows"],
                 [[r.part, r.vocab, r.hidden, r.batch, r.case, f"{r.ours_us / 1e3:.3f}", f"{r.vllm_us / 1e3:.3f}",
                   f"{r.ratio:.2f}", r.exact_rows] for r in results])
@@ -386,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     parser.add_argument("--repeats", type=int, default=None, help="default 5 (3 with --quick)")
     parser.add_argument("--part", choices=("sampler", "tail", "both"), default="both")
+    parser.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
+                        help="time each call by wall time or by the thread's CPU time (a busy machine's waits left out)")
     parser.add_argument("--batch", type=int, nargs="*", help=f"batch sizes (default {' '.join(map(str, BATCHES))})")
     parser.add_argument("--vocab", type=int, nargs="*", choices=sorted(SHAPES), help="vocabularies (default both)")
     parser.add_argument("--case", nargs="*", choices=list(CASES), help="cases (default all)")
@@ -415,16 +426,16 @@ def main(argv: list[str] | None = None) -> int:
     vocabs = args.vocab or ([49152] if args.quick else sorted(SHAPES))
     cases = args.case or list(CASES)
     repeats = args.repeats or (3 if args.quick else 5)
-    meta = dict(vllm=v.version, torch=torch.__version__, threads=torch.get_num_threads(), repeats=repeats,
+    meta = dict(vllm=v.version, torch=torch.__version__, threads=torch.get_num_threads(), repeats=repeats, clock=args.clock,
                 cpu=cpu_name(), cpu_flags=cpu_flags(), commit=git_commit())
 
     results: list[Result] = []
     for vocab in vocabs:
         for batch in batches:
             if args.part in ("sampler", "both"):
-                results += bench_sampler(v, vocab, batch, cases, repeats)
+                results += bench_sampler(v, vocab, batch, cases, repeats, CLOCKS[args.clock])
             if args.part in ("tail", "both"):
-                results += bench_tail(v, vocab, SHAPES[vocab], batch, cases, repeats)
+                results += bench_tail(v, vocab, SHAPES[vocab], batch, cases, repeats, CLOCKS[args.clock])
             if not args.json:
                 print(f"  done V={vocab} B={batch}", file=sys.stderr, flush=True)
     floor = weight_floor(results, copy_bandwidth())
