@@ -370,14 +370,6 @@ def _sample_rows_op(scores: torch.Tensor, logits: torch.Tensor | None, temperatu
     )
 
 
-@_sample_rows_op.register_fake
-def _sample_rows_fake(*args: object, **kwargs: object) -> None:
-    """Fake tensors (the dry run's): the op only writes its preallocated outputs and
-    scratch, which keep their shapes, so there is nothing to compute. Registered
-    explicitly because under `TRITON_INTERPRET=1` `wrap_triton` hands back the plain
-    kernel, which would run on the fake tensors."""
-
-
 def sample_rows(scores: torch.Tensor, params: RowParams, out: SampleOutput, scratch: SampleScratch, *,
                 logits: torch.Tensor | None = None, nothing_allowed: torch.Tensor | None = None,
                 logprobs: str | None = None, row_controlled: torch.Tensor | None = None,
