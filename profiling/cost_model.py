@@ -55,9 +55,11 @@ The programs of a kernel (`Kernel.programs`, occupancy): a custom op's Triton
 launch is read where it happens. On the fake CUDA device every Triton launch
 over fake tensors records its kernel and grid (`FakeCuda.launches`) instead of
 running, so the counter, given that log (`KernelCounter(launches=...)`), takes
-the grid each launcher computed for the very launch the op makes. An op with no
-recorded launch (aten ops, whose grids torch picks; a run on a real GPU) has
-`programs` None: modelled as spread over every SM.
+the grid each launcher computed for the very launch the op makes. An op that
+launches several kernels (the split sampler: one per phase) is that many
+kernels, sharing its bytes evenly (`per_launch`). An op with no recorded launch
+(aten ops, whose grids torch picks; a run on a real GPU) has `programs` None:
+modelled as spread over every SM.
 
 The time of a kernel (`Kernel.modelled_us`): the largest of one graph node,
 its bytes at the device bandwidth, and its busiest SM's bytes at what one SM
@@ -329,18 +331,25 @@ class KernelCounter(TorchDispatchMode):
             kernel = kernel_bytes(func, args, kwargs, result, self.weights)
             if str(func) in self.passes:
                 kernel = with_passes(kernel, args[0], self.passes[str(func)])
-            if self.launches is not None and len(self.launches) > before:
-                kernel = dataclasses.replace(kernel, programs=_programs(self.launches[before:], str(func)))
-            self.kernels.append(kernel)
+            launched = [] if self.launches is None else self.launches[before:]
+            self.kernels.extend(per_launch(kernel, [launch.programs for launch in launched]))
         return result
 
 
-def _programs(launched: Sequence[Any], op: str) -> int:
-    """The programs of the one Triton launch an op made (a `Launch`: `.programs`)."""
-    if len(launched) != 1:
-        raise ValueError(f"{op}: {len(launched)} Triton launches in one op; the cost model counts one "
-                         "kernel per custom op")
-    return launched[0].programs
+def per_launch(kernel: Kernel, programs: Sequence[int]) -> list[Kernel]:
+    """An op's kernels, one per Triton launch it made with that launch's programs (none
+    recorded: the op as one kernel of unknown grid). Several launches (the split sampler's
+    one per phase, each reading its rows once) share the op's bytes evenly."""
+    if not programs:
+        return [kernel]
+    n = len(programs)
+
+    def share(total: int, i: int) -> int:  # the i-th of n near-equal shares summing to total
+        return total // n + (1 if i < total % n else 0)
+
+    return [dataclasses.replace(kernel, read=share(kernel.read, i), written=share(kernel.written, i),
+                                weight_read=share(kernel.weight_read, i), programs=p)
+            for i, p in enumerate(programs)]
 
 
 def with_passes(kernel: Kernel, row_input: torch.Tensor, passes: int) -> Kernel:
@@ -364,6 +373,7 @@ class GraphCost:
     weight_bytes: int  # one read of the LM-head weight
     kernels: list[Kernel] = field(default_factory=list)
     measured_us: float | None = None  # a GPU replay's median, where one was timed
+    draft_probs_bytes: int = 0  # rejection mode: one read of the rows' staged draft distributions
 
     @property
     def bytes(self) -> int:
@@ -375,8 +385,9 @@ class GraphCost:
         return sum(k.weight_read for k in self.kernels) / self.weight_bytes if self.weight_bytes else 0.0
 
     def floor_bytes(self) -> int:
-        """One read of the weight, one write and one read of the [rows, V] f32 logits."""
-        return self.weight_bytes + 2 * self.rows * self.vocab * 4
+        """One read of the weight, one write and one read of the [rows, V] f32 logits, and in
+        rejection mode one read of the draft distributions verification must see."""
+        return self.weight_bytes + 2 * self.rows * self.vocab * 4 + self.draft_probs_bytes
 
     def modelled_us(self, node_us: float = NODE_US, bandwidth_tbs: float = BANDWIDTH_TBS, sms: int = SMS,
                     sm_bandwidth_gbs: float = SM_BANDWIDTH_GBS) -> float:

@@ -40,7 +40,9 @@ docs/cost-model.md) instead of the checks: the same scenarios' engines, each
 checked graph set's step (every graph set's with --all-graph-sets) run once per
 bucket under a kernel counter, no steps. It prints per graph the kernels, their
 bytes, how many times the step reads the LM-head weight, a modelled H200 replay
-time and the floor. With --real-cuda each of those graphs is also captured and
+time and the floor. Occupancy is counted: the fake device has `--sms` SMs, and
+every Triton launch's grid is read where its launcher makes it (a kernel of few
+programs streams at `--sm-bandwidth-gbs` per SM, not at the HBM's bandwidth). With --real-cuda each of those graphs is also captured and
 its replay timed beside the model (gpu_check.sh).
 """
 from __future__ import annotations
@@ -256,8 +258,11 @@ class _Run:
             with counter:
                 replayer.run_eager(bucket)
             replayer.restore_counts(counts)
-            cost = GraphCost(scenario, label or graph_set, bucket, engine.buffers.rows_for(bucket), weight.shape[0],
-                             weight.numel() * weight.element_size(), counter.kernels)
+            rows = engine.buffers.rows_for(bucket)
+            draft_probs = engine.buffers.draft_probs
+            cost = GraphCost(scenario, label or graph_set, bucket, rows, weight.shape[0],
+                             weight.numel() * weight.element_size(), counter.kernels,
+                             draft_probs_bytes=0 if draft_probs is None else rows * draft_probs[0].nbytes)
             if self.cuda is None:
                 cost.measured_us = replay_us(replayer, bucket, self.replays)
             self.report.costs.append(cost)

@@ -214,7 +214,9 @@ def test_cli_json_has_every_graph_and_field(capsys: pytest.CaptureFixture[str], 
         assert g["bucket"] == 2 and g["rows"] == (4 if g["scenario"].startswith("drafts") else 2)
         assert g["kernels"] > 20 and g["weight_reads"] == 1.0  # one 64-row GEMM block covers every bucket here
         assert g["modelled_us"] == g["bytes"]
-        assert g["floor_us"] == g["weight_bytes"] + 2 * g["rows"] * g["vocab"] * 4
+        # Rejection mode's floor reads the staged draft distributions once more: [rows, V] f32.
+        draft_probs = g["rows"] * g["vocab"] * 4 if g["scenario"] == "drafts rejection" else 0
+        assert g["floor_us"] == g["weight_bytes"] + 2 * g["rows"] * g["vocab"] * 4 + draft_probs
         assert g["ratio"] == pytest.approx(g["modelled_us"] / g["floor_us"], rel=1e-3)
         assert sum(op["kernels"] for op in g["ops"]) == g["kernels"]
         assert sum(op["bytes"] for op in g["ops"]) == g["bytes"]
@@ -241,10 +243,16 @@ def test_the_kernel_heads_graphs_are_a_dozen_kernels_at_most(capsys: pytest.Capt
     assert sample["kernels (full sampler)"] - sample["kernels (greedy)"] == 7 * row
     assert sample["kernels (plain)"] - sample["kernels (greedy)"] == row
     # The grids are the launches': the LM head's persistent grid, min(tiles, 2 per SM) with
-    # cdiv(4, 64) x cdiv(2048, 128) = 16 tiles; the sampler one program per row.
-    programs = {op["op"]: op["programs"] for op in engine["kernels (full sampler)"]["ops"]}
-    assert programs["engine.lm_head_logits.default"] == 16
-    assert programs["engine.sample_rows.default"] == 4
+    # cdiv(4, 64) x cdiv(2048, 128) = 16 tiles; the sampler splits each of the 4 rows into
+    # its 2 chunks of 1024 (132 SMs), one launch per phase: 9 kernels of the graph's 12.
+    ops = {op["op"]: op for op in engine["kernels (full sampler)"]["ops"]}
+    assert ops["engine.lm_head_logits.default"]["programs"] == 16
+    assert ops["engine.sample_rows.default"]["programs"] == 8 and ops["engine.sample_rows.default"]["kernels"] == 9
+    assert engine["kernels (full sampler)"]["kernels"] == 12
+    # A drafts graph keeps the sampler in one launch, one program per row (16 rows at bucket 4).
+    drafts = next(g for g in graphs if g["scenario"] == "drafts rejection" and g["bucket"] == 4)
+    sampler = next(op for op in drafts["ops"] if op["op"] == "engine.sample_rows.default")
+    assert sampler["kernels"] == 1 and sampler["programs"] == 16
 
 
 def test_cli_refuses_cost_flags_without_cost(capsys: pytest.CaptureFixture[str]) -> None:

@@ -55,3 +55,19 @@ def merge_top(best, candidates, TOP_PAD: tl.constexpr):
             candidates = tl.where(candidates == largest, ABSENT, candidates)
         best = merged
     return best
+
+
+
+@triton.jit
+def merge_lists(a, b, TOP_PAD: tl.constexpr):
+    """The TOP_PAD largest of two top-N lists [TOP_PAD] (each largest first, ABSENT after its
+    real keys; no key in both: two programs' lists over disjoint tokens), largest first.
+    Without a loop: a key's place in the merged list is its place in its own list plus the
+    keys of the other list above it, and the places of real keys are distinct. (A
+    key-at-a-time merge inside the loop over the parts spills registers on sm_90.)"""
+    lane = tl.arange(0, TOP_PAD)
+    place_a = lane + tl.sum((b[None, :] > a[:, None]).to(tl.int32), 1)
+    place_b = lane + tl.sum((a[None, :] > b[:, None]).to(tl.int32), 1)
+    from_a = tl.max(tl.where(place_a[:, None] == lane[None, :], a[:, None], ABSENT), 0)
+    from_b = tl.max(tl.where(place_b[:, None] == lane[None, :], b[:, None], ABSENT), 0)
+    return tl.maximum(from_a, from_b)
