@@ -70,7 +70,7 @@ from engine.sampling.kernels import FP_FUSION, interpreting
 from engine.sampling.kernels.kept_set import (
     HIST_BINS, KEY_MAX, chunk_survivors, chunk_values, digit_histogram, digit_select, exp_f32, log_f64, masked_scores,
 )
-from engine.sampling.kernels.top_n import ABSENT, key_ids, key_values, merge_lists, merge_top, rank_keys
+from engine.sampling.kernels.top_n import ABSENT, key_ids, key_values, merge_top, rank_keys, top_of_lists
 from engine.sampling.normaliser import BLOCK, mass_bits
 from engine.sampling.row_params import RowParams
 from engine.sampling.sample_output import SampleOutput
@@ -118,6 +118,14 @@ def _arrive(arrivals_ptr, row, parts):
     if last:
         tl.store(arrivals_ptr + row, 0)
     return last
+
+
+@triton.jit
+def _part_slots(row, parts, PARTS_PAD: tl.constexpr):
+    """The partial slots of the row's parts [PARTS_PAD] and which of them exist. Made where
+    a merge reads them: kept alive across a pass, 128 of them cost sm_90 a spill."""
+    part = tl.arange(0, PARTS_PAD)
+    return row * parts + part, part < parts
 
 
 @triton.jit
@@ -170,7 +178,7 @@ def _sample_kernel(
     CHUNK: tl.constexpr, BLOCK_TOKENS: tl.constexpr, NUM_BLOCKS: tl.constexpr, BLOCKS_PAD: tl.constexpr,
     MASS_BITS: tl.constexpr, ID_BITS: tl.constexpr, ID_MASK: tl.constexpr, ACCURATE: tl.constexpr,
     HAS_ROW_CONTROLLED: tl.constexpr, WRITE_KEPT: tl.constexpr, FIRST_PHASE: tl.constexpr,
-    LAST_PHASE: tl.constexpr,
+    LAST_PHASE: tl.constexpr, PARTS_PAD: tl.constexpr,
 ):
     row = tl.program_id(0)
     part = tl.program_id(1)
@@ -237,23 +245,21 @@ def _sample_kernel(
         if (LOGPROBS == 1) and (NUM_TOP > 0):
             tl.store(part_top_ptr + slot * stride_part_top + lane, raw_top)
         if _arrive(arrivals_ptr, row, parts):
-            best = tl.full((), -float("inf"), tl.float32)
-            raw_max = tl.full((), -float("inf"), tl.float32)
-            not_finite = tl.zeros((), dtype=tl.int1)
-            raw_top = tl.full((TOP_PAD,), ABSENT, dtype=tl.int64)
-            for p in range(0, parts):
-                other = row * parts + p
-                part_best = tl.load(part_f_ptr + other * 2 + _BEST, cache_modifier=".cg")
-                part_id = tl.load(part_i_ptr + other * 4 + _P_BEST_ID, cache_modifier=".cg")
-                best_id = tl.where(part_best > best, part_id, best_id)
-                best = tl.maximum(best, part_best)
-                raw_max = tl.maximum(raw_max, tl.load(part_f_ptr + other * 2 + _RAW_MAX, cache_modifier=".cg"))
-                not_finite = not_finite | (tl.load(part_i_ptr + other * 4 + _P_NOT_FINITE, cache_modifier=".cg") != 0)
+            # Every part's partials in one load each (no round trip per part). M's first index is
+            # the first part's holding M (ids grow with the parts).
+            part_slots, my_parts = _part_slots(row, parts, PARTS_PAD)
+            part_best = tl.load(part_f_ptr + part_slots * 2 + _BEST, mask=my_parts, other=-float("inf"),
+                                cache_modifier=".cg")
+            best = tl.max(part_best, 0)
+            first_part = tl.argmax(part_best, 0, tie_break_left=True)  # masked-off parts read -inf
+            best_id = tl.load(part_i_ptr + (row * parts + first_part) * 4 + _P_BEST_ID, cache_modifier=".cg")
+            raw_max = tl.max(tl.load(part_f_ptr + part_slots * 2 + _RAW_MAX, mask=my_parts, other=-float("inf"),
+                                     cache_modifier=".cg"), 0)
+            not_finite = tl.max(tl.load(part_i_ptr + part_slots * 4 + _P_NOT_FINITE, mask=my_parts, other=0,
+                                        cache_modifier=".cg").to(tl.int32), 0) != 0
             if (LOGPROBS == 1) and (NUM_TOP > 0):
-                # A loop of its own: sharing one with the scalar merges spills registers on sm_90.
-                for p in range(0, parts):
-                    raw_top = merge_lists(raw_top, tl.load(part_top_ptr + (row * parts + p) * stride_part_top + lane,
-                                                           cache_modifier=".cg"), TOP_PAD)
+                raw_top = top_of_lists(tl.load(part_top_ptr + part_slots[:, None] * stride_part_top + lane[None, :],
+                                               mask=my_parts[:, None], other=ABSENT, cache_modifier=".cg"), TOP_PAD)
             if HAS_NOTHING_ALLOWED:
                 nothing_allowed = tl.load(nothing_allowed_ptr + row)
             else:
@@ -363,15 +369,13 @@ def _sample_kernel(
                 block_cum = tl.cumsum(tl.load(blocks_row + block_idx, mask=block_idx < NUM_BLOCKS, other=0,
                                               cache_modifier=".cg"), 0)
                 total = tl.sum(tl.where(block_idx == NUM_BLOCKS - 1, block_cum, 0), 0)
-                above = tl.zeros((), dtype=tl.int64)
-                kept_top = tl.full((TOP_PAD,), ABSENT, dtype=tl.int64)
-                for p in range(0, parts):
-                    above += tl.load(part_i_ptr + (row * parts + p) * 4 + _P_ABOVE, cache_modifier=".cg")
+                part_slots, my_parts = _part_slots(row, parts, PARTS_PAD)
+                above = tl.sum(tl.load(part_i_ptr + part_slots * 4 + _P_ABOVE, mask=my_parts, other=0,
+                                       cache_modifier=".cg"), 0)
                 if (LOGPROBS == 2) and (NUM_TOP > 0):
-                    # A loop of its own: sharing one with the scalar merges spills registers on sm_90.
-                    for p in range(0, parts):
-                        kept_top = merge_lists(kept_top, tl.load(part_top_ptr + (row * parts + p) * stride_part_top
-                                                                 + lane, cache_modifier=".cg"), TOP_PAD)
+                    kept_top = top_of_lists(tl.load(part_top_ptr + part_slots[:, None] * stride_part_top
+                                                    + lane[None, :], mask=my_parts[:, None], other=ABSENT,
+                                                    cache_modifier=".cg"), TOP_PAD)
                 # The draw: the first token whose running kept mass exceeds u * total (engine.sampling.draw).
                 drawn = best_id
                 if ~token_known:
@@ -440,6 +444,7 @@ def _sample_kernel(
                     above += tl.sum((kept_z > token_z).to(tl.int64), 0)
                 tl.store(part_i_ptr + slot * 4 + _P_ABOVE, above)
         if _arrive(arrivals_ptr, row, parts):
+            part_slots, my_parts = _part_slots(row, parts, PARTS_PAD)
             total = tl.load(state_i + _KEPT_TOTAL, cache_modifier=".cg")
             error = tl.load(state_i + _ERROR, cache_modifier=".cg")
             logprob = tl.zeros((), dtype=tl.float64)
@@ -450,10 +455,10 @@ def _sample_kernel(
                 raw_mass = tl.zeros((), dtype=tl.int64)
                 above = tl.zeros((), dtype=tl.int64)
                 if ~failed:
-                    for p in range(0, parts):
-                        other = row * parts + p
-                        raw_mass += tl.load(part_i_ptr + other * 4 + _P_MASS, cache_modifier=".cg")
-                        above += tl.load(part_i_ptr + other * 4 + _P_ABOVE, cache_modifier=".cg")
+                    raw_mass = tl.sum(tl.load(part_i_ptr + part_slots * 4 + _P_MASS, mask=my_parts, other=0,
+                                              cache_modifier=".cg"), 0)
+                    above = tl.sum(tl.load(part_i_ptr + part_slots * 4 + _P_ABOVE, mask=my_parts, other=0,
+                                           cache_modifier=".cg"), 0)
                 lse = raw_max.to(tl.float64) + log_f64(raw_mass.to(tl.float64) * (1.0 / MASS_SCALE), ACCURATE)
                 logprob = token_raw.to(tl.float64) - lse
                 rank = above + 1
@@ -463,9 +468,8 @@ def _sample_kernel(
             if LOGPROBS == 2:
                 above = tl.load(state_i + _ABOVE, cache_modifier=".cg")
                 if needs_distribution & ~token_known:
-                    above = tl.zeros((), dtype=tl.int64)
-                    for p in range(0, parts):
-                        above += tl.load(part_i_ptr + (row * parts + p) * 4 + _P_ABOVE, cache_modifier=".cg")
+                    above = tl.sum(tl.load(part_i_ptr + part_slots * 4 + _P_ABOVE, mask=my_parts, other=0,
+                                           cache_modifier=".cg"), 0)
                 token_offs = token + tl.zeros((1,), dtype=tl.int64)
                 t_masked, t_z, t_weight, t_key, t_mass = chunk_values(score_row, token_offs, token_offs < V, stop_row,
                                                                       active, shift, temperature, NUM_STOP,
@@ -578,6 +582,12 @@ def split(rows: int, vocab: int, chunk: int, programs: int) -> tuple[int, int]:
     return -(-vocab // span), span
 
 
+def _parts_pad(vocab: int, chunk: int, parts: int) -> int:
+    """The merges' width: 1 for one part, else the most parts a row of V can have, whatever
+    the bucket: one build per vocabulary (a narrower one spilled a register on sm_90)."""
+    return 1 if parts == 1 else triton.next_power_of_2(-(-vocab // chunk))
+
+
 def device_programs(device: torch.device) -> int:
     """Programs a launch spreads the rows over: the SMs of a CUDA device (the dry run's fake
     device reports the ones it stands for), at most MAX_PROGRAMS; 1 elsewhere (the
@@ -628,7 +638,8 @@ def _sample_rows_op(scores: torch.Tensor, logits: torch.Tensor | None, temperatu
             one_hot_tokens if write_kept else tokens, kept_weights.stride(0) if write_kept else 0,
             state_i, state_f, level, part_i, part_f, part_top, row_top, arrivals, part_top.stride(0),
             row_top.stride(0), span, parts,
-            **constants, FIRST_PHASE=first, LAST_PHASE=last, num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION,
+            **constants, FIRST_PHASE=first, LAST_PHASE=last, PARTS_PAD=_parts_pad(vocab, constants["CHUNK"], parts),
+            num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION,
         )
 
 
@@ -744,7 +755,8 @@ def _aot_builds() -> list[dict[str, object]]:
             phases = [(0, PHASES - 1)] + ([] if kept else [(phase, phase) for phase in range(PHASES)])
             for first, last in phases:
                 constants = _launch_constants(129280, 4, 20, LOGPROBS_MODES[mode], True, True, True, kept)
-                constants.update(CHUNK=GPU_CHUNK, ACCURATE=True, FIRST_PHASE=first, LAST_PHASE=last)
+                constants.update(CHUNK=GPU_CHUNK, ACCURATE=True, FIRST_PHASE=first, LAST_PHASE=last,
+                                 PARTS_PAD=_parts_pad(129280, GPU_CHUNK, 1 if first != last else 2))
                 which = "all phases" if first != last else f"phase {first}"
                 builds.append(dict(name=f"sample_rows V=129280 {mode}{' kept' if kept else ''} {which}",
                                    fn=_sample_kernel, signature=_aot_signature(), constexprs=constants,

@@ -58,16 +58,16 @@ def merge_top(best, candidates, TOP_PAD: tl.constexpr):
 
 
 
+
 @triton.jit
-def merge_lists(a, b, TOP_PAD: tl.constexpr):
-    """The TOP_PAD largest of two top-N lists [TOP_PAD] (each largest first, ABSENT after its
-    real keys; no key in both: two programs' lists over disjoint tokens), largest first.
-    Without a loop: a key's place in the merged list is its place in its own list plus the
-    keys of the other list above it, and the places of real keys are distinct. (A
-    key-at-a-time merge inside the loop over the parts spills registers on sm_90.)"""
+def top_of_lists(lists, TOP_PAD: tl.constexpr):
+    """The TOP_PAD largest rank keys of several programs' top-N lists [parts, TOP_PAD] (over
+    disjoint tokens: no key twice but ABSENT), largest first: one pass over the tile per
+    place, no round trip to memory per list."""
     lane = tl.arange(0, TOP_PAD)
-    place_a = lane + tl.sum((b[None, :] > a[:, None]).to(tl.int32), 1)
-    place_b = lane + tl.sum((a[None, :] > b[:, None]).to(tl.int32), 1)
-    from_a = tl.max(tl.where(place_a[:, None] == lane[None, :], a[:, None], ABSENT), 0)
-    from_b = tl.max(tl.where(place_b[:, None] == lane[None, :], b[:, None], ABSENT), 0)
-    return tl.maximum(from_a, from_b)
+    merged = tl.full((TOP_PAD,), ABSENT, dtype=tl.int64)
+    for j in tl.static_range(TOP_PAD):
+        largest = tl.max(tl.max(lists, 1), 0)
+        merged = tl.where(lane == j, largest, merged)
+        lists = tl.where(lists == largest, ABSENT, lists)
+    return merged
