@@ -337,6 +337,16 @@ def test_rows_split_over_the_sms_match_one_program_per_row_on_the_gpu(mode):
     want = reference(batch["scores"], batch["params"], 20, mode)
     got = SampleOutput(**{name: getattr(outs[0], name).cpu() for name in vars(outs[0])})
     assert_agree(got, want, "split on the GPU vs the torch stages", logprobs=False)
+    # A greedy row whose maximum ties in parts 1 and 2 (3 chunks of 1024 on the GPU): the first
+    # part's index wins (argmax's tie break, which the interpreter's numpy argmax always takes).
+    values = [0.0] * 3000
+    values[2500] = values[1100] = values[2000] = 7.0
+    row, params = _single_row(values, temperature=0.0)
+    params = RowParams(**{name: value.cuda() if isinstance(value, torch.Tensor) else value
+                          for name, value in vars(params).items()})
+    out = SampleOutput.allocate(1, 0, "cuda")
+    sample_rows(row.cuda(), params, out, SampleScratch.allocate(1, 3000, "cuda"))
+    assert out.tokens.tolist() == [1100]
 
 
 def _fixed_batch(vocab: int = 2500, rows_n: int = 4) -> dict:
