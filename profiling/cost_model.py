@@ -50,6 +50,22 @@ is a kernel argument, not a memory read):
 
 A GEMM therefore reads both operands whole: the kernels that read the LM-head
 weight (any view of its storage) say how many times a step reads it.
+
+The programs of a kernel (`Kernel.programs`, occupancy): a custom op's Triton
+launch is read where it happens. On the fake CUDA device every Triton launch
+over fake tensors records its kernel and grid (`FakeCuda.launches`) instead of
+running, so the counter, given that log (`KernelCounter(launches=...)`), takes
+the grid each launcher computed for the very launch the op makes. An op that
+launches several kernels (the split sampler: one per phase) is that many
+kernels, sharing its bytes evenly (`per_launch`). An op with no recorded launch
+(aten ops, whose grids torch picks; a run on a real GPU) has `programs` None:
+modelled as spread over every SM.
+
+The time of a kernel (`Kernel.modelled_us`): the largest of one graph node,
+its bytes at the device bandwidth, and its busiest SM's bytes at what one SM
+can stream: a kernel of P programs on S SMs runs ceil(P / S) waves, each
+program moving bytes / P, so an SM streams bytes / P per wave. A kernel of one
+program per row at one row is bound by that one SM, not by HBM.
 """
 from __future__ import annotations
 
@@ -66,9 +82,14 @@ from torch.utils._pytree import tree_leaves
 
 # The defaults of the modelled replay: a CUDA graph pays about 1.3 µs per kernel node on
 # an H100 (Hazy Research, "no bubbles", 2025); a device-to-device copy moved 4.3 TB/s on
-# an H200 here.
+# an H200 here. An H100 SXM and an H200 have 132 SMs (NVIDIA's Hopper whitepaper). What
+# one SM streams is an assumption, not a measurement (docs/cost-model.md): Little's law
+# with 64 KB in flight per SM over ~600 ns of HBM latency, ~100 GB/s; 132 such SMs would
+# be 13 TB/s, so a kernel over every SM is bound by HBM, one over a few SMs is not.
 NODE_US = 1.3
 BANDWIDTH_TBS = 4.3
+SMS = 132
+SM_BANDWIDTH_GBS = 100.0
 
 # Ops that launch nothing: allocations (a pool offset inside a graph) and in-place
 # metadata changes. Views are told by `func.is_view`, queries by returning no tensor.
@@ -105,14 +126,25 @@ class Kernel:
     read: int  # bytes read from device memory
     written: int  # bytes written to device memory
     weight_read: int = 0  # of `read`, bytes of the LM-head weight
+    programs: int | None = None  # its launch grid's programs; None: not known (spread over every SM)
 
     @property
     def bytes(self) -> int:
         return self.read + self.written
 
-    def modelled_us(self, node_us: float = NODE_US, bandwidth_tbs: float = BANDWIDTH_TBS) -> float:
-        """max(one graph node, its bytes at the bandwidth), in µs."""
-        return max(node_us, self.bytes / (bandwidth_tbs * 1e6))
+    def waves(self, sms: int = SMS) -> int:
+        """ceil(programs / SMs): the rounds of programs the SMs run (1 when not known)."""
+        return 1 if not self.programs else -(-self.programs // sms)
+
+    def modelled_us(self, node_us: float = NODE_US, bandwidth_tbs: float = BANDWIDTH_TBS, sms: int = SMS,
+                    sm_bandwidth_gbs: float = SM_BANDWIDTH_GBS) -> float:
+        """max(one graph node, its bytes at the bandwidth, its bytes per program x waves at
+        one SM's bandwidth), in µs (module doc)."""
+        hbm = self.bytes / (bandwidth_tbs * 1e6)
+        if not self.programs:
+            return max(node_us, hbm)
+        per_sm = self.bytes / self.programs * self.waves(sms) / (sm_bandwidth_gbs * 1e3)
+        return max(node_us, hbm, per_sm)
 
 
 @dataclass(frozen=True)
@@ -281,14 +313,17 @@ class KernelCounter(TorchDispatchMode):
     """Lists the kernels of the ops dispatched under it (module doc); `weights`: tensors
     (the LM-head weight) whose reads are counted apart, through any view of their storage."""
 
-    def __init__(self, weights: Iterable[torch.Tensor] = (), passes: dict[str, int] | None = None) -> None:
+    def __init__(self, weights: Iterable[torch.Tensor] = (), passes: dict[str, int] | None = None,
+                 launches: Sequence[Any] | None = None) -> None:
         super().__init__()
         self.weights = frozenset(storage_key(w) for w in weights)
         self.passes = passes or {}
+        self.launches = launches  # the fake device's launch log (`FakeCuda.launches`), or None
         self.kernels: list[Kernel] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        before = 0 if self.launches is None else len(self.launches)
         # While this runs the mode is off the stack: what `func` dispatches inside
         # (a custom op's implementation) never reaches it.
         result = func(*args, **kwargs)
@@ -296,8 +331,25 @@ class KernelCounter(TorchDispatchMode):
             kernel = kernel_bytes(func, args, kwargs, result, self.weights)
             if str(func) in self.passes:
                 kernel = with_passes(kernel, args[0], self.passes[str(func)])
-            self.kernels.append(kernel)
+            launched = [] if self.launches is None else self.launches[before:]
+            self.kernels.extend(per_launch(kernel, [launch.programs for launch in launched]))
         return result
+
+
+def per_launch(kernel: Kernel, programs: Sequence[int]) -> list[Kernel]:
+    """An op's kernels, one per Triton launch it made with that launch's programs (none
+    recorded: the op as one kernel of unknown grid). Several launches (the split sampler's
+    one per phase, each reading its rows once) share the op's bytes evenly."""
+    if not programs:
+        return [kernel]
+    n = len(programs)
+
+    def share(total: int, i: int) -> int:  # the i-th of n near-equal shares summing to total
+        return total // n + (1 if i < total % n else 0)
+
+    return [dataclasses.replace(kernel, read=share(kernel.read, i), written=share(kernel.written, i),
+                                weight_read=share(kernel.weight_read, i), programs=p)
+            for i, p in enumerate(programs)]
 
 
 def with_passes(kernel: Kernel, row_input: torch.Tensor, passes: int) -> Kernel:
@@ -321,6 +373,7 @@ class GraphCost:
     weight_bytes: int  # one read of the LM-head weight
     kernels: list[Kernel] = field(default_factory=list)
     measured_us: float | None = None  # a GPU replay's median, where one was timed
+    draft_probs_bytes: int = 0  # rejection mode: one read of the rows' staged draft distributions
 
     @property
     def bytes(self) -> int:
@@ -332,19 +385,22 @@ class GraphCost:
         return sum(k.weight_read for k in self.kernels) / self.weight_bytes if self.weight_bytes else 0.0
 
     def floor_bytes(self) -> int:
-        """One read of the weight, one write and one read of the [rows, V] f32 logits."""
-        return self.weight_bytes + 2 * self.rows * self.vocab * 4
+        """One read of the weight, one write and one read of the [rows, V] f32 logits, and in
+        rejection mode one read of the draft distributions verification must see."""
+        return self.weight_bytes + 2 * self.rows * self.vocab * 4 + self.draft_probs_bytes
 
-    def modelled_us(self, node_us: float = NODE_US, bandwidth_tbs: float = BANDWIDTH_TBS) -> float:
-        return sum(k.modelled_us(node_us, bandwidth_tbs) for k in self.kernels)
+    def modelled_us(self, node_us: float = NODE_US, bandwidth_tbs: float = BANDWIDTH_TBS, sms: int = SMS,
+                    sm_bandwidth_gbs: float = SM_BANDWIDTH_GBS) -> float:
+        return sum(k.modelled_us(node_us, bandwidth_tbs, sms, sm_bandwidth_gbs) for k in self.kernels)
 
     def floor_us(self, bandwidth_tbs: float = BANDWIDTH_TBS) -> float:
         return self.floor_bytes() / (bandwidth_tbs * 1e6)
 
     def as_dict(self, node_us: float = NODE_US, bandwidth_tbs: float = BANDWIDTH_TBS,
-                detail: bool = False) -> dict[str, Any]:
-        """The JSON form; `detail`: per op, its kernels, bytes and modelled µs, costliest first."""
-        modelled, floor = self.modelled_us(node_us, bandwidth_tbs), self.floor_us(bandwidth_tbs)
+                detail: bool = False, sms: int = SMS, sm_bandwidth_gbs: float = SM_BANDWIDTH_GBS) -> dict[str, Any]:
+        """The JSON form; `detail`: per op, its kernels, programs, bytes and modelled µs,
+        costliest first."""
+        modelled, floor = self.modelled_us(node_us, bandwidth_tbs, sms, sm_bandwidth_gbs), self.floor_us(bandwidth_tbs)
         out: dict[str, Any] = {
             "scenario": self.scenario, "graph_set": self.graph_set, "bucket": self.bucket, "rows": self.rows,
             "vocab": self.vocab, "weight_bytes": self.weight_bytes, "kernels": len(self.kernels), "bytes": self.bytes, "weight_reads": round(self.weight_reads, 3),
@@ -353,41 +409,45 @@ class GraphCost:
         if self.measured_us is not None:
             out["measured_us"] = round(self.measured_us, 2)
         if detail:
-            out["ops"] = [{"op": op, "kernels": n, "bytes": nbytes, "modelled_us": round(us, 2)}
-                          for op, n, nbytes, us in by_op(self.kernels, node_us, bandwidth_tbs)]
+            out["ops"] = [{"op": op, "kernels": n, "programs": programs, "bytes": nbytes, "modelled_us": round(us, 2)}
+                          for op, n, programs, nbytes, us in by_op(self.kernels, node_us, bandwidth_tbs, sms,
+                                                                  sm_bandwidth_gbs)]
         return out
 
 
-def by_op(kernels: Iterable[Kernel], node_us: float = NODE_US,
-          bandwidth_tbs: float = BANDWIDTH_TBS) -> list[tuple[str, int, int, float]]:
-    """(op, kernels, bytes, modelled µs) per op, costliest first."""
+def by_op(kernels: Iterable[Kernel], node_us: float = NODE_US, bandwidth_tbs: float = BANDWIDTH_TBS,
+          sms: int = SMS, sm_bandwidth_gbs: float = SM_BANDWIDTH_GBS) -> list[tuple[str, int, int | None, int, float]]:
+    """(op, kernels, programs of its largest launch or None, bytes, modelled µs) per op, costliest first."""
     table: dict[str, list] = {}
     for k in kernels:
-        row = table.setdefault(k.op, [0, 0, 0.0])
+        row = table.setdefault(k.op, [0, None, 0, 0.0])
         row[0] += 1
-        row[1] += k.bytes
-        row[2] += k.modelled_us(node_us, bandwidth_tbs)
-    return sorted(((op, n, b, us) for op, (n, b, us) in table.items()), key=lambda r: -r[3])
+        if k.programs is not None:
+            row[1] = max(row[1] or 0, k.programs)
+        row[2] += k.bytes
+        row[3] += k.modelled_us(node_us, bandwidth_tbs, sms, sm_bandwidth_gbs)
+    return sorted(((op, n, p, b, us) for op, (n, p, b, us) in table.items()), key=lambda r: -r[4])
 
 
 def table_lines(costs: Sequence[GraphCost], node_us: float = NODE_US, bandwidth_tbs: float = BANDWIDTH_TBS,
-                detail: bool = False) -> Iterator[str]:
+                detail: bool = False, sms: int = SMS, sm_bandwidth_gbs: float = SM_BANDWIDTH_GBS) -> Iterator[str]:
     """The readable table: one line per graph (and its costliest ops with `detail`)."""
     measured = any(c.measured_us is not None for c in costs)
     yield (f"{'scenario':<18} {'graph set':<40} {'bucket':>6} {'rows':>5} {'kernels':>7} {'MB':>9} "
            f"{'W reads':>7} {'model us':>9} {'floor us':>9} {'ratio':>6}" + (f" {'GPU us':>9}" if measured else ""))
     for c in costs:
-        modelled, floor = c.modelled_us(node_us, bandwidth_tbs), c.floor_us(bandwidth_tbs)
+        modelled, floor = c.modelled_us(node_us, bandwidth_tbs, sms, sm_bandwidth_gbs), c.floor_us(bandwidth_tbs)
         gpu = "" if not measured else f" {c.measured_us:9.1f}" if c.measured_us is not None else f" {'-':>9}"
         yield (f"{c.scenario:<18} {c.graph_set:<40} {c.bucket:>6} {c.rows:>5} {len(c.kernels):>7} "
                f"{c.bytes / 1e6:>9.1f} {c.weight_reads:>7.2f} {modelled:>9.1f} {floor:>9.1f} {modelled / floor:>6.2f}{gpu}")
         if detail:
-            for op, n, nbytes, us in by_op(c.kernels, node_us, bandwidth_tbs)[:8]:
-                yield f"{'':<18}   {op:<40} {n:>4} kernels {nbytes / 1e6:>9.1f} MB {us:>9.1f} us"
+            for op, n, programs, nbytes, us in by_op(c.kernels, node_us, bandwidth_tbs, sms, sm_bandwidth_gbs)[:8]:
+                grid = f"{programs:>6} programs" if programs is not None else f"{'?':>6} programs"
+                yield f"{'':<18}   {op:<40} {n:>4} kernels {grid} {nbytes / 1e6:>9.1f} MB {us:>9.1f} us"
 
 
-def calibration(costs: Sequence[GraphCost], node_us: float = NODE_US,
-                bandwidth_tbs: float = BANDWIDTH_TBS) -> dict[str, float] | None:
+def calibration(costs: Sequence[GraphCost], node_us: float = NODE_US, bandwidth_tbs: float = BANDWIDTH_TBS,
+                sms: int = SMS, sm_bandwidth_gbs: float = SM_BANDWIDTH_GBS) -> dict[str, float] | None:
     """From the graphs with a measured replay: the median, min and max of measured / modelled,
     and a least-squares fit measured ≈ kernels * node_us + bytes / bandwidth (one line through
     every graph: a rough calibration, since the model takes a max per kernel). None: no graph
@@ -395,7 +455,7 @@ def calibration(costs: Sequence[GraphCost], node_us: float = NODE_US,
     timed = [c for c in costs if c.measured_us is not None]
     if not timed:
         return None
-    ratios = sorted(c.measured_us / c.modelled_us(node_us, bandwidth_tbs) for c in timed)
+    ratios = sorted(c.measured_us / c.modelled_us(node_us, bandwidth_tbs, sms, sm_bandwidth_gbs) for c in timed)
     out = {"graphs_timed": len(timed), "median_ratio": ratios[len(ratios) // 2], "min_ratio": ratios[0],
            "max_ratio": ratios[-1]}
     if len(timed) >= 2:

@@ -45,10 +45,13 @@ docs/cost-model.md) instead of the checks: the same scenarios' engines, each
 checked graph set's step (every graph set's with --all-graph-sets) run once per
 bucket under a kernel counter, no steps. It prints per graph the kernels, their
 bytes, how many times the step reads the LM-head weight, a modelled H200 replay
-time and the floor. With --real-cuda each of those graphs is also captured and
-its replay timed beside the model (gpu_check.sh). On the fake device the cost run
-also runs the scenarios' steps (uncaptured), and its JSON carries their host
-counts: "host": {"steps", "d2h_reads", "pageable_h2d", "other": {...}}.
+time and the floor. Occupancy is counted: the fake device has `--sms` SMs, and
+every Triton launch's grid is read where its launcher makes it (a kernel of few
+programs streams at `--sm-bandwidth-gbs` per SM, not at the HBM's bandwidth). With
+--real-cuda each of those graphs is also captured and its replay timed beside the
+model (gpu_check.sh). On the fake device the cost run also runs the scenarios' steps
+(uncaptured), and its JSON carries their host counts: "host": {"steps", "d2h_reads",
+"pageable_h2d", "other": {...}}.
 """
 from __future__ import annotations
 
@@ -85,8 +88,8 @@ from engine.step.step_engine import StepEngine
 from graphs.buckets import BucketTable
 from graphs.capture_safety import CaptureSafetyError, capture_safety_check
 from graphs.replay import CaptureReport, GraphReplayer, simulated_cuda_capture
-from profiling.cost_model import (BANDWIDTH_TBS, NODE_US, GraphCost, KernelCounter, calibration, calibration_lines,
-                                  replay_us, table_lines)
+from profiling.cost_model import (BANDWIDTH_TBS, NODE_US, SM_BANDWIDTH_GBS, SMS, GraphCost, KernelCounter, calibration,
+                                  calibration_lines, replay_us, table_lines)
 from profiling.fake_cuda import FakeCuda, project_path
 
 
@@ -113,12 +116,13 @@ class DryRunConfig:
     max_draft_tokens: int = 3
     tp: int = 2  # ranks of the sharded engine (this process plays rank 0)
     kernels: str = "auto"  # EngineConfig.kernels of the engines: "auto" (on CUDA) runs the Triton kernel head
+    sms: int = SMS  # SMs of the fake device: the launchers size their grids by them
     model: LlamaConfig = field(default_factory=lambda: LlamaConfig(
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
         num_kv_heads=3, head_dim=64, max_position=2048))  # SmolLM2-135M's shape
 
     def __post_init__(self) -> None:
-        for name in ("hidden", "vocab", "max_num_reqs", "tp"):
+        for name in ("hidden", "vocab", "max_num_reqs", "tp", "sms"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"DryRunConfig.{name}={value!r}: must be an int >= 1")
@@ -305,13 +309,17 @@ class _Run:
         if self.cuda is None:
             replayer.capture(progress=False)
         for bucket in sorted(self.buckets or replayer.buckets):
-            counter = KernelCounter(weights=(weight,), passes=passes)
+            counter = KernelCounter(weights=(weight,), passes=passes,
+                                    launches=None if self.cuda is None else self.cuda.launches)
             counts = replayer.counts()
             with counter:
                 replayer.run_eager(bucket)
             replayer.restore_counts(counts)
-            cost = GraphCost(scenario, label or graph_set, bucket, engine.buffers.rows_for(bucket), weight.shape[0],
-                             weight.numel() * weight.element_size(), counter.kernels)
+            rows = engine.buffers.rows_for(bucket)
+            draft_probs = engine.buffers.draft_probs
+            cost = GraphCost(scenario, label or graph_set, bucket, rows, weight.shape[0],
+                             weight.numel() * weight.element_size(), counter.kernels,
+                             draft_probs_bytes=0 if draft_probs is None else rows * draft_probs[0].nbytes)
             if self.cuda is None:
                 cost.measured_us = replay_us(replayer, bucket, self.replays)
             self.report.costs.append(cost)
@@ -523,7 +531,7 @@ def run(cfg: DryRunConfig, *, real_cuda: bool = False, cost: bool = False, repla
         warnings.filterwarnings("ignore", message=r"EngineConfig\(use_graphs=True\) but this engine's graphs were never")
         cuda = None
         if not real_cuda:
-            cuda = stack.enter_context(FakeCuda())
+            cuda = stack.enter_context(FakeCuda(sms=cfg.sms))
             stack.enter_context(simulated_cuda_capture(cuda.is_pinned))
         state = _Run(cfg, report, cuda, replays if cost else 0, all_graph_sets,
                      None if buckets is None else frozenset(buckets))
@@ -575,6 +583,12 @@ def main(argv: list[str] | None = None) -> int:
     cost.add_argument("--node-us", type=float, default=NODE_US, help="µs per kernel node of a graph (default %(default)s)")
     cost.add_argument("--bandwidth-tbs", type=float, default=BANDWIDTH_TBS,
                       help="device memory bandwidth in TB/s (default %(default)s)")
+    cost.add_argument("--sms", type=int, default=None,
+                      help=f"SMs of the device: the fake device's (its launchers size their grids by them) and the "
+                           f"model's waves (default {SMS}, an H100 SXM's and an H200's; with --real-cuda the GPU's)")
+    cost.add_argument("--sm-bandwidth-gbs", type=float, default=SM_BANDWIDTH_GBS,
+                      help="what one SM streams from device memory in GB/s, an assumption (docs/cost-model.md; "
+                           "default %(default)s)")
     cost.add_argument("--all-graph-sets", action="store_true",
                       help="with --cost: every graph set of each engine (StepEngine.capture's), not only the checked ones")
     cost.add_argument("--buckets", type=_bucket_list, default=None,
@@ -585,11 +599,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--real-cuda: no CUDA device here")
     if (args.json or args.json_out or args.cost_detail or args.all_graph_sets or args.buckets) and not args.cost:
         parser.error("--json, --json-out, --cost-detail, --all-graph-sets and --buckets go with --cost")
-    if args.node_us < 0 or args.bandwidth_tbs <= 0 or args.replays < 1:
-        parser.error(f"--node-us {args.node_us} must be >= 0, --bandwidth-tbs {args.bandwidth_tbs} > 0, "
+    if args.sms is None:
+        args.sms = torch.cuda.get_device_properties().multi_processor_count if args.real_cuda else SMS
+    if args.node_us < 0 or args.bandwidth_tbs <= 0 or args.replays < 1 or args.sms < 1 or args.sm_bandwidth_gbs <= 0:
+        parser.error(f"--sms {args.sms} must be >= 1, --sm-bandwidth-gbs {args.sm_bandwidth_gbs} > 0, "
+                     f"--node-us {args.node_us} >= 0, --bandwidth-tbs {args.bandwidth_tbs} > 0, "
                      f"--replays {args.replays} >= 1")
     cfg = DryRunConfig(hidden=args.hidden, vocab=args.vocab, dtype=_DTYPES[args.dtype], max_num_reqs=args.max_num_reqs,
-                       max_draft_tokens=args.drafts, tp=args.tp, kernels=args.kernels,
+                       max_draft_tokens=args.drafts, tp=args.tp, kernels=args.kernels, sms=args.sms,
                        **({"model": LlamaConfig.tiny()} if args.tiny_model else {}))
     if args.buckets and not set(args.buckets) <= set(BucketTable(cfg.max_num_reqs).buckets):
         parser.error(f"--buckets {args.buckets}: each must be one of {BucketTable(cfg.max_num_reqs).buckets}")
@@ -605,13 +622,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAILED: {err}", file=sys.stderr)
         return 1
     if args.cost:
-        calibrated = calibration(report.costs, args.node_us, args.bandwidth_tbs)
+        model = dict(node_us=args.node_us, bandwidth_tbs=args.bandwidth_tbs, sms=args.sms,
+                     sm_bandwidth_gbs=args.sm_bandwidth_gbs)
+        calibrated = calibration(report.costs, **model)
         document = json.dumps({
             "device": f"{device} cuda" + (f" ({torch.cuda.get_device_name()})" if args.real_cuda else ""),
             "hidden": cfg.hidden, "vocab": cfg.vocab, "dtype": args.dtype, "max_num_reqs": cfg.max_num_reqs,
-            "drafts": cfg.max_draft_tokens, "tp": cfg.tp, "node_us": args.node_us, "bandwidth_tbs": args.bandwidth_tbs,
+            "drafts": cfg.max_draft_tokens, "tp": cfg.tp, **model,
             "seconds": round(report.seconds, 1),
-            "graphs": [c.as_dict(args.node_us, args.bandwidth_tbs, detail=args.cost_detail) for c in report.costs],
+            "graphs": [c.as_dict(detail=args.cost_detail, **model) for c in report.costs],
             **({} if args.real_cuda else {"host": report.host_summary()}),
             **({"calibration": calibrated} if calibrated is not None else {}),
         })
@@ -621,9 +640,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             print(document)
             return 0
-        print(f"modelled replay: sum over kernels of max({args.node_us} us, bytes / {args.bandwidth_tbs} TB/s); "
+        print(f"modelled replay: sum over kernels of max({args.node_us} us, bytes / {args.bandwidth_tbs} TB/s, "
+              f"bytes / programs x ceil(programs / {args.sms} SMs) / {args.sm_bandwidth_gbs} GB/s per SM); "
               "floor: one weight read + the [rows, V] f32 logits written and read once")
-        for line in table_lines(report.costs, args.node_us, args.bandwidth_tbs, detail=args.cost_detail):
+        for line in table_lines(report.costs, detail=args.cost_detail, **model):
             print(line)
         for line in calibration_lines(calibrated):
             print(line)

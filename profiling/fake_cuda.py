@@ -16,7 +16,16 @@ What the CPU-only build lacks is patched for the duration, and nothing else:
 - `torch.cuda.Event` is a stand-in whose record and synchronize do nothing;
 - `torch.from_numpy` shares the array's memory, as outside the fake mode;
 - a fake tensor's `data_ptr()` is its storage's identity plus its offset, so
-  pointer comparisons tell buffers apart (the fake mode's own reads 0).
+  pointer comparisons tell buffers apart (the fake mode's own reads 0);
+- the device has `sms` SMs (`torch.cuda.get_device_properties().multi_processor_count`,
+  device 0 current), so a launcher that sizes its grid by the SMs of a CUDA tensor's
+  device (the LM head's persistent grid, the sampler's split) sizes it as on that GPU
+  (`torch.cuda.is_available()` stays False: the fake mode builds CUDA tensors by it);
+- a Triton launch (`JITFunction.run`, or `InterpretedFunction.run` under
+  `TRITON_INTERPRET=1`) over fake tensors runs nothing and is recorded in
+  `launches` (the kernel's name and its grid, as the launcher computed it); torch's
+  `wrap_triton` is switched off for the duration so every launch reaches Triton's
+  own entry point. The cost model reads each custom op's grids there.
 
 A host read of device data (`.cpu()`, `.item()`, `.numpy()`, `bool()`, a
 device-to-host copy) cannot see values that do not exist: it returns zeros
@@ -28,11 +37,14 @@ counted in `pageable_copies` the same way, and every host-to-device copy in
 """
 from __future__ import annotations
 
+import math
 import os
 import traceback
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -46,6 +58,22 @@ _HOST_READS = {
     torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.__array__, torch.Tensor.__repr__,
     torch.Tensor.__format__, torch.Tensor.cpu,
 }
+
+
+# The SMs of the fake device: an H100 SXM's and an H200's 132.
+SMS = 132
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One Triton launch the fake device recorded: the kernel's name and its grid."""
+
+    kernel: str
+    grid: tuple[int, ...]
+
+    @property
+    def programs(self) -> int:
+        return math.prod(self.grid)
 
 
 def _is_fake(value: Any) -> bool:
@@ -74,8 +102,12 @@ class _Event:
 class FakeCuda:
     """Context manager: run CUDA code paths with no GPU (see the module doc)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sms: int = SMS) -> None:
+        if isinstance(sms, bool) or not isinstance(sms, int) or sms < 1:
+            raise ValueError(f"FakeCuda(sms={sms!r}): must be an int >= 1")
+        self.sms = sms
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.launches: list[Launch] = []  # every Triton launch over fake tensors, in order
         # Data pointers of host storages allocated pinned (a pointer freed and reused by a
         # pageable tensor would pass as pinned: the staging areas live as long as their engines).
         self._pinned: set[int] = set()
@@ -116,12 +148,42 @@ class FakeCuda:
             self._pinned.add(result.untyped_storage().data_ptr())
         return result
 
+    def _properties(self, device: Any = None) -> SimpleNamespace:
+        return SimpleNamespace(name="fake cuda", multi_processor_count=self.sms, major=9, minor=0)
+
+    @contextmanager
+    def _watch_launches(self) -> Iterator[None]:
+        """Triton launches over fake tensors record their grid and run nothing (module doc)."""
+        import triton.runtime.interpreter as interpreter
+        import triton.runtime.jit as jit
+        from torch._library.triton import set_wrap_triton_enabled
+
+        def watched(run: Any) -> Any:
+            def launch(kernel: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+                if not any(_is_fake(leaf) for leaf in tree_leaves((args, kwargs))):
+                    return run(kernel, *args, grid=grid, warmup=warmup, **kwargs)
+                if callable(grid):  # a grid function of the launch's meta-parameters
+                    grid = grid(kwargs)
+                grid = tuple(int(g) for g in grid)
+                self.launches.append(Launch(getattr(getattr(kernel, "fn", kernel), "__name__", str(kernel)), grid))
+                return None
+            return launch
+
+        with ExitStack() as stack:
+            for cls in (jit.JITFunction, interpreter.InterpretedFunction):
+                stack.enter_context(_patched(cls, "run", watched(cls.run)))
+            stack.enter_context(set_wrap_triton_enabled(False))
+            yield
+
     # -- entering and leaving --------------------------------------------------------
 
     def __enter__(self) -> FakeCuda:
         stack = ExitStack()
         try:
             stack.enter_context(_patched(torch.cuda, "Event", _Event))
+            stack.enter_context(_patched(torch.cuda, "current_device", lambda: 0))
+            stack.enter_context(_patched(torch.cuda, "get_device_properties", self._properties))
+            stack.enter_context(self._watch_launches())
             stack.enter_context(_patched(torch, "from_numpy", _host_from_numpy))
             stack.enter_context(self.mode)
             stack.enter_context(_CopyWatch(self))

@@ -53,7 +53,8 @@ run() {
 : > "$LOG"
 run nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv
 run "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
-# CUDA tests: graph capture, replay == eager, cuBLAS bit-identity, RNG bits CPU == CUDA.
+# CUDA tests: graph capture, replay == eager, cuBLAS bit-identity, RNG bits CPU == CUDA, the
+# sampler's rows split over the SMs (9 launches, merged by atomics) == one program per row.
 run "$PY" -m pytest -q -m cuda -x tests
 run "$PY" -m pytest -q -x tests/test_step_engine.py tests/test_speculative.py
 # The fake-CUDA dry run's real twin: its scenarios (both candidate graph sets, drafts in

@@ -53,11 +53,8 @@ def scale(x: torch.Tensor, out: torch.Tensor) -> None:
     wrap_triton(_scale_kernel)[(triton.cdiv(n, 64),)](x, out, n, BLOCK=64)
 
 
-@scale.register_fake
-def _(x: torch.Tensor, out: torch.Tensor) -> None:
-    """Nothing to compute on fake tensors. Registered explicitly, as the engine's kernels
-    are: under TRITON_INTERPRET=1 (tests/conftest.py, no CUDA) `wrap_triton` hands back
-    the plain kernel, which would run on the fake tensors."""
+# No fake of its own, as the engine's kernels: a triton_op's fake is its launcher, whose
+# Triton launch on fake tensors the fake device records (its grid) and does not run.
 
 
 # (op, bytes read, bytes written, of the reads: weight bytes), worked out by hand.
@@ -81,14 +78,14 @@ def _tiny_step() -> tuple[list[Kernel], torch.Tensor]:
     """Run the tiny step on the fake device under the counter."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-        with FakeCuda():
+        with FakeCuda() as cuda:
             x = torch.empty(4, 16, device="cuda")  # [4, 16] f32
             w = torch.empty(32, 16, dtype=torch.bfloat16, device="cuda")  # [V=32, H=16]
             bias = torch.empty(32, device="cuda")
             out = torch.empty(4, 32, device="cuda")
             ids = torch.zeros(2, 1, dtype=torch.int64, device="cuda")
             rows = torch.zeros(2, dtype=torch.int64, device="cuda")
-            counter = KernelCounter(weights=(w,))
+            counter = KernelCounter(weights=(w,), launches=cuda.launches)
             with counter:
                 h = x[:2]
                 logits = torch.mm(h.to(torch.bfloat16), w.t())  # [2, 32] bf16
@@ -130,6 +127,44 @@ def test_graph_cost_sums_the_kernels_against_the_floor() -> None:
     assert lines[1].split()[:4] == ["tiny", "all", "2", "2"] and "aten.mm.default" in "\n".join(lines)
 
 
+def test_the_grid_of_a_triton_op_is_read_from_its_launch() -> None:
+    """`scale` launches cdiv(n, 64) programs: 1 for out[:2] (64 elements). Every other op
+    of the tiny step is aten or a plain custom op: no grid known."""
+    kernels, _ = _tiny_step()
+    assert {k.op: k.programs for k in kernels}["cost_test.scale.default"] == 1
+    assert [k.programs for k in kernels if k.op != "cost_test.scale.default"] == [None] * (len(HAND_COUNT) - 1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        with FakeCuda() as cuda:
+            x = torch.empty(64 * 7 + 1, device="cuda")
+            counter = KernelCounter(launches=cuda.launches)
+            with counter:
+                scale(x, torch.empty_like(x))
+    assert [(k.op, k.programs) for k in counter.kernels] == [("cost_test.scale.default", 8)]
+    assert [(launch.kernel, launch.grid) for launch in cuda.launches] == [("_scale_kernel", (8,))]
+
+
+# (bytes, programs, µs) at node 1 µs, HBM 100 TB/s (1e8 B/µs), 10 SMs at 1 GB/s (1e3 B/µs) each,
+# worked out by hand: max(node, bytes / HBM, bytes / programs x ceil(programs / SMs) / per SM).
+OCCUPANCY_HAND_COUNT = [
+    (20_000, 1, 20.0),  # one program: one SM streams it all, 20000 B at 1000 B/µs
+    (20_000, 4, 5.0),  # 4 SMs, 5000 B each
+    (20_000, 10, 2.0),  # every SM: 2000 B each
+    (20_000, 11, 20_000 / 11 * 2 / 1000),  # 2 waves of 1818.2 B per program: 3.64 µs
+    (20_000, 20, 2.0),  # 2 waves of 1000 B
+    (500, 1, 1.0),  # node-bound
+    (5e9, 10, 5e5),  # 5e8 B per SM: bound by the SMs (500000 µs), not HBM (50 µs)
+    (5e9, None, 50.0),  # grid unknown: spread over every SM, HBM-bound
+]
+
+
+@pytest.mark.parametrize("nbytes, programs, expected", OCCUPANCY_HAND_COUNT)
+def test_occupancy_matches_a_hand_count(nbytes: float, programs: int | None, expected: float) -> None:
+    kernel = Kernel("engine.k.default", int(nbytes), 0, programs=programs)
+    modelled = kernel.modelled_us(node_us=1.0, bandwidth_tbs=100.0, sms=10, sm_bandwidth_gbs=1.0)
+    assert modelled == pytest.approx(expected, rel=1e-4)
+
+
 def test_touched_bytes_of_strided_views() -> None:
     base = torch.empty(8, 100)
     assert touched_bytes(base) == 3200
@@ -167,6 +202,7 @@ def test_cli_json_has_every_graph_and_field(capsys: pytest.CaptureFixture[str], 
     report = json.loads(capsys.readouterr().out)  # one JSON object, nothing else on stdout
     assert json.loads((tmp_path / "cost.json").read_text()) == report
     assert "calibration" not in report  # nothing measured on the fake device
+    assert report["sms"] == 132 and report["sm_bandwidth_gbs"] == 100.0  # the occupancy model's device
     graphs = report["graphs"]
     assert {(g["scenario"], g["graph_set"]) for g in graphs} >= {
         ("engine", "plain"), ("engine", "greedy"), ("drafts strict", "controls"), ("drafts rejection", "plain"),
@@ -178,7 +214,9 @@ def test_cli_json_has_every_graph_and_field(capsys: pytest.CaptureFixture[str], 
         assert g["bucket"] == 2 and g["rows"] == (4 if g["scenario"].startswith("drafts") else 2)
         assert g["kernels"] > 20 and g["weight_reads"] == 1.0  # one 64-row GEMM block covers every bucket here
         assert g["modelled_us"] == g["bytes"]
-        assert g["floor_us"] == g["weight_bytes"] + 2 * g["rows"] * g["vocab"] * 4
+        # Rejection mode's floor reads the staged draft distributions once more: [rows, V] f32.
+        draft_probs = g["rows"] * g["vocab"] * 4 if g["scenario"] == "drafts rejection" else 0
+        assert g["floor_us"] == g["weight_bytes"] + 2 * g["rows"] * g["vocab"] * 4 + draft_probs
         assert g["ratio"] == pytest.approx(g["modelled_us"] / g["floor_us"], rel=1e-3)
         assert sum(op["kernels"] for op in g["ops"]) == g["kernels"]
         assert sum(op["bytes"] for op in g["ops"]) == g["bytes"]
@@ -204,6 +242,17 @@ def test_the_kernel_heads_graphs_are_a_dozen_kernels_at_most(capsys: pytest.Capt
               for name, g in engine.items()}
     assert sample["kernels (full sampler)"] - sample["kernels (greedy)"] == 7 * row
     assert sample["kernels (plain)"] - sample["kernels (greedy)"] == row
+    # The grids are the launches': the LM head's persistent grid, min(tiles, 2 per SM) with
+    # cdiv(4, 64) x cdiv(2048, 128) = 16 tiles; the sampler splits each of the 4 rows into
+    # its 2 chunks of 1024 (132 SMs), one launch per phase: 9 kernels of the graph's 12.
+    ops = {op["op"]: op for op in engine["kernels (full sampler)"]["ops"]}
+    assert ops["engine.lm_head_logits.default"]["programs"] == 16
+    assert ops["engine.sample_rows.default"]["programs"] == 8 and ops["engine.sample_rows.default"]["kernels"] == 9
+    assert engine["kernels (full sampler)"]["kernels"] == 12
+    # A drafts graph keeps the sampler in one launch, one program per row (16 rows at bucket 4).
+    drafts = next(g for g in graphs if g["scenario"] == "drafts rejection" and g["bucket"] == 4)
+    sampler = next(op for op in drafts["ops"] if op["op"] == "engine.sample_rows.default")
+    assert sampler["kernels"] == 1 and sampler["programs"] == 16
 
 
 def test_cli_refuses_cost_flags_without_cost(capsys: pytest.CaptureFixture[str]) -> None:

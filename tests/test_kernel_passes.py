@@ -15,6 +15,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from engine.sampling.kernels import sample as kernel_module
 from engine.sampling.kernels.sample import SampleScratch, sample_rows
 from engine.sampling.normaliser import BLOCK
 from engine.sampling.row_params import RowParams
@@ -81,13 +82,18 @@ KINDS = [
 ]
 
 
+@pytest.mark.parametrize("programs", [1, 3], ids=["one program", "split in 3"])
 @pytest.mark.parametrize("controls, mode, passes, draws", KINDS,
                          ids=[f"{'-'.join(f'{k}={v}' for k, v in c.items())}-{m}" for c, m, _, _ in KINDS])
-def test_passes_over_the_row_per_row_kind(controls, mode, passes, draws):
+def test_passes_over_the_row_per_row_kind(controls, mode, passes, draws, programs, monkeypatch):
+    """Split in 3 (chunks of 1024, one launch per phase), each part reads its third of the
+    row per pass: the same passes, the draw's block read once (by the merge)."""
     scores, params = _row(**controls)
-    out, scratch = SampleOutput.allocate(1, 4), SampleScratch.allocate(1, VOCAB, "cpu")
+    out, scratch = SampleOutput.allocate(1, 4), SampleScratch.allocate(1, VOCAB, "cpu", num_top=4)
+    if programs > 1:
+        monkeypatch.setattr(kernel_module, "_chunk", lambda vocab, device: BLOCK)
     with torch_math(), reads_of(scores) as counts:
-        sample_rows(scores, params, out, scratch, logprobs=mode)
+        sample_rows(scores, params, out, scratch, logprobs=mode, programs=programs)
     assert out.error.tolist() == [0]
     # The draw reads the block its token lies in (the last one holds VOCAB % BLOCK tokens).
     block = min(BLOCK, VOCAB - int(out.tokens[0]) // BLOCK * BLOCK) if draws else 0

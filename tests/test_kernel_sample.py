@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -27,7 +29,7 @@ from engine.sampling.kernels import interpreting
 from engine.sampling.kernels import sample as kernel_module
 from engine.sampling.kernels.sample import SampleScratch, sample_rows
 from engine.sampling.logprobs import processed_row_logprobs, raw_logprobs
-from engine.sampling.normaliser import block_sums
+from engine.sampling.normaliser import BLOCK, block_sums
 from engine.sampling.row_max import first_max
 from engine.sampling.rows import expand_rows
 from engine.sampling.sampler import SamplerConfig, sample
@@ -101,9 +103,20 @@ def reference_with_kept_set(scores: torch.Tensor, params: RowParams, num_top: in
     return out, kept
 
 
+@contextmanager
+def chunk_of(tokens: int) -> Iterator[None]:
+    """The kernel's passes step `tokens` at a time (the interpreter's default: the whole row)."""
+    saved = kernel_module._chunk
+    kernel_module._chunk = lambda vocab, device: tokens
+    try:
+        yield
+    finally:
+        kernel_module._chunk = saved
+
+
 def run_kernel(scores, params, num_top, mode, **kw) -> SampleOutput:
     out = SampleOutput.allocate(scores.shape[0], num_top)
-    return sample_rows(scores, params, out, SampleScratch.allocate(scores.shape[0], scores.shape[1], "cpu"),
+    return sample_rows(scores, params, out, SampleScratch.allocate(scores.shape[0], scores.shape[1], "cpu", num_top),
                        logprobs=mode, **kw)
 
 
@@ -244,6 +257,100 @@ def test_kept_sets_are_the_references(batch):
         assert ids[n:] == torch.nonzero(~kept[r]).flatten().tolist()
 
 
+@settings(max_examples=60 if LONG else 8, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(batches(vocabs=(1025, 2500, 3000)), st.sampled_from([2, 5, 9]))
+def test_rows_split_over_programs_match_the_torch_stages(batch, programs):
+    """Each row over several programs (chunks of 1024 tokens, so a row of 3000 is up to 3
+    parts, the last one short), one launch per phase, each phase merged by the last program
+    of the row to finish it: the torch stages' results, bit for bit (tokens, errors, ranks,
+    top-N; logprobs within LOGPROB_ULPS), whatever the split."""
+    kw = dict(logits=batch["logits"], nothing_allowed=batch["nothing_allowed"])
+    rows_n, vocab = batch["scores"].shape
+    assert kernel_module.split(rows_n, vocab, BLOCK, programs)[0] == min(-(-vocab // BLOCK), max(1, programs // rows_n))
+    with chunk_of(BLOCK):
+        got = run_kernel(batch["scores"], batch["params"], batch["num_top"], batch["mode"], programs=programs, **kw)
+    want = reference(batch["scores"], batch["params"], batch["num_top"], batch["mode"], **kw)
+    assert_agree(got, want, f"split over {programs} programs vs reference", logprobs=batch["mode"] is not None)
+
+
+def test_a_split_row_launches_once_per_phase_and_leaves_its_scratch_clean():
+    """Two rows over 6 programs: 3 parts each (V = 2500, chunks of 1024), 9 launches; the
+    counters and histograms are zero again after the step (the next step's merges count on
+    it), and a second run gives the same outputs."""
+    batch = _fixed_batch(rows_n=2)
+    out = SampleOutput.allocate(2, 5)
+    scratch = SampleScratch.allocate(2, 2500, "cpu", num_top=5)
+    launches = []
+    saved = kernel_module._sample_kernel.run
+
+    def counting(*args, grid, warmup, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        launches.append((tuple(grid), kwargs["FIRST_PHASE"], kwargs["LAST_PHASE"]))
+        return saved(*args, grid=grid, warmup=warmup, **kwargs)
+
+    kernel_module._sample_kernel.run = counting
+    try:
+        with chunk_of(BLOCK):
+            sample_rows(batch["scores"], batch["params"], out, scratch, logprobs="processed", programs=6)
+    finally:
+        del kernel_module._sample_kernel.run
+    assert launches == [((2, 3), phase, phase) for phase in range(kernel_module.PHASES)]
+    assert not scratch.arrivals.any() and not scratch.hist.any()
+    first = out.tokens.clone(), out.top_ids.clone()
+    with chunk_of(BLOCK):
+        sample_rows(batch["scores"], batch["params"], out, scratch, logprobs="processed", programs=6)
+    assert torch.equal(out.tokens, first[0]) and torch.equal(out.top_ids, first[1])
+    assert_agree(out, reference(batch["scores"], batch["params"], 5, "processed"), "split vs reference")
+
+
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_top_n_lists_merge_across_the_parts_of_a_row(mode):
+    """A row whose 8 best tokens lie in all 3 parts (chunks of 1024): the merged top-N is the
+    reference's, in order."""
+    values = np.full(3000, -5.0, np.float32)
+    for place, token in enumerate((2900, 40, 1500, 2100, 700, 1023, 1024, 2999)):
+        values[token] = 10.0 - place * 0.5
+    row, params = _single_row(values.tolist(), temperature=1.0)
+    with chunk_of(BLOCK):
+        got = run_kernel(row, params, 8, mode, programs=3)
+    assert_agree(got, reference(row, params, 8, mode), f"{mode} top-8 over 3 parts")
+    assert got.top_ids[0].tolist() == [2900, 40, 1500, 2100, 700, 1023, 1024, 2999]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", [None, "raw", "processed"])
+def test_rows_split_over_the_sms_match_one_program_per_row_on_the_gpu(mode):
+    """On a GPU (gpu_check.sh): 4 rows of V = 129280 split over the SMs, 9 launches whose
+    merges order memory by atomics and barriers, against one program per row (one launch):
+    the same bits; tokens, errors, ranks and top-N ids as the torch stages'."""
+    batch = _fixed_batch(vocab=129280)
+    cuda = {name: getattr(batch["params"], name).cuda() if isinstance(getattr(batch["params"], name), torch.Tensor)
+            else getattr(batch["params"], name) for name in vars(batch["params"])}
+    params, scores = RowParams(**cuda), batch["scores"].cuda()
+    outs = []
+    for programs in (None, 1):
+        out = SampleOutput.allocate(4, 20, "cuda")
+        sample_rows(scores, params, out, SampleScratch.allocate(4, 129280, "cuda", num_top=20), logprobs=mode,
+                    programs=programs)
+        outs.append(out)
+    for name in vars(outs[0]):
+        assert torch.equal(getattr(outs[0], name), getattr(outs[1], name)), name
+    want = reference(batch["scores"], batch["params"], 20, mode)
+    got = SampleOutput(**{name: getattr(outs[0], name).cpu() for name in vars(outs[0])})
+    assert_agree(got, want, "split on the GPU vs the torch stages", logprobs=False)
+    # A greedy row whose maximum ties in parts 1 and 2 (3 chunks of 1024 on the GPU): the first
+    # part's index wins (argmax's tie break, which the interpreter's numpy argmax always takes).
+    values = [0.0] * 3000
+    values[2500] = values[1100] = values[2000] = 7.0
+    row, params = _single_row(values, temperature=0.0)
+    params = RowParams(**{name: value.cuda() if isinstance(value, torch.Tensor) else value
+                          for name, value in vars(params).items()})
+    out = SampleOutput.allocate(1, 0, "cuda")
+    sample_rows(row.cuda(), params, out, SampleScratch.allocate(1, 3000, "cuda"))
+    assert out.tokens.tolist() == [1100]
+
+
 def _fixed_batch(vocab: int = 2500, rows_n: int = 4) -> dict:
     """Rows of every kind, all controls on somewhere: a flat row, ties, a NaN row, a peaked one."""
     rng = np.random.default_rng(5)
@@ -267,7 +374,7 @@ def test_results_do_not_depend_on_the_chunk(monkeypatch):
     batch = _fixed_batch()
     outs = []
     for chunk in (1024, 4096):
-        monkeypatch.setattr(kernel_module, "_chunk", lambda vocab, chunk=chunk: chunk)
+        monkeypatch.setattr(kernel_module, "_chunk", lambda vocab, device, chunk=chunk: chunk)
         outs.append(run_kernel(batch["scores"], batch["params"], 5, "processed"))
     assert_agree(outs[0], outs[1], "chunk 1024 vs 4096")
     assert_agree(outs[0], reference(batch["scores"], batch["params"], 5, "processed"), "kernel vs reference")
@@ -292,7 +399,7 @@ def _statics(scores, params, out, scratch) -> dict[str, torch.Tensor]:
 
 def test_one_capture_safe_op():
     batch = _fixed_batch(vocab=300, rows_n=2)
-    out, scratch = SampleOutput.allocate(2, 3), SampleScratch.allocate(2, 300, "cpu")
+    out, scratch = SampleOutput.allocate(2, 3), SampleScratch.allocate(2, 300, "cpu", num_top=3)
     with capture_safety_check(_statics(batch["scores"], batch["params"], out, scratch)) as stats:
         sample_rows(batch["scores"], batch["params"], out, scratch, logprobs="raw")
     assert stats.op_counts == {"engine.sample_rows.default": 1}
@@ -305,7 +412,7 @@ def test_one_op_on_the_fake_cuda_device():
         params = RowParams.neutral(4, 4, device="cuda")
         params.draw_uniforms = torch.full((4,), 0.5, dtype=torch.float64, device="cuda")
         logits = scores.clone()
-        out, scratch = SampleOutput.allocate(4, 20, "cuda"), SampleScratch.allocate(4, 129280, "cuda")
+        out, scratch = SampleOutput.allocate(4, 20, "cuda"), SampleScratch.allocate(4, 129280, "cuda", num_top=20)
         with capture_safety_check({**_statics(scores, params, out, scratch), "logits": logits}, device=scores.device,
                                   is_pinned=cuda.is_pinned) as stats:
             sample_rows(scores, params, out, scratch, logits=logits, logprobs="processed")
@@ -319,7 +426,7 @@ def test_one_op_on_the_fake_cuda_device():
     (dict(logits=torch.zeros(2, 299)), "logits"),
     (dict(uniforms=None), "draw_uniforms"),
     (dict(out=SampleOutput.allocate(2, 301)), "top-N"),
-    (dict(scratch=SampleScratch.allocate(2, 5000, "cpu")), "scratch"),
+    (dict(scratch=SampleScratch.allocate(2, 5000, "cpu", num_top=3)), "scratch"),
 ])
 def test_bad_arguments_name_the_field(change, field):
     batch = _fixed_batch(vocab=300, rows_n=2)
@@ -327,7 +434,7 @@ def test_bad_arguments_name_the_field(change, field):
     if "uniforms" in change:
         params.draw_uniforms = change.pop("uniforms")
     kw = dict(scores=batch["scores"], params=params, out=SampleOutput.allocate(2, 3),
-              scratch=SampleScratch.allocate(2, 300, "cpu"))
+              scratch=SampleScratch.allocate(2, 300, "cpu", num_top=3))
     kw.update(change)
     with pytest.raises(ValueError, match=field):
         sample_rows(kw.pop("scores"), kw.pop("params"), kw.pop("out"), kw.pop("scratch"), **kw)
@@ -394,8 +501,10 @@ def test_greedy_takes_the_smallest_id_of_the_tied_maximum_in_any_chunk(monkeypat
     values = [0.0] * 3000
     values[2500] = values[1100] = values[2000] = 7.0
     row, params = _single_row(values, temperature=0.0)
-    monkeypatch.setattr(kernel_module, "_chunk", lambda vocab: 1024)
+    monkeypatch.setattr(kernel_module, "_chunk", lambda vocab, device: 1024)
     assert run_kernel(row, params, 0, None).tokens.tolist() == [1100]
+    # Split over 3 programs (one chunk each): the parts merge in order, the first part holding M wins.
+    assert run_kernel(row, params, 0, None, programs=3).tokens.tolist() == [1100]
 
 
 def test_the_draw_lands_in_the_block_and_token_its_uniform_names():

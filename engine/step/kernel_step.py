@@ -4,7 +4,8 @@
     stages 1-14   `engine.sampling.pipeline.run_stages`, vLLM's order, its groups by `TritonStages`:
       3-7         engine::apply_controls (vLLM's logits processors, the bitmask, stop ids)
                                                                 -> state.scores, row_controlled
-      8-14        engine::sample_rows                           -> buffers.out (+ kept weights)
+      8-14        engine::sample_rows (one launch; without drafts, 9 at buckets
+                  below the SMs: each row split over them)      -> buffers.out (+ kept weights)
     hidden check  engine::fail_non_finite_hidden                -> buffers.out
     verify        engine::verify_residual_chunks (rejection),
                   engine::verify_step (drafts, draft pool, penalty counts)
@@ -56,7 +57,7 @@ class KernelState:
     row_controlled: torch.Tensor  # [max_rows] bool: the row's scores are in `scores` (else its logits)
     nothing_allowed: torch.Tensor  # [max_rows] bool: the token bitmask allows no token of the row
     arrivals: torch.Tensor  # [max_rows] int32: the controls kernel's scratch, zero between launches
-    scratch: SampleScratch  # the sampler's histograms and block masses
+    scratch: SampleScratch  # the sampler's histograms, block masses, row state and partials
     kept: KeptWeights | None  # rejection mode: the draws as verification reads them
     residual_sums: torch.Tensor | None  # [max_reqs, split, 2] int64: rejection mode's residual chunk sums
     controls: SamplingControls  # the engine's control slots, or a neutral state of slot 0 alone
@@ -73,7 +74,7 @@ class KernelState:
             row_controlled=torch.zeros(rows, dtype=torch.bool, device=device),
             nothing_allowed=torch.zeros(rows, dtype=torch.bool, device=device),
             arrivals=torch.zeros(rows, dtype=torch.int32, device=device),
-            scratch=SampleScratch.allocate(rows, vocab, device),
+            scratch=SampleScratch.allocate(rows, vocab, device, num_top=buffers.out.top_ids.shape[1]),
             kept=KeptWeights.allocate(rows, vocab, device) if rejection else None,
             residual_sums=(torch.zeros(reqs, split_for(reqs, vocab), 2, dtype=torch.int64, device=device)
                            if rejection else None),
@@ -84,7 +85,7 @@ class KernelState:
         """By name, every tensor the graph reads or writes that is the head's own."""
         tensors = {"kernels.scores": self.scores, "kernels.row_controlled": self.row_controlled,
                    "kernels.nothing_allowed": self.nothing_allowed, "kernels.arrivals": self.arrivals,
-                   "kernels.hist": self.scratch.hist, "kernels.block_mass": self.scratch.block_mass}
+                   **{f"kernels.sample_{name}": tensor for name, tensor in vars(self.scratch).items()}}
         if self.kept is not None:
             tensors.update({"kernels.kept_weights": self.kept.weights, "kernels.mass_total": self.kept.mass_total,
                             "kernels.one_hot_tokens": self.kept.one_hot_tokens,
@@ -153,9 +154,13 @@ class TritonStages(TorchStages):
         writes the kept weights verification reads. `cfg`'s variant fields are not read:
         every row branches on its own parameters. Capture-safe."""
         s = self.head.state
+        # Without drafts each row spreads over the SMs (9 launches at small buckets: the graph's
+        # 12 kernels); a drafts graph keeps one launch, one program per row: its verification
+        # kernels leave no room for 8 more, and its rows are (1 + drafts) x the bucket's.
         sample_rows(processed.scores, rows.params, out, s.scratch, logits=plain,
                     nothing_allowed=processed.nothing_allowed, logprobs=mode,
-                    row_controlled=processed.row_controlled, kept=s.kept)
+                    row_controlled=processed.row_controlled, kept=s.kept,
+                    programs=1 if self.head.config.max_draft_tokens else None)
 
 
 @dataclass(frozen=True)

@@ -127,10 +127,10 @@ def _sm_count(index: int) -> int:
 
 
 def programs(device: torch.device, tiles: int) -> int:
-    """The persistent grid: `PROGRAMS_PER_SM` per SM on a CUDA device, `INTERPRETER_PROGRAMS`
-    elsewhere (the interpreter; the fake CUDA device of the dry run, which launches nothing);
-    never more than the tiles. A row's bits do not depend on it."""
-    if device.type == "cuda" and torch.cuda.is_available():
+    """The persistent grid: `PROGRAMS_PER_SM` per SM on a CUDA device (the fake CUDA device of
+    the dry run reports the SMs it stands for), `INTERPRETER_PROGRAMS` elsewhere (the
+    interpreter); never more than the tiles. A row's bits do not depend on it."""
+    if device.type == "cuda":
         count = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) * PROGRAMS_PER_SM
     else:
         count = INTERPRETER_PROGRAMS

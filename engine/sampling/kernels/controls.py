@@ -244,7 +244,9 @@ def _check(logits: torch.Tensor, out: torch.Tensor, counts: torch.Tensor, prompt
             raise ValueError(f"apply_controls: {name} is {tensor.dtype} with strides {tensor.stride()}, "
                              f"expected {dtype} with unit token stride")
     # The bias pass and a failed row's rewrite read the logits again after `out` is written.
-    if out.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr():
+    # A storage at address 0 has no memory (a fake tensor of the dry run): nothing to share.
+    base = out.untyped_storage().data_ptr()
+    if base != 0 and base == logits.untyped_storage().data_ptr():
         raise ValueError("apply_controls: out shares its memory with logits; it must be a separate buffer")
     if out.shape != logits.shape or counts.shape[1] != vocab:
         raise ValueError(f"apply_controls: out {tuple(out.shape)} / counts {tuple(counts.shape)} do not match "
@@ -335,12 +337,6 @@ def apply_controls(
         HAS_MASKED_ROWS=token_bitmask is not None and masked_rows is not None,
         num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION,
     )
-
-
-@apply_controls.register_fake
-def _(logits: torch.Tensor, out: torch.Tensor, *args, **kwargs) -> None:
-    """Under fake tensors (the dry run) the op launches nothing; it only checks what it would read."""
-    return None
 
 
 def _aot_builds() -> list[dict[str, object]]:

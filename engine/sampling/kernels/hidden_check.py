@@ -68,11 +68,6 @@ def _fail_non_finite_op(hidden: torch.Tensor, row_index: torch.Tensor, tokens: t
         TOP_P2=triton.next_power_of_2(max(num_top, 1)), num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION)
 
 
-@_fail_non_finite_op.register_fake
-def _(*args: object, **kwargs: object) -> None:
-    """The dry run's fake tensors: the op only rewrites its outputs in place."""
-
-
 def fail_non_finite_hidden(hidden: torch.Tensor, row_index: torch.Tensor, out: SampleOutput) -> None:
     """Fail the rows of `out` whose hidden state `hidden[row_index[r]]` holds a NaN or an
     infinity; capture-safe.

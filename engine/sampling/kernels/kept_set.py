@@ -8,12 +8,15 @@ the exact cuts (min-p, top-k, top-p), as `@triton.jit` functions the sampling ke
   (`normaliser.token_masses`);
 - `chunk_survivors`: the tokens min-p and top-k leave (vLLM's order: min-p first; both cuts
   are prefixes of the key order, so top-k counts every token and the two masks intersect);
-- `radix_cut`: `thresholds.radix_threshold`, the smallest key whose running count or mass
-  reaches a level, in three histogram passes over the row (digits of 11, 10 and 10 bits).
-  Counts and masses are integers, so the histograms are exact in any order of addition.
+- `digit_histogram` and `digit_select`: one digit of `thresholds.radix_threshold`, the
+  smallest key whose running count or mass reaches a level, found in three histogram
+  passes over the row (digits of 11, 10 and 10 bits, most significant first). Each program adds its
+  part of the row into the row's histogram; once every part has (the sampling kernel's
+  merge), one program selects the digit and clears the histogram. Counts and masses are
+  integers, so the histograms are exact in any order of addition and any split.
 
-A histogram lives in the caller's scratch row (global memory, one program per row): each
-pass zeroes it, adds into it with atomics, and reads it back after a barrier, past L1.
+A histogram lives in the caller's scratch row (global memory), zero between digits; it is
+read back past L1.
 
 `ACCURATE` selects CUDA's libdevice `exp` and `log` (the functions torch's CUDA kernels
 call, so the kernel and the torch path agree bit for bit on a GPU); the interpreter has no
@@ -93,21 +96,19 @@ def chunk_survivors(masked, weight, key, min_p, top_k_cut):
 
 
 @triton.jit
-def _digit_pass(lo, total, level, top_p, score_row_ptr, stop_ptr, active, shift, temperature, min_p, top_k_cut,
-                hist_ptr, COUNT: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr, FIRST: tl.constexpr,
-                V: tl.constexpr, CHUNK: tl.constexpr, NUM_STOP: tl.constexpr, MASS_SCALE: tl.constexpr,
-                ACCURATE: tl.constexpr):
-    """One pass of `radix_cut`: the histogram of the digit of BITS bits above SHIFT, over
-    the keys clamped into the window [lo, lo + 2**(SHIFT + BITS)) (no clamp on the FIRST,
-    most significant, digit), and the first bin whose running weight reaches the level.
-    Returns (lo with that digit settled, the total weight, the level)."""
-    bins_idx = tl.arange(0, HIST_BINS)
+def digit_histogram(lo, score_row_ptr, start, stop, stop_ptr, active, shift, temperature, min_p, top_k_cut,
+                    hist_ptr, COUNT: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr, FIRST: tl.constexpr,
+                    CHUNK: tl.constexpr, NUM_STOP: tl.constexpr, MASS_SCALE: tl.constexpr, ACCURATE: tl.constexpr):
+    """Adds the tokens [start, stop) of a row (one program's part; `start` a multiple of
+    CHUNK) to the row's histogram of the digit of BITS bits above SHIFT, over the keys
+    clamped into the window [lo, lo + 2**(SHIFT + BITS)) (no clamp on the FIRST, most
+    significant, digit). COUNT: each token weighs 1 (top-k); else the mass of the tokens
+    `chunk_survivors(min_p, top_k_cut)` keeps (top-p). Integer atomics: the histogram is
+    the same whatever the parts and the order they add in."""
     one = tl.full((), 1, tl.int32)  # shifts of a tensor: the interpreter's constexpr has no `1 << c`
-    tl.store(hist_ptr + bins_idx, tl.zeros((HIST_BINS,), dtype=tl.int64))
-    tl.debug_barrier()
-    for start in range(0, V, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        in_row = offs < V
+    for base in range(start, stop, CHUNK):
+        offs = base + tl.arange(0, CHUNK)
+        in_row = offs < stop
         masked, z, weight, key, mass = chunk_values(score_row_ptr, offs, in_row, stop_ptr, active, shift,
                                                     temperature, NUM_STOP, MASS_SCALE, ACCURATE)
         if COUNT:
@@ -120,7 +121,18 @@ def _digit_pass(lo, total, level, top_p, score_row_ptr, stop_ptr, active, shift,
             window = tl.minimum(tl.maximum(key, lo), lo + ((one << (SHIFT + BITS)) - 1))
             bin_of = (window - lo) >> SHIFT
         tl.atomic_add(hist_ptr + bin_of, add, mask=in_row & (add > 0), sem="relaxed")
-    tl.debug_barrier()
+
+
+@triton.jit
+def digit_select(lo, total, level, top_p, hist_ptr, COUNT: tl.constexpr, SHIFT: tl.constexpr,
+                 BITS: tl.constexpr, FIRST: tl.constexpr):
+    """From a row's finished histogram of one digit (every part added): the first bin whose
+    running weight reaches the level, as `thresholds.radix_threshold` picks it. On the
+    FIRST digit the total weight is counted and, for top-p (not COUNT), the level is
+    `top_p` (f64) times it. Zeroes the histogram for the next digit. Returns (lo with
+    this digit settled, the total weight int64, the level f64)."""
+    bins_idx = tl.arange(0, HIST_BINS)
+    one = tl.full((), 1, tl.int32)
     hist = tl.load(hist_ptr + bins_idx, cache_modifier=".cg")
     below = tl.cumsum(hist, 0)  # [HIST_BINS] the weight at or below each bin's top key
     if FIRST:
@@ -129,34 +141,6 @@ def _digit_pass(lo, total, level, top_p, score_row_ptr, stop_ptr, active, shift,
             level = top_p * total.to(tl.float64)
     first = tl.sum((below.to(tl.float64) < level).to(tl.int32), 0)  # bins short of the level
     first = tl.minimum(first, (one << BITS) - 1)
-    tl.debug_barrier()  # every thread has read the histogram before the next pass clears it
+    tl.debug_barrier()  # every thread has read the histogram before it is cleared
+    tl.store(hist_ptr + bins_idx, tl.zeros((HIST_BINS,), dtype=tl.int64))
     return lo + (first << SHIFT), total, level
-
-
-@triton.jit
-def radix_cut(score_row_ptr, stop_ptr, active, shift, temperature, min_p, top_k_cut, level, top_p,
-              hist_ptr, COUNT: tl.constexpr, V: tl.constexpr, CHUNK: tl.constexpr, NUM_STOP: tl.constexpr,
-              MASS_SCALE: tl.constexpr, ACCURATE: tl.constexpr):
-    """The smallest order key t whose running weight {key <= t} reaches the level: three
-    passes over the row, one histogram of one digit each (11, 10 and 10 bits, most
-    significant first), each pass clamping the keys into the window its predecessors settled
-    (lower keys fall into the first bin, higher ones into the last), as
-    `thresholds.radix_threshold` does.
-
-    COUNT: the weight of every token of the row is 1 (top-k: `level` is k, f64). Else the
-    weight is the mass of the tokens `chunk_survivors(min_p, top_k_cut)` keeps, and the level
-    is `top_p` (f64) times their total, known once the first pass has counted it (top-p).
-    `hist_ptr` is the row's scratch histogram (HIST_BINS int64). Returns (t int32, the
-    total weight int64); t is KEY_MAX where the level is never reached."""
-    lo = tl.zeros((), dtype=tl.int32)
-    total = tl.zeros((), dtype=tl.int64)
-    lo, total, level = _digit_pass(lo, total, level, top_p, score_row_ptr, stop_ptr, active, shift, temperature,
-                                   min_p, top_k_cut, hist_ptr, COUNT, 20, 11, True, V, CHUNK, NUM_STOP,
-                                   MASS_SCALE, ACCURATE)
-    lo, total, level = _digit_pass(lo, total, level, top_p, score_row_ptr, stop_ptr, active, shift, temperature,
-                                   min_p, top_k_cut, hist_ptr, COUNT, 10, 10, False, V, CHUNK, NUM_STOP,
-                                   MASS_SCALE, ACCURATE)
-    lo, total, level = _digit_pass(lo, total, level, top_p, score_row_ptr, stop_ptr, active, shift, temperature,
-                                   min_p, top_k_cut, hist_ptr, COUNT, 0, 10, False, V, CHUNK, NUM_STOP,
-                                   MASS_SCALE, ACCURATE)
-    return lo, total

@@ -55,3 +55,19 @@ def merge_top(best, candidates, TOP_PAD: tl.constexpr):
             candidates = tl.where(candidates == largest, ABSENT, candidates)
         best = merged
     return best
+
+
+
+
+@triton.jit
+def top_of_lists(lists, TOP_PAD: tl.constexpr):
+    """The TOP_PAD largest rank keys of several programs' top-N lists [parts, TOP_PAD] (over
+    disjoint tokens: no key twice but ABSENT), largest first: one pass over the tile per
+    place, no round trip to memory per list."""
+    lane = tl.arange(0, TOP_PAD)
+    merged = tl.full((TOP_PAD,), ABSENT, dtype=tl.int64)
+    for j in tl.static_range(TOP_PAD):
+        largest = tl.max(tl.max(lists, 1), 0)
+        merged = tl.where(lane == j, largest, merged)
+        lists = tl.where(lists == largest, ABSENT, lists)
+    return merged

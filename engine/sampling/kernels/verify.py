@@ -335,11 +335,6 @@ def verify_residual_chunks(
         num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION)
 
 
-@verify_residual_chunks.register_fake
-def _(*args, **kwargs) -> None:
-    return None  # the dry run launches nothing
-
-
 @triton_op("engine::verify_rank_chunks", mutates_args={"rank_counts"})
 def verify_rank_chunks(scores: torch.Tensor, row_tokens: torch.Tensor, drafts: torch.Tensor,
                        row_to_req: torch.Tensor, top_ks: torch.Tensor, rank_counts: torch.Tensor,
@@ -361,11 +356,6 @@ def verify_rank_chunks(scores: torch.Tensor, row_tokens: torch.Tensor, drafts: t
     wrap_triton(_rank_chunks_kernel)[(rows, split)](
         scores, row_tokens, drafts, row_to_req, top_ks, rank_counts, vocab, chunk_for(vocab, split, block),
         BLOCK=block, num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION)
-
-
-@verify_rank_chunks.register_fake
-def _(*args, **kwargs) -> None:
-    return None  # the dry run launches nothing
 
 
 @triton_op("engine::verify_step",
@@ -448,11 +438,6 @@ def verify_step(
         HAS_POOL=write_slots is not None, HAS_COUNTS=counts is not None, ROWS_P2=triton.next_power_of_2(rows),
         DRAFT_P2=triton.next_power_of_2(max(max_drafts, 1)), SPLIT_P2=triton.next_power_of_2(split), BLOCK=block,
         MASS_BITS=52 - max(1, (vocab - 1).bit_length()), num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION)
-
-
-@verify_step.register_fake
-def _(*args, **kwargs) -> None:
-    return None  # the dry run launches nothing
 
 
 def _signature(fn: object, pointers: dict[str, str]) -> dict[str, str]:
