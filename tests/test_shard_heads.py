@@ -7,7 +7,7 @@ each rank of a 2-rank group (forked, as in tests/test_parallel.py) builds
 logprobs, drafts), the same hidden states (a NaN row among them) and drafts, step after
 step. Every rank's StepOutputs must equal the unsharded engine's exactly: tokens, errors,
 accepted drafts and every logprob bit, with the torch sampler and with the Triton kernels
-(in the interpreter on CPU). V = 1500: an uneven split (1024 + 476 tokens) whose shorter
+(in the interpreter on CPU). V = 1500: an uneven split (768 + 732 tokens) whose shorter
 shard is padded.
 """
 from __future__ import annotations
@@ -19,8 +19,7 @@ import torch.distributed as dist
 
 from engine import EngineConfig, SamplingParams, StepEngine
 from engine.ops import get_logits
-from engine.parallel import VocabShards
-from engine.parallel.shard_heads import ShardedKernelHead, ShardedLocalHead, sharded_head
+from engine.parallel.shard_heads import ShardedKernelHead, ShardedLocalHead, sharded_head, vocab_shards
 from engine.sampling.sampler import SamplerConfig
 from engine.step.batch import PersistentBatch
 from engine.step.outputs import StepOutput
@@ -89,7 +88,7 @@ def _captured(engine: StepEngine) -> StepEngine:
 
 def _sharded_worker(rank: int, world: int, config: EngineConfig, seed: int,
                     steps: int) -> tuple[str, list[StepOutput], int]:
-    head = sharded_head(VocabShards.split(VOCAB, world).shard(WEIGHT, rank), VOCAB, config)
+    head = sharded_head(vocab_shards(VOCAB, world).shard(WEIGHT, rank), VOCAB, config)
     return type(head).__name__, _drive(_captured(StepEngine(head, config)), seed, steps), head.stats.received_bytes
 
 
@@ -118,7 +117,7 @@ def test_two_ranks_give_the_unsharded_engines_outputs(config, steps, tmp_path):
 def test_a_shard_gives_the_whole_heads_logits_bits():
     """The assumption the exchange rests on, checked here: each logit of a shard's GEMM
     (padded or not) has the bits the whole head's GEMM gives it, at every row count."""
-    shards = VocabShards.split(VOCAB, 2)
+    shards = vocab_shards(VOCAB, 2)
     hidden = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(4))
     for rows in (1, 2, 9):
         whole = get_logits(hidden[:rows], WEIGHT, batch_invariant=True)
@@ -142,7 +141,7 @@ def test_a_shard_of_the_wrong_size_is_refused(tmp_path):
 
 def test_the_config_picks_the_sharded_kernel_head(tmp_path):
     def worker(rank: int, world: int) -> tuple[str, str, int]:
-        shard = VocabShards.split(VOCAB, world).shard(WEIGHT, rank)
+        shard = vocab_shards(VOCAB, world).shard(WEIGHT, rank)
         kinds = [type(sharded_head(shard, VOCAB, EngineConfig(device="cpu", kernels=k))).__name__
                  for k in ("torch", "triton")]
         return kinds[0], kinds[1], dist.get_world_size()

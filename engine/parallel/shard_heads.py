@@ -36,6 +36,18 @@ from engine.step.prompt_logprobs import PromptRowResults, prompt_rows_of
 from engine.step.static_buffers import StepBuffers
 
 
+# Each shard starts on a 128-byte boundary of a logits row (32 fp32 columns): the exchange's
+# copies into `buffers.logits` stay aligned. Nothing in the stages needs more.
+SHARD_ALIGN = 32
+
+
+def vocab_shards(vocab: int, tp: int) -> VocabShards:
+    """The vocabulary rows each of `tp` ranks holds: runs of whole SHARD_ALIGN blocks, the
+    first ranks one block more where they do not divide evenly. **Raises** ValueError when
+    there are fewer blocks than ranks."""
+    return VocabShards.split(vocab, tp, SHARD_ALIGN)
+
+
 @dataclass
 class ExchangeStats:
     steps: int = 0  # steps whose graph ran the exchange
@@ -73,7 +85,7 @@ class LogitsExchange:
         `starts[r] : starts[r] + sizes[r]`. A collective: every rank calls it together."""
         tp, width = self.shards.tp, self.shards.max_size
         gathered = self.gathered[: tp * rows]
-        dist.all_gather_into_tensor(gathered, self.local[:rows], group=self.group)
+        dist.all_gather_single(gathered, self.local[:rows], group=self.group)
         slabs = gathered.view(tp, rows, width)
         for r, (start, size) in enumerate(zip(self.shards.starts, self.shards.sizes)):
             out[:, start : start + size].copy_(slabs[r, :, :size])
@@ -87,7 +99,7 @@ def padded_shard(lm_head_shard: object, shards: VocabShards, rank: int, device: 
     if weight.shape[0] != shards.sizes[rank]:
         raise ValueError(
             f"lm_head_shard: shape {tuple(weight.shape)}, rank {rank} of tp={shards.tp} holds "
-            f"{shards.sizes[rank]} vocabulary rows (VocabShards.split({shards.vocab}, {shards.tp}))"
+            f"{shards.sizes[rank]} vocabulary rows (vocab_shards({shards.vocab}, {shards.tp}))"
         )
     if weight.shape[0] == shards.max_size:
         return weight
@@ -102,7 +114,7 @@ class ShardedLocalHead(LocalHead):
     def __init__(self, lm_head_shard: torch.Tensor, vocab_size: int, config: EngineConfig,
                  group: dist.ProcessGroup | None) -> None:
         self.rank, self.tp, self.group = dist.get_rank(group), dist.get_world_size(group), group
-        self.shards = VocabShards.split(vocab_size, self.tp)
+        self.shards = vocab_shards(vocab_size, self.tp)
         super().__init__(padded_shard(lm_head_shard, self.shards, self.rank, config.resolved_device()), config)
         self.vocab_size = vocab_size  # the engine's buffers, controls and checks span the whole vocabulary
         self.stats = ExchangeStats()
@@ -140,7 +152,7 @@ class ShardedKernelHead(KernelHead):
     def __init__(self, lm_head_shard: torch.Tensor, vocab_size: int, config: EngineConfig,
                  group: dist.ProcessGroup | None) -> None:
         self.rank, self.tp, self.group = dist.get_rank(group), dist.get_world_size(group), group
-        self.shards = VocabShards.split(vocab_size, self.tp)
+        self.shards = vocab_shards(vocab_size, self.tp)
         super().__init__(padded_shard(lm_head_shard, self.shards, self.rank, config.resolved_device()), config)
         self.vocab_size = vocab_size  # the engine's buffers, controls and checks span the whole vocabulary
         self.stats = ExchangeStats()
@@ -174,7 +186,7 @@ ShardHead = ShardedLocalHead | ShardedKernelHead
 
 def sharded_head(lm_head_shard: torch.Tensor, vocab_size: int, config: EngineConfig,
                  group: dist.ProcessGroup | None = None) -> ShardHead:
-    """The head of this rank's shard (`VocabShards.split(vocab_size, tp).shard(weight, rank)`):
+    """The head of this rank's shard (`vocab_shards(vocab_size, tp).shard(weight, rank)`):
     `ShardedKernelHead` where `config.resolved_kernels()` is "triton", else `ShardedLocalHead`;
     `StepEngine(sharded_head(...), config)` is then the engine of this rank."""
     if config.resolved_kernels() == "triton":

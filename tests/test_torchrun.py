@@ -1,0 +1,114 @@
+"""Two processes under torchrun (gloo on CPU, 127.0.0.1 only) give one process's tokens.
+
+`torchrun --nproc-per-node 2 -m engine demo --tp 2` against `python -m engine demo`, and
+`LLM(..., tensor_parallel_size=2)` in a script torchrun runs against `LLM(...)` in this
+process (engine/parallel/launch.py). Each launch is a subprocess with a time limit; the
+tiny random model keeps them to seconds.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.loop.config import LoopConfig
+from engine.loop.decode_loop import DecodeLoop
+from engine.models.tiny import tiny_model
+from engine.parallel.launch import TORCHRUN_ENV
+
+ROOT = Path(__file__).resolve().parents[1]
+LIMIT_S = 240  # per launch; both take under a minute on two busy cores
+DEMO = ["--model", "tiny", "--requests", "4", "--max-tokens", "8", "--max-num-reqs", "2", "--json", "--device", "cpu",
+        "--threads", "1"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's connections on the loopback interface only
+    return env
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess:
+    done = subprocess.run(args, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=LIMIT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def _torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+            "--master-port", str(_free_port()), *args]
+
+
+def test_demo_under_torchrun_prints_one_processs_completions():
+    one = json.loads(_run([sys.executable, "-m", "engine", "demo", *DEMO]).stdout)
+    two = json.loads(_run(_torchrun("-m", "engine", "demo", "--tp", "2", *DEMO)).stdout)  # rank 0 alone prints
+    assert [c["tokens"] for c in two["completions"]] == [c["tokens"] for c in one["completions"]]
+    assert two["completions"] == one["completions"]  # texts, logprobs and seeds too
+
+
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    import torch.distributed as dist
+    from engine import LLM, SamplingParams
+
+    prompts = [[5, 6, 7], [40, 2, 9, 9], [100]]
+    params = [SamplingParams(temperature=0.0, max_tokens=6, logprobs=2),
+              SamplingParams(temperature=0.9, top_p=0.9, max_tokens=6, repetition_penalty=1.2),
+              SamplingParams(temperature=1.0, top_k=20, max_tokens=6, prompt_logprobs=1, logit_bias={3: 3.0})]
+
+
+    def found(outputs):
+        # Per output: its prompt logprobs, then each sample's tokens, seed and logprobs.
+        entries = lambda positions: [[(t, lp.logprob) for t, lp in sorted(d.items())] for d in positions or [] if d]
+        return [[entries(out.prompt_logprobs), *((o.token_ids, o.seed, entries(o.logprobs)) for o in out.outputs)]
+                for out in outputs]
+
+
+    if __name__ == "__main__":
+        for seed in (3, None):
+            llm = LLM("tiny", seed=seed, max_num_reqs=2, device="cpu", tensor_parallel_size=2)
+            with open(f"{sys.argv[1]}/{seed}-{dist.get_rank()}.json", "w") as f:
+                json.dump(found(llm.generate(prompts, params)), f)
+""")
+
+
+def test_llm_with_tensor_parallel_size_2_under_torchrun(tmp_path):
+    script = tmp_path / "generate.py"
+    script.write_text(SCRIPT)
+    _run(_torchrun(str(script), str(tmp_path)))
+    script_names: dict = {"__name__": "script"}
+    exec(SCRIPT, script_names)  # its prompts, params and `found`, without its main part
+    one = LLM("tiny", seed=3, max_num_reqs=2, device="cpu")
+    expected = json.loads(json.dumps(script_names["found"](one.generate(script_names["prompts"],
+                                                                         script_names["params"]))))
+    read = lambda name: json.loads((tmp_path / name).read_text())  # noqa: E731
+    assert read("3-0.json") == expected and read("3-1.json") == expected
+    # Without a seed, rank 0 draws the seed base and both ranks take it: the same tokens.
+    assert read("None-0.json") == read("None-1.json")
+
+
+def test_tensor_parallel_without_a_group_or_torchrun_names_the_launch(monkeypatch):
+    for name in TORCHRUN_ENV:
+        monkeypatch.delenv(name, raising=False)
+    model, _ = tiny_model(0, "cpu", 2, max_context=64, batch_invariant=True)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2: no torch.distributed group.*torchrun "
+                                         "--nproc-per-node 2"):
+        DecodeLoop(model, LoopConfig(max_num_reqs=2, tensor_parallel_size=2), capture=False)
+    with pytest.raises(ValueError, match="LoopConfig.tensor_parallel_size=0"):
+        LoopConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2: config=LoopConfig"):
+        LLM("tiny", config=LoopConfig(), tensor_parallel_size=2)
