@@ -40,6 +40,7 @@ from engine.llm.loading import Loaded, check_model_name, load
 from engine.loop.config import LoopConfig
 from engine.loop.decode_loop import DecodeLoop
 from engine.loop.requests import StepEvent
+from engine.parallel.launch import join_group
 from engine.step.config import EngineConfig
 from engine.trace import record_stages
 
@@ -299,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.tp > 1:  # the group (and on CUDA this rank's GPU) before anything else
+        join_group(args.tp, torch.device(args.device))
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

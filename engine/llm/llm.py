@@ -35,6 +35,7 @@ from engine.loop.decode_loop import DecodeLoop
 from engine.loop.stop_strings import OutputText
 from engine.models.protocol import CausalLM
 from engine.models.tokenizer import HFProtocol, as_tokenizer, check_conversation
+from engine.parallel.launch import join_group
 from engine.step.config import EngineConfig
 from engine.step.step_engine import StepEngine
 
@@ -99,6 +100,8 @@ class LLM:
                                          engine_config)
         self.config = config
         start = time.perf_counter()
+        if config.tensor_parallel_size > 1:  # the group (and on CUDA this rank's GPU) before the model loads
+            join_group(config.tensor_parallel_size, engine_config.resolved_device())
         if isinstance(model, CausalLM):
             if max_context is not None:
                 raise ValueError(f"max_context={max_context}: applies to the models LLM loads; this one has its "

@@ -31,14 +31,18 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"
 def join_group(tp: int, device: torch.device) -> None:
     """The default torch.distributed group of `tp` ranks: the caller's own when one is
     initialised, else the one torchrun's environment describes (NCCL for a CUDA engine,
-    each rank on GPU `LOCAL_RANK`; gloo on CPU). **Raises** ValueError when there is no
-    group and no torchrun environment, or when the group has another size than `tp`."""
+    each rank on GPU `LOCAL_RANK`, made the current device: join before anything is put on
+    "cuda"; gloo on CPU). **Raises** ValueError when there is no group and no torchrun
+    environment, or when the group has another size than `tp`."""
     if not dist.is_initialized():
         missing = [name for name in TORCHRUN_ENV if name not in os.environ]
         if missing:
             raise ValueError(f"tensor_parallel_size={tp}: no torch.distributed group, and {', '.join(missing)} "
                              f"unset: launch every rank with torchrun --nproc-per-node {tp} ...")
         if device.type == "cuda":
+            if device.index is not None:
+                raise ValueError(f"device={str(device)!r} with tensor_parallel_size={tp}: give 'cuda' without an "
+                                 "index; each rank takes GPU LOCAL_RANK")
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     world = dist.get_world_size()
