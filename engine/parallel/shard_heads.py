@@ -11,12 +11,31 @@ Each rank then samples the same full rows with the same code as one device, so i
 and logprobs are the unsharded engine's bit for bit, provided the shard's GEMM gives each
 logit the bits the whole head's GEMM gives it (a dot product of one hidden row and one
 weight row, whose summation order does not depend on which weight rows sit beside it:
-`tests/test_shard_heads.py` checks it where the tests run). Every rank ends the step with
+`tests/test_shard_heads.py` checks it where the tests run; on CUDA the fused
+`engine::lm_head_logits` keeps one tile configuration whatever V, while a cuBLAS choice
+picks its kernel by shape and is not checked against the whole head). Every rank ends the step with
 the same tokens, so ranks that schedule alike stay in lockstep without a broadcast.
 
 What moves per step is the logits: (tp - 1) x rows x V_rank x 4 bytes received per rank
-(`LogitsExchange.received_bytes`), not the candidates of `vocab_parallel`; in exchange the
-stages are the single-device ones, with nothing of their own to keep exact.
+(`LogitsExchange.received_bytes`; 16.5 MB at 64 rows of V = 129280, tp = 2), not the
+candidates of `vocab_parallel`; in exchange the stages are the single-device ones, with
+nothing of their own to keep exact, and a graph is 7 kernels (9 with drafts).
+
+Not built yet: an exact exchange of per-shard summaries on the kernels. docs/contract.md
+makes it possible: every cut is a threshold on z, and every sum (top-p's, the draw's, the
+raw normaliser) is of integer masses, exact in any order, so shards may add theirs up.
+Each rank would run the controls and sampling kernels over its own columns (the control
+state's per-token columns from its shard start; `SHARD_ALIGN` keeps that on bitmask words)
+and exchange per row, by row kind: greedy, each shard's maximum and its first index
+(8 bytes); a plain draw, the maximum M, then each shard's kept mass (the draw lands in
+the shard whose running mass passes u x total, shards in token-id order; 8 bytes); the
+raw normaliser, each shard's integer mass sum (8 bytes); top-k within a cap C and the
+top-N logprobs, each shard's top C as candidates (8C bytes), the cut then exact on them;
+top-p without a bounded top-k, the radix passes' histograms (one all-reduce per pass).
+A few hundred bytes per row for most rows instead of V_rank x 4, exact by construction.
+The cost is the split of `engine::sample_rows` into a kernel per phase with a collective
+between phases: the shape of the split sampler built for small buckets (issue 35, item 2),
+its per-program partials merged across ranks instead of across programs.
 """
 from __future__ import annotations
 
@@ -31,7 +50,7 @@ from engine.ops import gather, get_logits
 from engine.parallel.vocab_parallel import VocabShards
 from engine.step.config import EngineConfig, EngineStats
 from engine.step.kernel_head import KernelHead
-from engine.step.lm_head import LMHead, LocalHead, checked_head_weight
+from engine.step.lm_head import LocalHead, checked_head_weight
 from engine.step.prompt_logprobs import PromptRowResults, prompt_rows_of
 from engine.step.static_buffers import StepBuffers
 
@@ -107,16 +126,18 @@ def padded_shard(lm_head_shard: object, shards: VocabShards, rank: int, device: 
     return torch.cat([weight, padding])
 
 
-class ShardedLocalHead(LocalHead):
-    """`LocalHead` (the torch sampler) over this rank's shard: its logits stage is the
-    shard's GEMM and the exchange; every graph set and control is `LocalHead`'s."""
+class ShardOfHead:
+    """What a shard head adds to its single-device head (the class after this one in its
+    bases): the shard padded to the widest one as its weight, the whole vocabulary as its
+    `vocab_size` (the engine's buffers, controls and checks span it), the exchange, its
+    counters, the prompt logprobs over exchanged rows. The heads' `logits` stage is their own."""
 
     def __init__(self, lm_head_shard: torch.Tensor, vocab_size: int, config: EngineConfig,
                  group: dist.ProcessGroup | None) -> None:
         self.rank, self.tp, self.group = dist.get_rank(group), dist.get_world_size(group), group
         self.shards = vocab_shards(vocab_size, self.tp)
         super().__init__(padded_shard(lm_head_shard, self.shards, self.rank, config.resolved_device()), config)
-        self.vocab_size = vocab_size  # the engine's buffers, controls and checks span the whole vocabulary
+        self.vocab_size = vocab_size
         self.stats = ExchangeStats()
         self.exchange: LogitsExchange | None = None
 
@@ -126,6 +147,21 @@ class ShardedLocalHead(LocalHead):
 
     def static_tensors(self) -> dict[str, torch.Tensor]:
         return {**super().static_tensors(), **self.exchange.static_tensors()}
+
+    def graphs_for(self, inputs: SamplerInputs, rows: int, stats: EngineStats) -> str:
+        self.stats.steps += 1
+        self.stats.received_bytes += self.exchange.received_bytes(rows)
+        return super().graphs_for(inputs, rows, stats)
+
+    def prompt_logprobs(self, hidden_states: torch.Tensor, inputs: SamplerInputs) -> PromptRowResults:
+        # Top-k-space mode (docs/contract.md §2.1; the torch head only): a target outside the top-k reads -inf.
+        top_k = inputs.top_ks if self.config.top_k_space_verify else None
+        return sharded_prompt_logprobs(self, hidden_states, inputs, top_k)
+
+
+class ShardedLocalHead(ShardOfHead, LocalHead):
+    """`LocalHead` (the torch sampler) over this rank's shard: its logits stage is the
+    shard's GEMM and the exchange; every graph set and control is `LocalHead`'s."""
 
     def logits(self, bucket: int) -> None:
         """The shard's logits of the gathered hidden rows, then the exchange into `buffers.logits`."""
@@ -135,35 +171,11 @@ class ShardedLocalHead(LocalHead):
                    block_rows=self.config.block_rows, kernel=self.logits_kernel)
         self.exchange.all_gather(rows, b.logits[:rows])
 
-    def graphs_for(self, inputs: SamplerInputs, rows: int, stats: EngineStats) -> str:
-        count_exchange(self.stats, self.exchange, rows)
-        return super().graphs_for(inputs, rows, stats)
 
-    def prompt_logprobs(self, hidden_states: torch.Tensor, inputs: SamplerInputs) -> PromptRowResults:
-        top_k = inputs.top_ks if self.config.top_k_space_verify else None
-        return sharded_prompt_logprobs(self, hidden_states, inputs, top_k)
-
-
-class ShardedKernelHead(KernelHead):
+class ShardedKernelHead(ShardOfHead, KernelHead):
     """`KernelHead` (the fused Triton kernels, one graph per bucket) over this rank's
     shard: its logits stage is the shard's GEMM (the gather fused in on CUDA) and the
     exchange; the controls, sample, hidden-check and verify kernels are `KernelHead`'s."""
-
-    def __init__(self, lm_head_shard: torch.Tensor, vocab_size: int, config: EngineConfig,
-                 group: dist.ProcessGroup | None) -> None:
-        self.rank, self.tp, self.group = dist.get_rank(group), dist.get_world_size(group), group
-        self.shards = vocab_shards(vocab_size, self.tp)
-        super().__init__(padded_shard(lm_head_shard, self.shards, self.rank, config.resolved_device()), config)
-        self.vocab_size = vocab_size  # the engine's buffers, controls and checks span the whole vocabulary
-        self.stats = ExchangeStats()
-        self.exchange: LogitsExchange | None = None
-
-    def attach(self, buffers: StepBuffers) -> None:
-        super().attach(buffers)
-        self.exchange = LogitsExchange(self.shards, self.rank, buffers.max_rows, buffers.logits.device, self.group)
-
-    def static_tensors(self) -> dict[str, torch.Tensor]:
-        return {**super().static_tensors(), **self.exchange.static_tensors()}
 
     def logits(self, bucket: int) -> None:
         """The shard's logits of the bucket's sample rows, gathered from the source, then the
@@ -172,13 +184,6 @@ class ShardedKernelHead(KernelHead):
         rows = b.rows_for(bucket)
         self.row_logits(b.source, b.inputs.selected_token_indices[:rows], self.exchange.local[:rows])
         self.exchange.all_gather(rows, b.logits[:rows])
-
-    def graphs_for(self, inputs: SamplerInputs, rows: int, stats: EngineStats) -> str:
-        count_exchange(self.stats, self.exchange, rows)
-        return super().graphs_for(inputs, rows, stats)
-
-    def prompt_logprobs(self, hidden_states: torch.Tensor, inputs: SamplerInputs) -> PromptRowResults:
-        return sharded_prompt_logprobs(self, hidden_states, inputs, None)
 
 
 ShardHead = ShardedLocalHead | ShardedKernelHead
@@ -192,11 +197,6 @@ def sharded_head(lm_head_shard: torch.Tensor, vocab_size: int, config: EngineCon
     if config.resolved_kernels() == "triton":
         return ShardedKernelHead(lm_head_shard, vocab_size, config, group)
     return ShardedLocalHead(lm_head_shard, vocab_size, config, group)
-
-
-def count_exchange(stats: ExchangeStats, exchange: LogitsExchange, rows: int) -> None:
-    stats.steps += 1
-    stats.received_bytes += exchange.received_bytes(rows)
 
 
 def sharded_prompt_logprobs(head: ShardHead, hidden_states: torch.Tensor, inputs: SamplerInputs,
