@@ -8,12 +8,8 @@ tiny random model keeps them to seconds.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -23,42 +19,17 @@ from engine.loop.config import LoopConfig
 from engine.loop.decode_loop import DecodeLoop
 from engine.models.tiny import tiny_model
 from engine.parallel.launch import TORCHRUN_ENV
+from profiling.tp_demo_check import demo_args, launch_env, torchrun
+from profiling.tp_demo_check import main as main_check
 
-ROOT = Path(__file__).resolve().parents[1]
-LIMIT_S = 240  # per launch; both take under a minute on two busy cores
-DEMO = ["--model", "tiny", "--requests", "4", "--max-tokens", "8", "--max-num-reqs", "2", "--json", "--device", "cpu",
-        "--threads", "1"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+LIMIT_S = 240  # per launch; each takes under a minute on two busy cores
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's connections on the loopback interface only
-    return env
-
-
-def _run(args: list[str]) -> subprocess.CompletedProcess:
-    done = subprocess.run(args, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=LIMIT_S)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
-
-
-def _torchrun(*args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-            "--master-port", str(_free_port()), *args]
-
-
-def test_demo_under_torchrun_prints_one_processs_completions():
-    one = json.loads(_run([sys.executable, "-m", "engine", "demo", *DEMO]).stdout)
-    two = json.loads(_run(_torchrun("-m", "engine", "demo", "--tp", "2", *DEMO)).stdout)  # rank 0 alone prints
-    assert [c["tokens"] for c in two["completions"]] == [c["tokens"] for c in one["completions"]]
-    assert two["completions"] == one["completions"]  # texts, logprobs and seeds too
+def test_demo_under_torchrun_prints_one_processs_completions(capsys):
+    """profiling.tp_demo_check (what gpu_check.sh runs over NCCL on two GPUs): the demo on one
+    process and on 2 gloo ranks, every completion (tokens, text, logprobs, seed) compared."""
+    assert main_check(["--device", "cpu", "--tp", "2", "--limit-s", str(LIMIT_S)]) == 0
+    assert "4 completions, every one identical" in capsys.readouterr().out
 
 
 SCRIPT = textwrap.dedent("""
@@ -90,7 +61,9 @@ SCRIPT = textwrap.dedent("""
 def test_llm_with_tensor_parallel_size_2_under_torchrun(tmp_path):
     script = tmp_path / "generate.py"
     script.write_text(SCRIPT)
-    _run(_torchrun(str(script), str(tmp_path)))
+    done = subprocess.run(torchrun(2, str(script), str(tmp_path)), env=launch_env(), capture_output=True, text=True,
+                          timeout=LIMIT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
     script_names: dict = {"__name__": "script"}
     exec(SCRIPT, script_names)  # its prompts, params and `found`, without its main part
     ranks = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
@@ -123,9 +96,9 @@ def test_tensor_parallel_without_a_group_or_torchrun_names_the_launch(monkeypatc
 def test_demo_tp_without_torchrun_is_one_line(monkeypatch, capsys):
     for name in TORCHRUN_ENV:
         monkeypatch.delenv(name, raising=False)
-    assert demo_main(["--tp", "2", *DEMO]) == 2
+    assert demo_main(["--tp", "2", *demo_args("cpu")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("python -m engine demo: error: tensor_parallel_size=2: no torch.distributed group")
     assert "torchrun --nproc-per-node 2" in err and len(err.splitlines()) == 1
-    assert demo_main(["--tp", "0", *DEMO]) == 2
+    assert demo_main(["--tp", "0", *demo_args("cpu")]) == 2
     assert "--tp 0: must be >= 1" in capsys.readouterr().err
