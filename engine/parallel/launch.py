@@ -12,6 +12,12 @@ tokens, its loop schedules the same next step, and the ranks stay in lockstep wi
 other message than the step's exchange. What must agree before the first step: the group
 (one rank per shard) and the seed base (`LoopConfig.seed_base`: fresh seeds drawn on one
 rank would differ on the others, so rank 0 draws the base and every rank takes it).
+
+On GPUs each bucket's graph captures its NCCL all-gather (NCCL 2.9 or later; the head
+runs one exchange when it is built, so the communicator exists before any capture).
+Across machines that holds where NCCL's transport can be captured (GPUDirect RDMA);
+where it cannot, run with `EngineConfig(use_graphs=False)` (the demo's `--no-graphs`).
+Not yet run on GPUs.
 """
 from __future__ import annotations
 

@@ -144,6 +144,10 @@ class ShardOfHead:
     def attach(self, buffers: StepBuffers) -> None:
         super().attach(buffers)
         self.exchange = LogitsExchange(self.shards, self.rank, buffers.max_rows, buffers.logits.device, self.group)
+        # NCCL builds its communicator on a group's first collective, which must not be
+        # inside a graph capture: one exchange of a row now, on every rank (they build
+        # their engines together), into the scratch the steps overwrite.
+        self.exchange.all_gather(1, buffers.logits[:1])
 
     def static_tensors(self) -> dict[str, torch.Tensor]:
         return {**super().static_tensors(), **self.exchange.static_tensors()}
