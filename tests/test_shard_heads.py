@@ -12,6 +12,8 @@ shard is padded.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -92,11 +94,16 @@ def _sharded_worker(rank: int, world: int, config: EngineConfig, seed: int,
     return type(head).__name__, _drive(_captured(StepEngine(head, config)), seed, steps), head.stats.received_bytes
 
 
-# The interpreter takes about 10 s per step of these four requests: one decode on the kernels.
+# The interpreter takes about 10 s per step of these four requests: one decode on the kernels,
+# and the kernels' raw-logprob strict case only with ENGINE_LONG_TESTS=1 (what the shard adds,
+# the logits stage, does not depend on the mode; the torch cases run both modes).
+LONG = pytest.mark.skipif(not os.environ.get("ENGINE_LONG_TESTS"), reason="ENGINE_LONG_TESTS=1: the long variants")
+
+
 @pytest.mark.parametrize("config, steps", [
     (EngineConfig(kernels="torch", **BASE), 2),
     (EngineConfig(kernels="torch", verify_mode="rejection", sampler=SamplerConfig(logprobs_mode="processed"), **BASE), 2),
-    (EngineConfig(kernels="triton", use_graphs=False, **BASE), 1),
+    pytest.param(EngineConfig(kernels="triton", use_graphs=False, **BASE), 1, marks=LONG),
     (EngineConfig(kernels="triton", use_graphs=False, verify_mode="rejection",
                   sampler=SamplerConfig(logprobs_mode="processed"), **BASE), 1),
 ], ids=["torch", "torch-processed-rejection", "triton", "triton-processed-rejection"])
