@@ -57,6 +57,7 @@ class KernelBuild:
     stack: int  # bytes of stack frame
     shared: int  # bytes of shared memory per program
     tensor_core: bool  # the PTX issues wgmma (Hopper's warpgroup MMA)
+    target: str  # the PTX's .target line, e.g. "sm_90a"
 
     @property
     def fits(self) -> bool:
@@ -110,6 +111,7 @@ def build_sm90(dtype: str = "bf16", index: str = "i32") -> tuple[KernelBuild, st
         stack=number(r"(\d+) bytes stack frame"),
         shared=compiled.metadata.shared,
         tensor_core="wgmma.mma_async" in ptx,
+        target=re.search(r"^\.target\s+(\S+)", ptx, re.MULTILINE).group(1),
     ), ptx
 
 

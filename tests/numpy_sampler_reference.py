@@ -182,7 +182,8 @@ def sample_row(raw: np.ndarray, spec: RowSpec, *, num_top: int = 0, mode: str = 
         log_q = np.where(kept, np.log(mass32) - np.log(mass32[kept].sum()), -np.inf)
     token_z = z64[token] if kept[token] else -np.inf
     kept_order = [t for t in order if kept[t]][:num_top]
-    top_ids = kept_order + [-1] * (num_top - len(kept_order))
+    # Fewer kept tokens than N: the smallest other ids follow, at -inf (as vLLM lists them).
+    top_ids = kept_order + [t for t in range(vocab) if not kept[t]][: num_top - len(kept_order)]
     # One float32 ulp of exp (the engine's and numpy's may differ by one) moves a small
     # mass across an integer: its floor, and a logprob reported for it, is then within
     # rounding (1 / mass, or -inf against finite at mass 0).

@@ -283,7 +283,7 @@ def loop_state(loop: DecodeLoop) -> dict:
         stop_ids=loop.batch.table.stop_ids.tolist(),
         stats=counters(loop.stats),
         engine=(loop.engine.stats.steps, loop.engine.stats.replays, dict(loop.engine.stats.bucket_histogram),
-                {rid: len(v) for rid, v in loop.engine.prompt_logprobs.snapshot().items()}),
+                {rid: len(v) for rid, v in loop.batch.prompt_logprobs.snapshot().items()}),
     )
 
 
@@ -304,7 +304,7 @@ def counters(stats) -> dict:
 def holds_nothing(loop: DecodeLoop) -> None:
     assert len(loop.batch) == 0 and not loop.running and not loop.retained
     assert sorted(loop.model.kv.slots.free) == list(range(loop.model.num_slots))
-    assert loop.engine.prompt_logprobs.pending == ()
+    assert loop.batch.prompt_logprobs.pending == ()
     assert (loop.batch.table.stop_ids == -1).all()
 
 
@@ -400,12 +400,12 @@ def test_abort_queued_and_running_requests_frees_what_they_hold_and_bystanders_r
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         loop.submit(i, prompt, p, arrival_step=40 if i == 4 else 0)
     loop.step()
-    assert loop.engine.prompt_logprobs.pending == (1,)  # request 1 is between prompt chunks
+    assert loop.batch.prompt_logprobs.pending == (1,)  # request 1 is between prompt chunks
     loop.step()
     loop.step()
     free_kv = len(loop.model.kv.slots.free)
     aborted = {1: loop.abort(1), 4: loop.abort(4)}  # running mid-prefill; queued
-    assert loop.engine.prompt_logprobs.pending == ()
+    assert loop.batch.prompt_logprobs.pending == ()
     assert len(loop.model.kv.slots.free) == free_kv + 1 and len(loop.batch) == 3
     loop.step()
     loop.step()

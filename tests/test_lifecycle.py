@@ -221,9 +221,9 @@ def test_6_remove_mid_prefill_leaves_no_prompt_logprobs():
     batch.add("a", [5, 6, 7, 8, 9, 10], SamplingParams(prompt_logprobs=1))
     prepared = batch.prepare(["a"], [3], [3])
     batch.record(prepared, e.run(hidden([5, 6, 7], 0), prepared.inputs, prepared.arrays))
-    assert batch.state("a").value == "prefilling" and e.prompt_logprobs.pending == ("a",)
+    assert batch.state("a").value == "prefilling" and batch.prompt_logprobs.pending == ("a",)
     batch.remove("a")
-    assert e.prompt_logprobs.pending == ()
+    assert batch.prompt_logprobs.pending == ()
     batch.add("a", [20, 21, 22, 23, 24, 25], SamplingParams(prompt_logprobs=1))
     prepared = batch.prepare(["a"], [3], [6])  # a chunk at position 3 of a new prompt: nothing to continue
     with pytest.raises(ValueError, match=r"request 'a': prompt chunk starts at position 3 but 0 prompt logprobs"):

@@ -25,7 +25,12 @@ elements it masks, the order of its K steps and of its tiles.
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -42,6 +47,8 @@ from engine.step.lm_head_kernel import BLOCK_K, BLOCK_M, BLOCK_N, lm_head_logits
 from profiling.cost_model import KernelCounter
 from profiling.fake_cuda import FakeCuda
 from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # The shapes cross every tile edge: H = 150 is two whole BLOCK_K steps and a part (three
 # steps: fewer, and fp32 addition commutes, so a reversed K order would not show), V = 200 one
@@ -292,14 +299,20 @@ def test_capture_safety_check_sees_one_op_writing_the_static_logits() -> None:
 
 
 def test_builds_for_sm90_without_spills() -> None:
-    from profiling.lm_head_build import SHARED_LIMIT, build_sm90
+    """Built in a fresh process: the interpreted kernels of this one must not reach the compiler."""
+    from profiling.lm_head_build import SHARED_LIMIT
 
-    build, ptx = build_sm90("bf16", "i32")
-    print(build)
-    assert build.spill_stores == build.spill_loads == build.stack == 0
-    assert 0 < build.shared <= SHARED_LIMIT and build.registers <= 255
-    assert build.tensor_core, "no wgmma in the PTX: the dot is not on Hopper's tensor-core path"
-    assert ".target sm_90" in ptx
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "profiling.lm_head_build", "--json", "--rows", "64"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    builds = json.loads(done.stdout)["builds"]
+    assert [b["signature"] for b in builds] == ["bf16 hidden, bf16 weight, i32 index", "bf16 hidden, bf16 weight, i64 index"]
+    for build in builds:
+        assert build["spill_stores"] == build["spill_loads"] == build["stack"] == 0, build
+        assert 0 < build["shared"] <= SHARED_LIMIT and build["registers"] <= 255, build
+        assert build["tensor_core"], "no wgmma in the PTX: the dot is not on Hopper's tensor-core path"
+        assert build["target"].startswith("sm_90"), build
 
 
 def test_empty_table() -> None:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from engine.host.draw_uniforms import draw_uniforms, staged_draw_uniforms
 from engine.sampling import rng
-from engine.sampling.draw import INVERSE_CDF_COUNTER
+from engine.host.counter_hash import INVERSE_CDF_COUNTER
 
 
 def _ks_statistic(u: np.ndarray) -> float:

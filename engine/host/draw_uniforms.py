@@ -15,13 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-_MASK32 = 0xFFFFFFFF
-_MUL_A = 0x7FEB352D
-_MUL_B = 0x5BD1E995
-_ROUND = 0x9E3779B9
-_TARGET_STREAM = 0  # rng.TARGET
-_DRAW_COUNTER = 0xFFFFFFFF  # draw.INVERSE_CDF_COUNTER
-_INV_2_32 = 2.0**-32
+from engine.host.counter_hash import INV_2_32, INVERSE_CDF_COUNTER, MASK32, MUL_A, MUL_B, ROUND, TARGET
+
 # Up to this many rows the hash runs on Python ints (about 3 us a row); beyond it, on
 # numpy arrays (about 60 us whatever the count, most of it per-call overhead).
 _PYTHON_ROWS = 16
@@ -32,17 +27,17 @@ def _hash(seed: int | np.ndarray, position: int | np.ndarray) -> int | np.ndarra
     absorbed in `rng.hash32`'s order. The same code runs on Python ints and on numpy
     uint64 arrays, whose products wrap modulo 2**64 and keep the low 32 bits exact."""
     state = 0
-    for word in (seed & _MASK32, seed >> 32, position & _MASK32, position >> 32, _TARGET_STREAM, _DRAW_COUNTER):
+    for word in (seed & MASK32, seed >> 32, position & MASK32, position >> 32, TARGET, INVERSE_CDF_COUNTER):
         x = state ^ word  # a new array (or int): in place from here on
         x ^= x >> 16
-        x *= _MUL_A
-        x &= _MASK32
+        x *= MUL_A
+        x &= MASK32
         x ^= x >> 15
-        x *= _MUL_B
-        x &= _MASK32
+        x *= MUL_B
+        x &= MASK32
         x ^= x >> 16
-        x += _ROUND
-        x &= _MASK32
+        x += ROUND
+        x &= MASK32
         state = x
     return state
 
@@ -54,9 +49,9 @@ def draw_uniforms(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
     seed = np.asarray(seeds).astype(np.uint64, copy=False).reshape(-1)
     position = np.asarray(positions, dtype=np.int64).reshape(-1).view(np.uint64)
     if len(seed) <= _PYTHON_ROWS:
-        return np.array([(_hash(s, p) + 0.5) * _INV_2_32 for s, p in zip(seed.tolist(), position.tolist())],
+        return np.array([(_hash(s, p) + 0.5) * INV_2_32 for s, p in zip(seed.tolist(), position.tolist())],
                         dtype=np.float64)
-    return (_hash(seed, position).astype(np.float64) + 0.5) * _INV_2_32
+    return (_hash(seed, position).astype(np.float64) + 0.5) * INV_2_32
 
 
 def staged_draw_uniforms(seeds: np.ndarray, sample_positions: np.ndarray, row_to_req: np.ndarray,

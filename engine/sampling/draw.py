@@ -22,10 +22,10 @@ import math
 import torch
 
 from engine.sampling.normaliser import BLOCK, token_masses
+from engine.host.counter_hash import INVERSE_CDF_COUNTER
 from engine.sampling.rng import TARGET, gumbel, uniform
 from engine.sampling.rows import SamplingRows
 
-INVERSE_CDF_COUNTER = 0xFFFFFFFF  # counter of the plain draw's uniform; never a token id
 
 
 def _min_id_of_max(score: torch.Tensor, ids: torch.Tensor, fill: int) -> torch.Tensor:

@@ -10,7 +10,8 @@ logits, best first, ties to the smaller id.
 "processed" mode: the logprobs of the distribution the row drew from: each
 kept token's mass over the kept set's total (`engine.sampling.normaliser`);
 a token outside it (or of mass 0) has logprob -inf, and a token outside it
-ranks after every kept token.
+ranks after every kept token. Top-N holds real ids only: past the kept
+tokens, the smallest other ids at -inf.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class RowLogprobs:
 
     logprob: torch.Tensor  # [rows] f64: the emitted token's
     rank: torch.Tensor  # [rows] int64
-    top_ids: torch.Tensor  # [rows, N] int64, -1 where the distribution has fewer tokens
+    top_ids: torch.Tensor  # [rows, N] int64 token ids
     top_logprobs: torch.Tensor  # [rows, N] f64
 
     def write(self, out: SampleOutput, index: torch.Tensor | None = None) -> None:
@@ -117,7 +118,9 @@ def processed_row_logprobs(d: "RowDistribution", tokens: torch.Tensor, num_top: 
     by token id, with its kept set), log(mass) - log(total) in float64. A
     token outside the kept set has logprob -inf; the rank counts the kept
     tokens of strictly larger z, and a token not kept ranks after all of
-    them. `tokens` [rows] int64; `num_top` <= V. Capture-safe."""
+    them. Top-N lists the kept tokens by z, then (when fewer than N are kept)
+    the smallest other ids at -inf, as vLLM lists them: never a fake id.
+    `tokens` [rows] int64; `num_top` <= V. Capture-safe."""
     vocab = d.z.shape[1]
     log_total = torch.log(d.mass_total)[:, None]  # [rows, 1] f64
     at = tokens[:, None]
@@ -127,7 +130,7 @@ def processed_row_logprobs(d: "RowDistribution", tokens: torch.Tensor, num_top: 
     return RowLogprobs(
         logprob=(torch.log(token_masses(d.weights.gather(1, at), vocab)) - log_total).squeeze(1),
         rank=(kept_z > token_z).sum(-1) + 1,
-        top_ids=torch.where(d.kept.gather(1, top_ids), top_ids, -1),
+        top_ids=top_ids,
         top_logprobs=torch.log(token_masses(d.weights.gather(1, top_ids), vocab)) - log_total,
     )
 

@@ -163,7 +163,9 @@ class TorchStages:
             # The scores are `plain` but at the stop-id slots: their values and `best` give
             # plain's maximum (NaN and +inf included: both reductions and `maximum` propagate NaN).
             row_max = torch.maximum(best, processed.stops.before.amax(-1))
-        error = row_errors(plain, best == -math.inf, processed.nothing_allowed, row_max=row_max)
+        # A control may overflow a finite logit to +inf (or make a NaN): `best` shows both.
+        error = row_errors(plain, best == -math.inf, processed.nothing_allowed, row_max=row_max,
+                           scores_max=None if processed.scores is plain else best)
         failed = error != RowError.OK
         token = torch.where(failed, PLACEHOLDER_TOKEN, token)
         if mode is not None:

@@ -17,28 +17,17 @@ from __future__ import annotations
 
 import torch
 
-TARGET = 0  # the row's own draw (sampling, strict verification)
-ACCEPT = 1  # acceptance test of rejection-mode verification
-RESIDUAL = 2  # draw from the residual distribution after a rejection
-DRAFT = 3  # draft heads proposing tokens
-
-_MASK32 = 0xFFFFFFFF
-# Odd multipliers below 2**31 (see module docstring): the first is the one
-# from the "lowbias32" integer hash, the second MurmurHash2's constant.
-_MUL_A = 0x7FEB352D
-_MUL_B = 0x5BD1E995
-# Added after each absorbed word so an all-zero input does not stay at the
-# hash's fixed point 0.
-_ROUND = 0x9E3779B9
-_INV_2_32 = 2.0**-32
+# The streams are re-exported: callers name them rng.TARGET, rng.RESIDUAL, ...
+from engine.host.counter_hash import (ACCEPT, DRAFT, INV_2_32, MASK32, MUL_A, MUL_B, RESIDUAL,  # noqa: F401
+                                      ROUND, TARGET)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
     """A bijective avalanche of a 32-bit word held in an int64 tensor (in place)."""
     x ^= x >> 16
-    x.mul_(_MUL_A).bitwise_and_(_MASK32)
+    x.mul_(MUL_A).bitwise_and_(MASK32)
     x ^= x >> 15
-    x.mul_(_MUL_B).bitwise_and_(_MASK32)
+    x.mul_(MUL_B).bitwise_and_(MASK32)
     x ^= x >> 16
     return x
 
@@ -46,7 +35,7 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 def _absorb(state: torch.Tensor, word: torch.Tensor) -> torch.Tensor:
     x = state ^ word  # new tensor (broadcast shape): `state` is never mutated
     _mix32(x)
-    return x.add_(_ROUND).bitwise_and_(_MASK32)
+    return x.add_(ROUND).bitwise_and_(MASK32)
 
 
 def hash32(seed: torch.Tensor, position: torch.Tensor, stream: int, counter: torch.Tensor) -> torch.Tensor:
@@ -55,19 +44,19 @@ def hash32(seed: torch.Tensor, position: torch.Tensor, stream: int, counter: tor
     `seed` holds uint64 bits in int64 (negative values are seeds >= 2**63);
     `position` is int64; `counter` is taken modulo 2**32.
     """
-    if not 0 <= stream <= _MASK32:
+    if not 0 <= stream <= MASK32:
         raise ValueError(f"stream={stream!r}: must be an int in [0, 2**32)")
     seed = seed.to(torch.int64)
     position = position.to(torch.int64)
     # Arithmetic right shift sign-extends negative int64; the mask keeps the
     # raw high 32 bits, which is what the uint64 view means.
     state = torch.zeros((), dtype=torch.int64, device=seed.device)
-    state = _absorb(state, seed & _MASK32)
-    state = _absorb(state, (seed >> 32) & _MASK32)
-    state = _absorb(state, position & _MASK32)
-    state = _absorb(state, (position >> 32) & _MASK32)
+    state = _absorb(state, seed & MASK32)
+    state = _absorb(state, (seed >> 32) & MASK32)
+    state = _absorb(state, position & MASK32)
+    state = _absorb(state, (position >> 32) & MASK32)
     state = _absorb(state, torch.full((), stream, dtype=torch.int64, device=seed.device))
-    return _absorb(state, counter.to(torch.int64) & _MASK32)
+    return _absorb(state, counter.to(torch.int64) & MASK32)
 
 
 def uniform(seed: torch.Tensor, position: torch.Tensor, stream: int, counter: torch.Tensor) -> torch.Tensor:
@@ -77,7 +66,7 @@ def uniform(seed: torch.Tensor, position: torch.Tensor, stream: int, counter: to
     2**-33, largest 1 - 2**-33, so log(u) and log(1 - u) are always finite.
     """
     k = hash32(seed, position, stream, counter)
-    return (k.to(torch.float64) + 0.5) * _INV_2_32
+    return (k.to(torch.float64) + 0.5) * INV_2_32
 
 
 def gumbel(seed: torch.Tensor, position: torch.Tensor, stream: int, counter: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from engine.host.params import INT32_MAX, SamplingParams
 from engine.host.request_table import RequestState, RequestTable
 from engine.host.token_ids import check_request_id, checked_prompt
 from engine.host.token_constraints import TokenConstraint, TokenConstraints
+from engine.step.prompt_logprobs import PromptLogprobAccumulator
 
 if TYPE_CHECKING:
     from engine.step.outputs import StepOutput
@@ -88,6 +89,11 @@ class PersistentBatch:
         self.constraints = TokenConstraints(engine.vocab_size, tokenizer, config.eos_token_id)
         self._constrained = np.zeros(self.table.capacity, dtype=bool)
 
+    @property
+    def prompt_logprobs(self) -> PromptLogprobAccumulator:
+        """The partial prompt logprobs of this batch's requests (between prompt chunks)."""
+        return self.engine.prompt_logprobs_of(self.table)
+
     def __len__(self) -> int:
         return len(self.table)
 
@@ -107,7 +113,7 @@ class PersistentBatch:
         if request_id in self.table.row_of:
             raise ValueError(f"request {request_id!r}: request_id is already in the table")
         constraint = self.check_constraints(request_id, params)
-        self.engine.prompt_logprobs.discard(request_id)  # a reused id inherits nothing
+        self.prompt_logprobs.discard(request_id)  # a reused id inherits nothing
         if self.draft_slots is None or len(self.table) == self.table.capacity:
             row = self.table.add(request_id, params, prompt_tokens)  # a full table raises before a slot is taken
         else:
@@ -197,7 +203,7 @@ class PersistentBatch:
         self.constraints.of.pop(row, None)
         self._constrained[row] = False
         self._rows_in_range = b""
-        self.engine.prompt_logprobs.discard(request_id)
+        self.prompt_logprobs.discard(request_id)
         if self.draft_slots is not None:
             self.draft_slots.release(slot)
 

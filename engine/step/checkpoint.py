@@ -16,7 +16,8 @@ Counters = TypeVar("Counters")
 class EngineCheckpoint:
     """The host state of a StepEngine that spans steps (see `StepEngine.checkpoint`)."""
 
-    partial_prompt_logprobs: dict[Hashable, list[PromptLogprob]]
+    # Per front's request table: its requests' partial prompt logprobs.
+    partial_prompt_logprobs: dict[object, dict[Hashable, list[PromptLogprob]]]
     stats: EngineStats  # a copy of the engine's stats
     head_stats: object | None  # a copy of its LM head's own counters (`LMHead.stats`), if any
     replayer_counts: tuple[ReplayCounts, ...]  # one per replayer, in `StepEngine.replayers` order

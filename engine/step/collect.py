@@ -6,10 +6,13 @@
                  them. The local head decides every row inside the graph.
     output copy  the real rows of the static outputs, copied to the host before
                  the next replay overwrites them
-    rescoring    rejection mode: a residual draw's own logprob and rank
+    rescoring    rejection mode: a residual draw's own logprob and rank, by the sampler
+                 rerun on the row's scores with that token forced, in the row's mode
 """
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Sequence
 
@@ -17,8 +20,8 @@ import numpy as np
 import torch
 
 from engine.sampling.exact import sample_exact
-from engine.sampling.logprobs import token_logprobs
 from engine.sampling.sample_output import SampleOutput
+from engine.sampling.sampler import sample
 from engine.step.body import verify_drafts
 from engine.step.config import EngineConfig, EngineStats
 from engine.step.controls import SamplingControls
@@ -46,9 +49,14 @@ class CollectedRows:
         return cls(**{name: None if values[0] is None else np.concatenate(values) for name, values in joined.items()})
 
 
+# After a replay, sample rows [k] int64 -> (their scores [k, V] f32, the unprocessed logits or None):
+# `LMHead.scores_after` of the graph set that ran.
+ScoresAfter = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor | None]"]
+
+
 def collect(buffers: StepBuffers, config: EngineConfig, bucket: int, arrays: StepArrays, stats: EngineStats, *,
             want_top: bool, want_logprobs: bool = True, controls: SamplingControls | None = None,
-            exact_rows: bool = False) -> CollectedRows:
+            exact_rows: bool = False, scores_after: ScoresAfter | None = None) -> CollectedRows:
     """Redo flagged rows exactly, re-verify if needed, and copy the real rows
     out: per sample row tokens, logprob, rank, error (and top_ids /
     top_logprobs with `want_top`), per request num_accepted.
@@ -56,7 +64,8 @@ def collect(buffers: StepBuffers, config: EngineConfig, bucket: int, arrays: Ste
     graph (`buffers.logits` hold the controlled logits, raw logprobs come
     from its unprocessed ones, and the counts follow the exact rows' draws).
     `exact_rows`: whether the head's sampler may have flagged rows (False:
-    nothing is read before the output copy)."""
+    nothing is read before the output copy). `scores_after`: the rows as the
+    sampler saw them, for rescoring residual draws (rejection mode)."""
     b = buffers
     rows, capacity, n = len(arrays.row_to_req), b.rows_for(bucket), len(arrays.temperatures)
     params, out = b.params(bucket), b.outputs(capacity)
@@ -82,20 +91,31 @@ def collect(buffers: StepBuffers, config: EngineConfig, bucket: int, arrays: Ste
             emitted = b.emitted[:rows].to("cpu", copy=True).numpy()
             # A failed row emits nothing: no residual draw to rescore.
             changed = np.flatnonzero((emitted >= 0) & (emitted != result.tokens) & (result.error == 0))
-            if len(changed):
+            if len(changed) and want_logprobs:
                 # A residual draw is not the row's own draw: its logprob and rank differ.
-                unprocessed = b.logits if controls is None else controls.unprocessed
-                _rescore(unprocessed[changed], emitted[changed], result, changed)
+                _rescore(b, config, bucket, scores_after, changed, emitted[changed], result,
+                         token_bitmask=token_bitmask)
             result.tokens = np.where(emitted >= 0, emitted, result.tokens)
     return result
 
 
-def _rescore(logits: torch.Tensor, tokens: np.ndarray, result: CollectedRows, rows: np.ndarray) -> None:
-    """Raw logprob and rank of `tokens` at `rows` (rejection mode's residual draws)."""
-    raw = logits.to(torch.float32)
-    logprob, rank = token_logprobs(raw, torch.as_tensor(tokens, device=raw.device))
-    result.logprob[rows] = logprob.cpu().numpy()
-    result.rank[rows] = rank.cpu().numpy()
+def _rescore(b: StepBuffers, config: EngineConfig, bucket: int, scores_after: ScoresAfter, rows: np.ndarray,
+             tokens: np.ndarray, result: CollectedRows, *, token_bitmask: torch.Tensor | None) -> None:
+    """Logprob and rank of `tokens` at sample `rows` (rejection mode's residual draws), in
+    the row's logprobs mode: the sampler rerun on the rows' scores with each token forced,
+    so a residual draw reports what its own draw would (raw: of the unprocessed logits;
+    processed: of the distribution the row drew from)."""
+    device = b.logits.device
+    index = torch.as_tensor(rows, dtype=torch.int64, device=device)
+    scores, unprocessed = scores_after(index)
+    params = b.params(bucket).rows(index)
+    params = dataclasses.replace(params, forced_tokens=torch.as_tensor(tokens, dtype=torch.int64, device=device))
+    full = dataclasses.replace(config.sampler, stages="filters", top_k="radix", top_p=True, chunk_rows=0)
+    out = SampleOutput.allocate(len(rows), 0, device)
+    sample(scores, params, full, out, unprocessed=unprocessed,
+           token_bitmask=None if token_bitmask is None else token_bitmask[index])
+    result.logprob[rows] = out.logprob.cpu().numpy()
+    result.rank[rows] = out.rank.cpu().numpy()
 
 
 def _host_results(out: SampleOutput, *, want_top: bool) -> CollectedRows:

@@ -132,6 +132,12 @@ class KernelHead(LMHead):
     def graphs_for(self, inputs: SamplerInputs, rows: int, stats: EngineStats) -> str:
         return KERNELS
 
+    def scores_after(self, graphs: str, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The controls kernel wrote the processed scores of the rows it did not skip to
+        `KernelState.scores`; `buffers.logits` stay unprocessed."""
+        logits, s = self.buffers.logits[index], self.state
+        return torch.where(s.row_controlled[index, None], s.scores[index], logits), logits
+
     def prompt_logprobs(self, hidden_states: torch.Tensor, inputs: SamplerInputs) -> PromptRowResults:
         return compute_prompt_logprobs(hidden_states, self.weight, inputs,
                                        chunk_rows=self.config.prompt_logprobs_chunk_rows,

@@ -104,6 +104,13 @@ class LMHead(ABC):
         """After the replay of `bucket` (`rows` real rows), before the exact rows read
         `buffers.logits`: full logits rows must be there by then."""
 
+    def scores_after(self, graphs: str, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """After a replay of `graphs`, sample rows `index` [k] int64 as the sampler saw them:
+        their scores [k, V] f32 and, when those are the processed scores, the unprocessed
+        logits [k, V] f32 (None: the scores are the logits). Rescoring a residual draw reruns
+        the sampler on them with the drawn token forced."""
+        return self.buffers.logits[index], None
+
     @abstractmethod
     def prompt_logprobs(self, hidden_states: torch.Tensor, inputs: SamplerInputs) -> PromptRowResults:
         """The step's prompt-logprob rows (eager, outside the graph)."""
@@ -227,6 +234,12 @@ class LocalHead(LMHead):
         # hold the processed scores afterwards (what verification reads).
         sample(b.logits[:rows], b.params(bucket), self.samplers[graphs], out=b.outputs(rows),
                controls=controls, token_bitmask=token_bitmask)
+
+    def scores_after(self, graphs: str, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        b = self.buffers
+        if self.controls is not None and graphs in (CONTROLLED, MASKED):  # processed in place
+            return b.logits[index], self.controls.unprocessed[index]
+        return b.logits[index], None
 
     def graphs_for(self, inputs: SamplerInputs, rows: int, stats: EngineStats) -> str:
         """Without lighter sets, `FILTERED`. A step where a request wants

@@ -23,6 +23,8 @@ ROW_ERROR_CAUSES = {
     RowError.NOTHING_LEFT: "no token left after the sampling controls (EOS/stop suppression)",
     RowError.HIDDEN_NOT_FINITE: "hidden state not finite",
     RowError.NO_TOKEN_ALLOWED: "no token allowed by the token bitmask (structured output or bad words)",
+    RowError.SCORES_NOT_FINITE: ("the sampling controls made a logit +inf or NaN (a repetition_penalty near 0 "
+                                 "or a huge logit_bias on a large logit)"),
 }
 
 

@@ -30,8 +30,10 @@ LM head runs in fixed row blocks and the sampler's arithmetic is per row.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import warnings
+import weakref
 from typing import Hashable, Sequence
 
 import numpy as np
@@ -39,6 +41,7 @@ import torch
 
 from engine.host.control_slots import NoControls
 from engine.host.ledger import SamplerInputs
+from engine.host.request_table import RequestTable
 from engine.host.params import SeqMeta
 from engine.host.step_fields import STEP_FIELDS
 from engine.host.stop_ids import StopIds
@@ -137,7 +140,11 @@ class StepEngine:
                                   check_addresses_each_replay=config.check_addresses_each_replay)
             for graphs in self.head.graph_sets
         }
-        self.prompt_logprobs = PromptLogprobAccumulator()
+        # Partial prompt logprobs belong to the request table of the front whose steps make them
+        # (a PersistentBatch's, the step() front's): two fronts may reuse one request id.
+        self._prompt_stores: weakref.WeakKeyDictionary[RequestTable, PromptLogprobAccumulator] = (
+            weakref.WeakKeyDictionary())
+        self.prompt_logprobs = PromptLogprobAccumulator()  # the step() front's
         self.stats = EngineStats(logits_kernel="plain" if self.logits_kernel is None else self.logits_kernel.name)
         # drafts.step_arrays(inputs, stop_ids, *, draft_tokens, ...): everything a step stages, its drafts checked.
         self.drafts = StepDrafts(self.vocab_size, config)
@@ -147,13 +154,25 @@ class StepEngine:
         # step(hidden, seqs): SeqMeta lists over a persistent table keyed by request id.
         self.seq_front = SeqMetaFront(config, self.stop_rule, self.control_hook, capacity=2 * config.max_num_reqs,
                                       prompt_logprobs=self.prompt_logprobs)
+        self._prompt_stores[self.seq_front.table] = self.prompt_logprobs
         self._warned_uncaptured = False
+
+    def prompt_logprobs_of(self, table: RequestTable) -> PromptLogprobAccumulator:
+        """The partial prompt logprobs of the requests of `table` (one per front), made on first use."""
+        store = self._prompt_stores.get(table)
+        if store is None:
+            store = self._prompt_stores[table] = PromptLogprobAccumulator()
+        return store
+
+    def _prompt_store(self, inputs: SamplerInputs) -> PromptLogprobAccumulator:
+        """The store of the front that prepared `inputs` (the step() front's for a SeqMeta step)."""
+        return self.prompt_logprobs if inputs.prepared is None else self.prompt_logprobs_of(inputs.prepared.table)
 
     # -- undoing a step ---------------------------------------------------------
 
     def checkpoint(self) -> EngineCheckpoint:
-        """The host state that spans steps: the prompt-logprob accumulator
-        (partial prompt logprobs of requests between prompt chunks), the
+        """The host state that spans steps: the prompt-logprob accumulators of
+        every front (partial prompt logprobs of requests between prompt chunks), the
         engine's and its head's stats and the replayers' counters. `rollback`
         restores it, so a caller whose own code failed after `run`/`step`
         returned can undo the step. Not covered: device state, i.e. the static
@@ -161,7 +180,7 @@ class StepEngine:
         whose slots the caller's take-once bookkeeping owns. The penalty counts
         are covered: a rollback takes back what the last step counted."""
         return EngineCheckpoint(
-            partial_prompt_logprobs=self.prompt_logprobs.snapshot(),
+            partial_prompt_logprobs={table: store.snapshot() for table, store in self._prompt_stores.items()},
             stats=copy_counters(self.stats),
             head_stats=None if self.head.stats is None else copy_counters(self.head.stats),
             replayer_counts=tuple(r.counts() for r in self.replayers.values()),
@@ -174,7 +193,8 @@ class StepEngine:
         raises ValueError with nothing restored."""
         if self.controls is not None and checkpoint.control_steps is not None:
             self.controls.check_rollback(checkpoint.control_steps)
-        self.prompt_logprobs.restore(checkpoint.partial_prompt_logprobs)
+        for table, snapshot in checkpoint.partial_prompt_logprobs.items():
+            self.prompt_logprobs_of(table).restore(snapshot)
         restore_counters(self.stats, checkpoint.stats)
         if checkpoint.head_stats is not None:
             restore_counters(self.head.stats, checkpoint.head_stats)
@@ -259,7 +279,7 @@ class StepEngine:
         check_hidden_states(hidden_states, inputs, hidden_size=self.hidden_size, device=self.device,
                             source=self.buffers.source)
         check_ledger(inputs, vocab_size=self.vocab_size, max_logprobs=self.config.sampler.max_logprobs)
-        self.prompt_logprobs.check(inputs)
+        self._prompt_store(inputs).check(inputs)
 
     @torch.no_grad()  # hidden states that require grad must not make the static buffers record autograd
     def run(
@@ -291,7 +311,7 @@ class StepEngine:
             raise
         if prompt is not None:
             # Partial prompt logprobs change only once the step has succeeded.
-            self.prompt_logprobs.commit(prompt)
+            self._prompt_store(inputs).commit(prompt)
         if inputs.prepared is not None:
             inputs.prepared.mark_run()
         return output
@@ -316,6 +336,10 @@ class StepEngine:
         else:
             graphs = self.head.graphs_for(inputs, sum(self.buffers.rows_for(p) for _, _, p in parts), self.stats)
         replayer = self.replayers[graphs]
+        # Whether the graph rewrote `buffers.logits` with the processed scores: a masked graph
+        # applies the (neutral) controls too, with no request holding a slot.
+        in_place = (self.controls is not None and self.head.controls_in_place
+                    and graphs in (self.head.controls_graphs, self.head.masked_graphs))
         if bucket is None:
             replayer.record_eager_fallback(n)
             self.stats.eager_fallbacks += 1
@@ -342,8 +366,9 @@ class StepEngine:
             self.head.before_exact_rows(graphs, part_bucket, len(part.row_to_req))
             results.append(collect(self.buffers, self.config, part_bucket, part, self.stats,
                                    want_top=want_top, want_logprobs=want_logprobs,
-                                   controls=self.controls if controlled and self.head.controls_in_place else None,
-                                   exact_rows=self.head.flags_exact_rows))
+                                   controls=self.controls if in_place else None,
+                                   exact_rows=self.head.flags_exact_rows,
+                                   scores_after=functools.partial(self.head.scores_after, graphs)))
             if controlled:
                 self.controls.collected(self.buffers.rows_for(part_bucket))
             host_start = time.perf_counter()
@@ -356,7 +381,7 @@ class StepEngine:
         if bool((inputs.is_prompt & (inputs.num_prompt_logprobs >= 0)).any()):
             with stage("prompt logprobs"):
                 prompt_rows = self.head.prompt_logprobs(hidden_states, inputs)
-                prompt = self.prompt_logprobs.update(
+                prompt = self._prompt_store(inputs).update(
                     inputs, prompt_rows, np.fromiter((e is not None for e in errors), bool, count=n))
             errors = [e if e is not None or p is None else f"request {rid!r}: {p}"
                       for e, p, rid in zip(errors, prompt.errors, inputs.request_ids)]

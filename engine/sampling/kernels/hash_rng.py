@@ -10,7 +10,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-_MASK32: tl.constexpr = tl.constexpr(0xFFFFFFFF)
+from engine.host.counter_hash import MASK32, MUL_A, MUL_B, ROUND
+
+_MASK32: tl.constexpr = tl.constexpr(MASK32)
+_MUL_A: tl.constexpr = tl.constexpr(MUL_A)
+_MUL_B: tl.constexpr = tl.constexpr(MUL_B)
+_ROUND: tl.constexpr = tl.constexpr(ROUND)
 
 
 @triton.jit
@@ -18,11 +23,11 @@ def _absorb(state, word):
     """One word into the hash state (`engine.sampling.rng._absorb`): int64 lanes holding 32 bits."""
     x = state ^ word
     x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
+    x = (x * _MUL_A) & _MASK32
     x = x ^ (x >> 15)
-    x = (x * 0x5BD1E995) & _MASK32
+    x = (x * _MUL_B) & _MASK32
     x = x ^ (x >> 16)
-    return (x + 0x9E3779B9) & _MASK32
+    return (x + _ROUND) & _MASK32
 
 
 @triton.jit

@@ -67,6 +67,7 @@ GPU_CHUNK = 2048  # tokens per step of a pass on a GPU: 8 per thread of 8 warps,
 NOT_FINITE: tl.constexpr = tl.constexpr(int(RowError.LOGITS_NOT_FINITE))
 NO_TOKEN_ALLOWED: tl.constexpr = tl.constexpr(int(RowError.NO_TOKEN_ALLOWED))
 NOTHING_LEFT: tl.constexpr = tl.constexpr(int(RowError.NOTHING_LEFT))
+SCORES_NOT_FINITE: tl.constexpr = tl.constexpr(int(RowError.SCORES_NOT_FINITE))
 PLACEHOLDER: tl.constexpr = tl.constexpr(PLACEHOLDER_TOKEN)
 
 
@@ -111,12 +112,14 @@ def _sample_kernel(
     best_id = tl.zeros((), dtype=tl.int64)
     raw_max = tl.full((), -float("inf"), tl.float32)
     not_finite = tl.zeros((), dtype=tl.int1)
+    scores_nan = tl.zeros((), dtype=tl.int1)  # a control made a NaN (its +inf shows in `best`)
     raw_top = tl.full((TOP_PAD,), ABSENT, dtype=tl.int64)
     for start in range(0, V, CHUNK):
         offs = start + tl.arange(0, CHUNK)
         in_row = offs < V
         score, masked = masked_scores(score_row, offs, in_row, stop_row, active, NUM_STOP)
         clean = tl.where(masked == masked, masked, -float("inf"))  # a NaN (failed row) plays no part
+        scores_nan = scores_nan | (tl.max((masked != masked).to(tl.int32), 0) > 0)
         chunk_best = tl.max(clean, 0)
         chunk_id = tl.min(tl.where(clean == chunk_best, offs, V), 0).to(tl.int64)
         best_id = tl.where(chunk_best > best, chunk_id, best_id)  # the first chunk holding M wins ties
@@ -134,8 +137,8 @@ def _sample_kernel(
         nothing_allowed = tl.load(nothing_allowed_ptr + row)
     else:
         nothing_allowed = tl.zeros((), dtype=tl.int1)
-    error = tl.where(not_finite, NOT_FINITE, tl.where(nothing_allowed, NO_TOKEN_ALLOWED,
-                                                       tl.where(best == -float("inf"), NOTHING_LEFT, 0)))
+    left = tl.where(nothing_allowed, NO_TOKEN_ALLOWED, tl.where(best == -float("inf"), NOTHING_LEFT, 0))
+    error = tl.where(not_finite, NOT_FINITE, tl.where(scores_nan | (best == float("inf")), SCORES_NOT_FINITE, left))
     failed = error != 0
     shift = tl.where(best > -float("inf"), best, 0.0)
     token_known = greedy | (forced >= 0)
@@ -186,7 +189,8 @@ def _sample_kernel(
             if LOGPROBS == 2:
                 kept_z = tl.where(kept, z, -float("inf"))
                 if NUM_TOP > 0:
-                    kept_top = merge_top(kept_top, rank_keys(kept_z, offs, kept, ID_BITS, ID_MASK), TOP_PAD)
+                    # Every token takes part: past the kept ones, the smallest ids at -inf (as vLLM lists them).
+                    kept_top = merge_top(kept_top, rank_keys(kept_z, offs, in_row, ID_BITS, ID_MASK), TOP_PAD)
                 above += tl.sum((kept_z > known_z).to(tl.int64), 0)
 
     # The draw: the first token whose running kept mass exceeds u * total (engine.sampling.draw).
