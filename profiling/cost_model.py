@@ -118,6 +118,11 @@ _SCATTER_SOURCE = {"scatter_": "src", "scatter_add_": "src", "scatter_reduce_": 
 ROW_GATHERS = {"lm_head_logits": ("hidden", "row_index"), "fail_non_finite_hidden": ("hidden", "row_index")}
 
 
+# Op namespaces of torch.distributed's collectives (a fake process group's too): what such
+# a kernel writes on this rank is the step's exchange (`GraphCost.exchanged_bytes`).
+COLLECTIVE_NAMESPACES = ("c10d.", "_c10d_functional.")
+
+
 @dataclass(frozen=True)
 class Kernel:
     """One launched kernel: its op and the bytes it moves."""
@@ -380,6 +385,12 @@ class GraphCost:
         return sum(k.bytes for k in self.kernels)
 
     @property
+    def exchanged_bytes(self) -> int:
+        """What the step's collectives write on this rank (an all-gather: every rank's part,
+        this rank's own included): the bytes exchanged per step, 0 on one device."""
+        return sum(k.written for k in self.kernels if k.op.startswith(COLLECTIVE_NAMESPACES))
+
+    @property
     def weight_reads(self) -> float:
         """How many times the step reads the whole LM-head weight."""
         return sum(k.weight_read for k in self.kernels) / self.weight_bytes if self.weight_bytes else 0.0
@@ -403,7 +414,8 @@ class GraphCost:
         modelled, floor = self.modelled_us(node_us, bandwidth_tbs, sms, sm_bandwidth_gbs), self.floor_us(bandwidth_tbs)
         out: dict[str, Any] = {
             "scenario": self.scenario, "graph_set": self.graph_set, "bucket": self.bucket, "rows": self.rows,
-            "vocab": self.vocab, "weight_bytes": self.weight_bytes, "kernels": len(self.kernels), "bytes": self.bytes, "weight_reads": round(self.weight_reads, 3),
+            "vocab": self.vocab, "weight_bytes": self.weight_bytes, "kernels": len(self.kernels), "bytes": self.bytes, "exchanged_bytes": self.exchanged_bytes,
+            "weight_reads": round(self.weight_reads, 3),
             "modelled_us": round(modelled, 2), "floor_us": round(floor, 2), "ratio": round(modelled / floor, 3),
         }
         if self.measured_us is not None:
@@ -440,6 +452,8 @@ def table_lines(costs: Sequence[GraphCost], node_us: float = NODE_US, bandwidth_
         gpu = "" if not measured else f" {c.measured_us:9.1f}" if c.measured_us is not None else f" {'-':>9}"
         yield (f"{c.scenario:<18} {c.graph_set:<40} {c.bucket:>6} {c.rows:>5} {len(c.kernels):>7} "
                f"{c.bytes / 1e6:>9.1f} {c.weight_reads:>7.2f} {modelled:>9.1f} {floor:>9.1f} {modelled / floor:>6.2f}{gpu}")
+        if c.exchanged_bytes:
+            yield f"{'':<18}   exchanged per step: {c.exchanged_bytes / 1e6:.3f} MB written by the collectives on this rank"
         if detail:
             for op, n, programs, nbytes, us in by_op(c.kernels, node_us, bandwidth_tbs, sms, sm_bandwidth_gbs)[:8]:
                 grid = f"{programs:>6} programs" if programs is not None else f"{'?':>6} programs"

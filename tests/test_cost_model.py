@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 from torch.library import custom_op, triton_op, wrap_triton
 
+from engine.step.lm_head import FILTERED
 from profiling.cost_model import (GraphCost, Kernel, KernelCounter, calibration, calibration_lines, table_lines,
                                   touched_bytes)
 from profiling.cuda_dry_run import main
@@ -206,12 +207,14 @@ def test_cli_json_has_every_graph_and_field(capsys: pytest.CaptureFixture[str], 
     graphs = report["graphs"]
     assert {(g["scenario"], g["graph_set"]) for g in graphs} >= {
         ("engine", "plain"), ("engine", "greedy"), ("drafts strict", "controls"), ("drafts rejection", "plain"),
-        ("sharded tp=2", "gather"), ("sharded tp=2", "candidates")}
-    assert len(graphs) == 3 + 4 + 4 + 2  # the checked graph sets, bucket 2 only
+        ("sharded tp=2", "gather"), ("sharded tp=2", "candidates"), ("shard heads tp=2", FILTERED),
+        ("shard heads drafts", FILTERED)}
+    assert len(graphs) == 3 + 4 + 4 + 2 + 2  # the checked graph sets, bucket 2 only
     for g in graphs:
-        assert {"scenario", "graph_set", "bucket", "kernels", "bytes", "modelled_us", "floor_us", "weight_reads",
-                "ratio", "ops"} <= set(g)
-        assert g["bucket"] == 2 and g["rows"] == (4 if g["scenario"].startswith("drafts") else 2)
+        assert {"scenario", "graph_set", "bucket", "kernels", "bytes", "exchanged_bytes", "modelled_us", "floor_us",
+                "weight_reads", "ratio", "ops"} <= set(g)
+        assert g["bucket"] == 2 and g["rows"] == (4 if g["scenario"].endswith("drafts") or
+                                                  g["scenario"].startswith("drafts") else 2)
         assert g["kernels"] > 20 and g["weight_reads"] == 1.0  # one 64-row GEMM block covers every bucket here
         assert g["modelled_us"] == g["bytes"]
         # Rejection mode's floor reads the staged draft distributions once more: [rows, V] f32.
@@ -236,6 +239,14 @@ def test_the_kernel_heads_graphs_are_a_dozen_kernels_at_most(capsys: pytest.Capt
                                                  "kernels (controls)"}
     for g in graphs:
         assert g["kernels"] <= 12 and g["weight_reads"] == 1.0, g
+    # The shard heads (engine/parallel/shard_heads.py), rank 0 of 2: its 1024 rows of the weight, and
+    # an all-gather that writes both ranks' [rows, 1024] f32 logits, by hand: 2 * rows * 1024 * 4 bytes.
+    shards = [g for g in graphs if g["scenario"].startswith("shard heads")]
+    assert {g["scenario"] for g in shards} == {"shard heads tp=2", "shard heads drafts"}
+    for g in graphs:
+        sharded = g["scenario"].startswith("shard heads")
+        assert g["exchanged_bytes"] == (2 * g["rows"] * 1024 * 4 if sharded else 0), g
+        assert g["vocab"] == (1024 if sharded else 2048)
     engine = {g["graph_set"]: g for g in graphs if g["scenario"] == "engine" and g["bucket"] == 4}
     row = 4 * 2048 * 4  # one read of the bucket's [4, V] f32 rows
     sample = {name: next(op["bytes"] for op in g["ops"] if op["op"] == "engine.sample_rows.default")
@@ -317,7 +328,8 @@ def test_gpu_check_parses_and_its_dry_run_lists_the_cost_step(tmp_path: Path) ->
     assert done.returncode == 0, done.stderr
     log = (tmp_path / "gpu_check.log").read_text()
     steps = [line for line in log.splitlines() if line.startswith("$ ")]
-    assert len(steps) == 11 and "SKIPPED" not in log, log  # with the kernel head check and the torch head's cost
+    # With the kernel head check, the torch head's cost and the demo over NCCL (listed: --dry lists every step).
+    assert len(steps) == 12 and "SKIPPED" not in log, log
     json_out = f"--json-out {tmp_path}/cost_gpu.json"
     assert any("-m profiling.cuda_dry_run --cost" in s and json_out in s and s.rstrip().endswith("--real-cuda")
                for s in steps), steps
@@ -351,5 +363,6 @@ def test_gpu_check_dry_run_writes_the_cost_json(tmp_path: Path) -> None:
                                "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
     assert done.returncode == 0, done.stderr
     graphs = json.loads((tmp_path / "cost_gpu.json").read_text())["graphs"]
-    # The kernel head's graph per row mix (3 each for the engine and both draft modes), 2 sharded.
-    assert len(graphs) == 11 and all(g["kernels"] > 0 and g["floor_us"] > 0 for g in graphs)
+    # The kernel head's graph per row mix (3 each for the engine, both draft modes and the shard
+    # heads with and without drafts), 2 of the torch-op sharded engine.
+    assert len(graphs) == 17 and all(g["kernels"] > 0 and g["floor_us"] > 0 for g in graphs)

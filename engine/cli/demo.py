@@ -41,6 +41,7 @@ from engine.llm.loading import Loaded, check_model_name, load
 from engine.loop.config import LoopConfig
 from engine.loop.decode_loop import DecodeLoop
 from engine.loop.requests import StepEvent
+from engine.parallel.launch import join_group
 from engine.step.config import EngineConfig
 from engine.trace import record_stages
 
@@ -112,7 +113,7 @@ def check_args(args: argparse.Namespace) -> None:
     for name, value, least in (("--requests", args.requests, 1), ("--max-tokens", args.max_tokens, 1),
                                ("--max-num-reqs", args.max_num_reqs, 1), ("--drafts", args.drafts, 0),
                                ("--show", args.show, 0), ("--threads", args.threads, 1),
-                               ("--explain-step", args.explain_step, 1)):
+                               ("--explain-step", args.explain_step, 1), ("--tp", args.tp, 1)):
         if value is not None and value < least:
             raise UsageError(f"{name} {value}: must be >= {least}")
     if args.max_num_reqs > MAX_NUM_REQS:
@@ -173,7 +174,8 @@ def run_workload(loaded: Loaded, args: argparse.Namespace, requests: list, *, us
     loop = DecodeLoop(
         model,
         LoopConfig(max_num_reqs=args.max_num_reqs, token_budget=256, max_draft_tokens=args.drafts,
-                   seed_base=args.seed),  # the demo reproduces itself run after run
+                   seed_base=args.seed,  # the demo reproduces itself run after run
+                   tensor_parallel_size=args.tp),
         engine_config=EngineConfig(device=args.device, use_graphs=use_graphs, batch_invariant=not args.fast),
         tokenizer=tokenizer,  # the loop decodes each completion's text
         capture=False,
@@ -251,6 +253,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:N]")
     parser.add_argument("--no-graphs", action="store_true", help="run every step eagerly")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="ranks the LM head is split over by vocabulary; start them with torchrun "
+                             "--nproc-per-node N -m engine demo --tp N (rank 0 prints)"),
     parser.add_argument("--model", metavar="PATH",
                         help="a local Hugging Face causal-LM directory instead of SmolLM2 (needs the hf extra: "
                              "pip install -e '.[hf]'), or 'tiny': a seeded random model with a byte tokenizer "
@@ -284,6 +289,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         check_args(args)
+        if args.tp > 1 and os.environ.get("RANK", "0") != "0":
+            # Every rank runs the whole demo in lockstep (engine/parallel/launch.py); rank 0
+            # alone prints: the others run as --json (no bars) with their output dropped.
+            args.json = True
+            with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+                return run(args)
         return quiet_on_closed_pipe(lambda: run(args))
     except ValueError as err:  # bad input (UsageError included): one line, no traceback
         print(f"python -m engine demo: error: {err}", file=sys.stderr)
@@ -291,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.tp > 1:  # the group (and on CUDA this rank's GPU) before anything else
+        join_group(args.tp, torch.device(args.device))
     # Chosen before the model loads: its batch-invariance probes hold at the count they ran at.
     choice = use_threads(args.threads) if args.threads is not None or args.device == "cpu" else None
     torch.manual_seed(args.seed)

@@ -48,6 +48,7 @@ from engine.loop.requests import StepEvent
 from engine.loop.stop_strings import OutputText
 from engine.models.protocol import CausalLM
 from engine.models.tokenizer import HFProtocol, as_tokenizer, check_conversation
+from engine.parallel.launch import join_group
 from engine.step.config import EngineConfig
 from engine.step.step_engine import StepEngine
 
@@ -87,7 +88,11 @@ class LLM:
     (default True, as everywhere in the engine): a request's tokens do not depend on
     what else runs beside it; False is faster. `max_num_reqs`: requests decoded
     together (one graph bucket each up to it); `max_context`: prompt + output tokens
-    per request. A request without `max_tokens` generates at most 16 (vLLM's default). `config` / `engine_config`: the loop's and the engine's full
+    per request. A request without `max_tokens` generates at most 16 (vLLM's default).
+    `tensor_parallel_size`: ranks the LM head is split over by vocabulary; run the script
+    on that many ranks with torchrun (`torchrun --nproc-per-node 2 script.py`), each
+    building the same LLM and generating the same prompts: every rank gets the tokens one
+    process would (engine/parallel/launch.py). `config` / `engine_config`: the loop's and the engine's full
     configuration, for what the shortcuts do not cover. `progress`: bars on stderr
     while loading and capturing. `threads`: torch's CPU threads for the process
     (`torch.set_num_threads`); None on a CPU: the cores less those other
@@ -107,6 +112,7 @@ class LLM:
         max_context: int | None = None,
         batch_invariant: bool = True,
         device: str = "auto",
+        tensor_parallel_size: int | None = None,
         config: LoopConfig | None = None,
         engine_config: EngineConfig | None = None,
         progress: bool = False,
@@ -114,9 +120,12 @@ class LLM:
     ) -> None:
         _check_arguments(seed, max_num_reqs, max_context, device, progress)
         check_threads(threads)
-        config, engine_config = _configs(seed, max_num_reqs, batch_invariant, device, config, engine_config)
+        config, engine_config = _configs(seed, max_num_reqs, batch_invariant, device, tensor_parallel_size, config,
+                                         engine_config)
         self.config = config
         start = time.perf_counter()
+        if config.tensor_parallel_size > 1:  # the group (and on CUDA this rank's GPU) before the model loads
+            join_group(config.tensor_parallel_size, engine_config.resolved_device())
         # Before the model loads: its batch-invariance probes hold at the count they ran at.
         on_cpu = engine_config.resolved_device().type == "cpu"
         self.threads: ThreadChoice | None = use_threads(threads) if threads is not None or on_cpu else None
@@ -144,6 +153,7 @@ class LLM:
                              "checkpoint folder or a CausalLM (engine.models.protocol)")
         loaded_at = time.perf_counter()
         self.loop = DecodeLoop(self.model, config, engine_config=engine_config, tokenizer=self.tokenizer, capture=False)
+        self.config = self.loop.config  # with tensor_parallel_size > 1, the seed base the ranks agreed on
         built_at = time.perf_counter()
         if engine_config.use_graphs:
             self.loop.engine.capture(progress=progress)
@@ -446,6 +456,7 @@ def _configs(
     max_num_reqs: int | None,
     batch_invariant: bool,
     device: str,
+    tensor_parallel_size: int | None,
     config: LoopConfig | None,
     engine_config: EngineConfig | None,
 ) -> tuple[LoopConfig, EngineConfig]:
@@ -455,8 +466,8 @@ def _configs(
         raise ValueError(f"batch_invariant={batch_invariant!r}: must be a bool")
     if config is None:
         max_num_reqs = DEFAULT_MAX_NUM_REQS if max_num_reqs is None else max_num_reqs
-        config = LoopConfig(max_num_reqs=max_num_reqs, seed_base=seed,
-                            default_max_tokens=DEFAULT_MAX_TOKENS)
+        config = LoopConfig(max_num_reqs=max_num_reqs, seed_base=seed, default_max_tokens=DEFAULT_MAX_TOKENS,
+                            tensor_parallel_size=1 if tensor_parallel_size is None else tensor_parallel_size)
     else:
         if not isinstance(config, LoopConfig):
             raise ValueError(f"config={config!r}: must be a LoopConfig")
@@ -466,6 +477,9 @@ def _configs(
         if max_num_reqs is not None and max_num_reqs != config.max_num_reqs:
             raise ValueError(f"max_num_reqs={max_num_reqs}: config=LoopConfig(max_num_reqs={config.max_num_reqs}) "
                              "says otherwise; set one of them")
+        if tensor_parallel_size is not None and tensor_parallel_size != config.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: config=LoopConfig(tensor_parallel_size="
+                             f"{config.tensor_parallel_size}) says otherwise; set one of them")
     if engine_config is None:
         engine_config = EngineConfig(device=device, batch_invariant=batch_invariant)
     else:

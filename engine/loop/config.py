@@ -42,6 +42,10 @@ class LoopConfig:
     # many the oldest are dropped (with their ids, which may then be submitted again).
     # `run()` hands back every completion that finished while it ran, dropped or not.
     max_finished: int = 4096
+    # Ranks the LM head is split over by vocabulary (engine/parallel/launch.py): every rank
+    # runs this loop over the same requests, in a torch.distributed group of this many ranks
+    # (the caller's, or the one torchrun's environment describes). 1: this process alone.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefix_sharing, bool):
@@ -52,7 +56,7 @@ class LoopConfig:
                              "[0, 2**64)")
         for name, minimum in (("max_num_reqs", 1), ("token_budget", 1), ("max_draft_tokens", 0),
                               ("ngram_max", 1), ("default_max_tokens", 1), ("min_shared_prefix", 1), ("max_n", 1),
-                              ("max_finished", 1)):
+                              ("max_finished", 1), ("tensor_parallel_size", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"LoopConfig.{name}={value!r}: must be an int >= {minimum}")

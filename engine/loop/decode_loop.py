@@ -48,9 +48,11 @@ from engine.loop.stats import LoopStats
 from engine.loop.stop_strings import OutputText, StopMatch
 from engine.loop.submission import Submission, check_submission
 from engine.models.protocol import CausalLM, ChatTokenizer, ForwardBatch, PrefixCopy
+from engine.parallel.launch import agreed_seed_base, join_group, rank_head
 from engine.step.batch import BatchStep, PersistentBatch
 from engine.step.checkpoint import EngineCheckpoint
 from engine.step.config import EngineConfig
+from engine.step.lm_head import LMHead
 from engine.step.outputs import StepOutput
 from engine.step.step_engine import StepEngine
 from engine.trace import stage, step_range
@@ -91,7 +93,16 @@ class DecodeLoop:
         self.tokenizer = tokenizer
         self.config = config or LoopConfig()
         cfg = self.config
-        self.engine = StepEngine(model.lm_head_weight, engine_config_for(cfg, model, engine_config))
+        head: torch.Tensor | LMHead = model.lm_head_weight
+        if cfg.tensor_parallel_size > 1:
+            # Every rank runs this loop: the group first, then one seed base for all of them.
+            device = (engine_config or EngineConfig()).resolved_device()
+            join_group(cfg.tensor_parallel_size, device)
+            self.config = cfg = dataclasses.replace(cfg, seed_base=agreed_seed_base(cfg.seed_base, device))
+        engine_config = engine_config_for(cfg, model, engine_config)
+        if cfg.tensor_parallel_size > 1:
+            head = rank_head(model.lm_head_weight, engine_config)  # this rank's vocabulary shard
+        self.engine = StepEngine(head, engine_config)
         if capture:
             self.engine.capture()
         self.batch = PersistentBatch(self.engine, cfg.max_num_reqs, tokenizer=tokenizer)

@@ -61,8 +61,8 @@ STRATEGIES = ("gather", "candidates")
 
 @dataclass(frozen=True)
 class VocabShards:
-    """Which vocabulary rows each of `tp` ranks holds, aligned to BLOCK:
-    contiguous runs of whole blocks, the last shard possibly shorter (fewer
+    """Which vocabulary rows each of `tp` ranks holds, aligned to `align` tokens (BLOCK
+    unless `split` is told otherwise; `blocks` counts BLOCKs): contiguous runs of whole blocks, the last shard possibly shorter (fewer
     blocks, and a partial block at the end of the vocabulary)."""
 
     vocab: int
@@ -71,18 +71,20 @@ class VocabShards:
     sizes: tuple[int, ...]
 
     @classmethod
-    def split(cls, vocab: int, tp: int) -> VocabShards:
+    def split(cls, vocab: int, tp: int, align: int = BLOCK) -> VocabShards:
+        """Shards of whole blocks of `align` tokens: BLOCK for the candidate exchange's block
+        masses; `engine.parallel.shard_heads` needs fewer (`SHARD_ALIGN`)."""
         if tp < 1:
             raise ValueError(f"tp={tp}: must be >= 1")
-        blocks = -(-vocab // BLOCK)
+        blocks = -(-vocab // align)
         if blocks < tp:
-            raise ValueError(f"vocab={vocab}: {blocks} blocks of {BLOCK} tokens cannot feed tp={tp} ranks")
+            raise ValueError(f"vocab={vocab}: {blocks} blocks of {align} tokens cannot feed tp={tp} ranks")
         # The first blocks % tp ranks take one block more: the last shard is
         # never larger than the others and no rank is left empty.
         counts = [blocks // tp + (r < blocks % tp) for r in range(tp)]
         first_block = np.concatenate([[0], np.cumsum(counts)])
-        starts = tuple(int(b) * BLOCK for b in first_block[:-1])
-        sizes = tuple(min(int(b) * BLOCK, vocab) - a for a, b in zip(starts, first_block[1:]))
+        starts = tuple(int(b) * align for b in first_block[:-1])
+        sizes = tuple(min(int(b) * align, vocab) - a for a, b in zip(starts, first_block[1:]))
         return cls(vocab, tp, starts, sizes)
 
     @property

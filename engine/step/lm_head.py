@@ -208,17 +208,23 @@ class LocalHead(LMHead):
         self.samplers[CONTROLLED] = self.samplers[FILTERED]
         self.graph_sets = tuple(self.samplers)
 
-    def logits_and_sample(self, bucket: int, graphs: str) -> None:
+    def logits(self, bucket: int) -> None:
+        """The lm head: the fp32 logits of the bucket's gathered hidden rows into `buffers.logits`."""
         b = self.buffers
         rows = b.rows_for(bucket)
         get_logits(
             b.hidden[:rows],
             self.weight,
-            out=b.logits[:rows],
+            out=b.logits[:rows],  # [rows, V] f32
             batch_invariant=self.config.batch_invariant,
             block_rows=self.config.block_rows,
             kernel=self.logits_kernel,
         )
+
+    def logits_and_sample(self, bucket: int, graphs: str) -> None:
+        b = self.buffers
+        rows = b.rows_for(bucket)
+        self.logits(bucket)
         controls = token_bitmask = None
         if graphs in (CONTROLLED, MASKED) and self.controls is not None:
             # In a masked step without controls every staged slot is 0 (neutral).
