@@ -15,12 +15,12 @@ from engine.host.params import SamplingParams, SeqMeta, StructuredOutputsParams
 # name -> the module that defines it; loaded on first use
 _LAZY = {
     "StepEngine": "engine.step.step_engine",
-    "EngineConfig": "engine.step.config",
-    "StepOutput": "engine.step.outputs",
+    "EngineConfig": "engine.step.engine_config",
+    "StepOutput": "engine.step.step_output",
     "PersistentBatch": "engine.step.batch",
     "BatchStep": "engine.step.batch",
     "DecodeLoop": "engine.loop.decode_loop",
-    "LoopConfig": "engine.loop.config",
+    "LoopConfig": "engine.loop.loop_config",
     "Completion": "engine.loop.requests",
     "generate": "engine.loop.generate",
     "load_smollm2": "engine.models.gguf_loader",

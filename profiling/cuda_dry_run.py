@@ -83,7 +83,7 @@ from engine.parallel.shard_heads import sharded_head, vocab_shards
 from engine.parallel.sharded_engine import ParallelConfig, ShardedStepEngine
 from engine.parallel.vocab_parallel import VocabShards
 from engine.sampling.token_bitmask import bitmask_words
-from engine.step.config import EngineConfig
+from engine.step.engine_config import EngineConfig
 from engine.step.kernel_head import KERNELS
 from engine.step.lm_head import CONTROLLED, FILTERED, GREEDY, PLAIN
 from engine.step.staging import StepArrays

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from engine import EngineConfig, SamplingParams
-from engine.loop.config import LoopConfig
+from engine.loop.loop_config import LoopConfig
 from engine.loop.decode_loop import DecodeLoop
 from engine.models.llama import LlamaModel
 from engine.models.llama_weights import LlamaConfig

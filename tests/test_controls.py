@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from engine import EngineConfig, SamplingParams, StepEngine
 from engine.sampling.sampler import SamplerConfig
 from engine.host.params import SeqMeta
-from engine.loop.config import LoopConfig
+from engine.loop.loop_config import LoopConfig
 from engine.loop.decode_loop import DecodeLoop
 from engine.step.batch import PersistentBatch
 from tests.controls_reference import controlled_row

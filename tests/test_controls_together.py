@@ -1,7 +1,7 @@
 """Every sampling control at once, through the loop (issue 14).
 
 The penalties, the logit bias and the allowed tokens live in control slots
-(`engine/step/controls.py`); bad words reach the logits through the per-row
+(`engine/step/control_state.py`); bad words reach the logits through the per-row
 token bitmask (`engine/sampling/token_bitmask.py`). A step with both runs the
 masked graph set, which applies the controls as well. These tests mix
 requests that use one, the other, both and neither in one batch (n > 1 among
@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine import EngineConfig, SamplingParams
-from engine.loop.config import LoopConfig
+from engine.loop.loop_config import LoopConfig
 from engine.loop.decode_loop import DecodeLoop
 from tests.test_decode_loop import CONFIG, tiny_model
 

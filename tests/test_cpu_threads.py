@@ -73,7 +73,7 @@ def test_a_busy_process_is_seen():
 
 def test_llm_takes_the_default_and_says_why(monkeypatch):
     from engine import LLM
-    from engine.step.config import EngineConfig
+    from engine.step.engine_config import EngineConfig
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(cpu_threads, "busy_elsewhere", lambda: (0.0, "planted"))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, SamplingParams
-from engine.loop.config import LoopConfig
+from engine.loop.loop_config import LoopConfig
 from engine.loop.decode_loop import DecodeLoop
 from engine.loop.generate import generate
 from engine.loop.drafter import propose_ngram_drafts

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.loop.config import LoopConfig
+from engine.loop.loop_config import LoopConfig
 from engine.loop.decode_loop import DecodeLoop
 from engine.models.tiny import tiny_model
-from engine.step.config import EngineConfig
+from engine.step.engine_config import EngineConfig
 
 EAGER = EngineConfig(use_graphs=False)
 

@@ -15,7 +15,7 @@ from engine import EngineConfig, SamplingParams, StepEngine
 from engine.host.params import SeqMeta
 from engine.models.llama_weights import LlamaConfig
 from engine.sampling.sample_output import SampleOutput
-from engine.step.controls import SamplingControls
+from engine.step.control_state import SamplingControls
 from engine.step.transfer import OutputArea, OutputCopy
 from profiling.cuda_dry_run import DryRunConfig, main, run
 

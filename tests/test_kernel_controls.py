@@ -1,4 +1,4 @@
-"""The controls kernel (engine/sampling/kernels/controls.py) against the torch path, under
+"""The controls kernel (engine/sampling/kernels/controls_kernel.py) against the torch path, under
 Triton's interpreter on CPU tensors.
 
 References: the torch stage functions composed in vLLM V1's order, which the torch path
@@ -29,7 +29,7 @@ from engine.sampling.token_bitmask import apply_token_bitmask, bitmask_words
 from tests.kernel_batches import Batch, batches, same_values
 
 triton = pytest.importorskip("triton")
-from engine.sampling.kernels import controls as kernel  # noqa: E402  (needs triton)
+from engine.sampling.kernels import controls_kernel as kernel  # noqa: E402  (needs triton)
 
 # Huge logits times a penalty overflow to inf in the interpreter's numpy, as IEEE (and torch) say they should.
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
@@ -240,8 +240,8 @@ def test_controls_kernel_equals_sampling_controls_apply(batch: Batch, seed: int)
     from engine.host.params import SamplingParams
     from engine.sampling.allowed_tokens import apply_allowed_tokens_
     from engine.sampling.penalties import apply_penalties_
-    from engine.step.config import EngineConfig
-    from engine.step.controls import SamplingControls
+    from engine.step.engine_config import EngineConfig
+    from engine.step.control_state import SamplingControls
 
     finite = batch.logits.isfinite()
     batch = dataclasses.replace(batch, logits=torch.where(finite, batch.logits.clamp(-1e30, 1e30), batch.logits))

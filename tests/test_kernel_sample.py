@@ -282,18 +282,18 @@ def test_a_split_row_launches_once_per_phase_and_leaves_its_scratch_clean():
     out = SampleOutput.allocate(2, 5)
     scratch = SampleScratch.allocate(2, 2500, "cpu", num_top=5)
     launches = []
-    saved = kernel_module._sample_kernel.run
+    saved = kernel_module.sample_kernel.run
 
     def counting(*args, grid, warmup, **kwargs):  # noqa: ANN002, ANN003, ANN202
         launches.append((tuple(grid), kwargs["FIRST_PHASE"], kwargs["LAST_PHASE"]))
         return saved(*args, grid=grid, warmup=warmup, **kwargs)
 
-    kernel_module._sample_kernel.run = counting
+    kernel_module.sample_kernel.run = counting
     try:
         with chunk_of(BLOCK):
             sample_rows(batch["scores"], batch["params"], out, scratch, logprobs="processed", programs=6)
     finally:
-        del kernel_module._sample_kernel.run
+        del kernel_module.sample_kernel.run
     assert launches == [((2, 3), phase, phase) for phase in range(kernel_module.PHASES)]
     assert not scratch.arrivals.any() and not scratch.hist.any()
     first = out.tokens.clone(), out.top_ids.clone()

@@ -1,4 +1,4 @@
-"""The verification kernels (engine/sampling/kernels/verify.py) against the torch path, under
+"""The verification kernels (engine/sampling/kernels/verify_kernel.py) against the torch path, under
 Triton's interpreter on CPU tensors.
 
 References: `engine.step.body.verify_and_store_drafts` (strict mode, top-k space, the
@@ -24,14 +24,14 @@ from hypothesis import strategies as st
 from engine.sampling.sampler import SamplerConfig
 from engine.sampling.verify import verify_rejection
 from engine.step.body import verify_and_store_drafts
-from engine.step.config import EngineConfig
-from engine.step.controls import SamplingControls
+from engine.step.engine_config import EngineConfig
+from engine.step.control_state import SamplingControls
 from engine.sampling.row_params import RowParams
 from engine.sampling.sample_output import SampleOutput
 from tests.kernel_batches import Batch, batches
 
 triton = pytest.importorskip("triton")
-from engine.sampling.kernels import verify as kernel  # noqa: E402  (needs triton)
+from engine.sampling.kernels import verify_kernel as kernel  # noqa: E402  (needs triton)
 from engine.sampling.kernels.hash_rng import uniform_at  # noqa: E402
 
 LONG = os.environ.get("ENGINE_LONG_TESTS") == "1"

@@ -180,10 +180,10 @@ def test_every_module_has_a_layer():
 
 
 @pytest.mark.parametrize("source, line", [
-    ("engine/host/params.py", "from engine.step.config import EngineConfig"),
+    ("engine/host/params.py", "from engine.step.engine_config import EngineConfig"),
     ("graphs/buckets.py", "from engine.host.params import SamplingParams"),
-    ("engine/sampling/rng.py", "from engine.step.config import EngineConfig"),
-    ("engine/models/protocol.py", "from engine.loop.config import LoopConfig"),
+    ("engine/sampling/rng.py", "from engine.step.engine_config import EngineConfig"),
+    ("engine/models/protocol.py", "from engine.loop.loop_config import LoopConfig"),
     ("engine/step/body.py", "from profiling.bench import _timing"),
     ("engine/host/columns.py", "from engine import StepEngine"),
 ])
@@ -197,3 +197,28 @@ def test_a_planted_upward_import_is_found(source: str, line: str, tmp_path: Path
     found = [(name, ln, target, names) for ln, target, names in imports_of(planted, name, modules())]
     problems = upward(found)
     assert len(problems) == 1 and source in problems[0], problems
+
+
+def repeated_base_names(paths: list[Path], root: Path) -> dict[str, list[str]]:
+    """Module base names (`__init__` aside) held by more than one file, with their paths."""
+    by_name: dict[str, list[str]] = {}
+    for path in paths:
+        if path.stem != "__init__":
+            by_name.setdefault(path.stem, []).append(str(path.relative_to(root)))
+    return {name: found for name, found in by_name.items() if len(found) > 1}
+
+
+def test_every_module_base_name_in_engine_is_said_once():
+    """A module's base name says one thing: no two `controls.py` or `verify.py` in engine/."""
+    assert repeated_base_names(sorted((ROOT / "engine").rglob("*.py")), ROOT) == {}
+
+
+def test_the_name_check_finds_a_planted_twin(tmp_path: Path):
+    planted = [tmp_path / "step" / "verify.py", tmp_path / "sampling" / "verify.py", tmp_path / "step" / "__init__.py"]
+    assert repeated_base_names(planted, tmp_path) == {"verify": ["step/verify.py", "sampling/verify.py"]}
+
+
+def test_no_library_file_is_over_500_lines():
+    long = {str(p.relative_to(ROOT)): n for folder in ("engine", "graphs") for p in (ROOT / folder).rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 500}
+    assert long == {}

@@ -11,7 +11,7 @@ import torch
 
 from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine
 from engine.host.token_constraints import GrammarCache
-from engine.loop.config import LoopConfig
+from engine.loop.loop_config import LoopConfig
 from engine.loop.decode_loop import DecodeLoop
 from engine.models.llama import LlamaModel
 from engine.models.llama_weights import LlamaConfig

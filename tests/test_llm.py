@@ -13,7 +13,7 @@ from engine.loop.decode_loop import DecodeLoop
 from engine.loop.generate import generate
 from engine.models.tiny import tiny_model
 from engine.models.tokenizer import ByteChatMLTokenizer, PlainTokenizer, as_tokenizer
-from engine.step.config import EngineConfig
+from engine.step.engine_config import EngineConfig
 from engine.step.step_engine import StepEngine
 
 PROMPTS = ["Hello", "Name three colors."]

@@ -24,7 +24,7 @@ from engine.ops import get_logits
 from engine.parallel.shard_heads import ShardedKernelHead, ShardedLocalHead, sharded_head, vocab_shards
 from engine.sampling.sampler import SamplerConfig
 from engine.step.batch import PersistentBatch
-from engine.step.outputs import StepOutput
+from engine.step.step_output import StepOutput
 from tests.test_parallel import run_ranks
 
 VOCAB, HIDDEN, MAX_REQS, MAX_DRAFTS, EOS = 1500, 32, 4, 1, 2

@@ -238,7 +238,7 @@ def test_set_generated_puts_the_matcher_back_as_a_rolled_back_step_needs():
 def test_a_failed_loop_step_rolls_the_constraints_back():
     """DecodeLoop's atomic step with a bad-words request: a step that raises after
     its tokens were recorded is undone and redone; the completions equal a clean run."""
-    from engine.loop.config import LoopConfig
+    from engine.loop.loop_config import LoopConfig
     from engine.loop.decode_loop import DecodeLoop
     from engine.models.llama import LlamaModel
     from engine.models.llama_weights import LlamaConfig

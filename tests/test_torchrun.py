@@ -15,7 +15,7 @@ import pytest
 
 from engine import LLM
 from engine.cli.demo import main as demo_main
-from engine.loop.config import LoopConfig
+from engine.loop.loop_config import LoopConfig
 from engine.loop.decode_loop import DecodeLoop
 from engine.models.tiny import tiny_model
 from engine.parallel.launch import TORCHRUN_ENV

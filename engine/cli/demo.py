@@ -32,17 +32,17 @@ import torch
 
 from engine.cli.demo_report import (RunResult, RunTimes, completion_json, shown_text, summary, summary_rows, table,
                                     verbose_rows)
-from engine.cli.prompts import CHAT_PROMPTS
+from engine.cli.demo_prompts import CHAT_PROMPTS
 from engine.cli.telemetry import Telemetry
 from engine.cli.usage import OneLineParser, UsageError, quiet_on_closed_pipe
 from engine.cpu_threads import use_threads
 from engine.host.params import SamplingParams
 from engine.llm.loading import Loaded, check_model_name, load
-from engine.loop.config import LoopConfig
+from engine.loop.loop_config import LoopConfig
 from engine.loop.decode_loop import DecodeLoop
 from engine.loop.requests import StepEvent
 from engine.parallel.launch import join_group
-from engine.step.config import EngineConfig
+from engine.step.engine_config import EngineConfig
 from engine.trace import record_stages
 
 __all__ = ["main", "shown_text", "workload", "control_requests"]

@@ -1,7 +1,7 @@
 """Which requests need sampling-control state, and the refusal of an engine without it.
 
 The state itself (a slot per request, on the device) is the engine's
-(`engine/step/controls.py` `SamplingControls`); the request tables call it
+(`engine/step/control_state.py` `SamplingControls`); the request tables call it
 through the `ControlHook` methods when a request joins, changes its
 parameters or leaves. Numpy only, like the rest of engine/host.
 """

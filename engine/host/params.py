@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 from collections.abc import Mapping as MappingABC
 from dataclasses import dataclass, field
 from typing import Hashable, Iterable, Iterator, Mapping, Sequence
@@ -17,6 +16,7 @@ from typing import Hashable, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 from engine.host.step_fields import PARAM_FIELDS
+from engine.host.param_records import PARAMS_RECORD, PARAMS_PACKER, SEQ_PACKER, FLOAT_FIELDS, SEQ_RECORD, set_state, is_int, plain_number
 
 INT32_MAX = 2**31 - 1
 UINT64_MAX = 2**64 - 1
@@ -26,71 +26,6 @@ STRUCTURED_FIELDS = ("json_schema", "regex", "grammar")
 # The top-N of `logprobs=-1` before the loop knows the vocabulary: past every cap, so a
 # caller that does not resolve it (`resolve_whole_vocabulary`) is refused, never silently off.
 WHOLE_VOCABULARY = INT32_MAX
-
-
-def _record_layout(fields: Sequence[tuple[str, str]]) -> tuple[np.dtype, struct.Struct]:
-    """A numpy record dtype with its fields aligned (so a field of a batch of records is an
-    aligned, strided view) and the `struct` that writes one record of it, padding included."""
-    codes = {"b1": "?", "i1": "b", "u1": "B", "i2": "h", "u2": "H", "i4": "i", "u4": "I", "i8": "q", "u8": "Q",
-             "f4": "f", "f8": "d"}
-    dtype = np.dtype([(name, np.dtype(kind).newbyteorder("<")) for name, kind in fields], align=True)
-    layout, end = "<", 0
-    for name, kind in fields:
-        offset = dtype.fields[name][1]
-        layout += "x" * (offset - end) + codes[np.dtype(kind).str[1:]]
-        end = offset + np.dtype(kind).itemsize
-    packer = struct.Struct(layout + "x" * (dtype.itemsize - end))
-    assert packer.size == dtype.itemsize
-    return dtype, packer
-
-
-# `prepare_sampler_inputs` reads a batch of SeqMeta as one numpy record array: each
-# SamplingParams and each SeqMeta packs its record when it is built (after validation),
-# and the batch is the records joined. The fields are named as the ledger and the request
-# columns (engine/host/columns.py) name them; the sampling parameters are the step-field
-# declaration's (`PARAM_FIELDS`: temperatures, top_ks, ...), so a parameter declared there
-# is packed with no edit here. `has_seed` says whether `seeds` holds the request's own seed.
-PARAMS_RECORD, _PARAMS_PACKER = _record_layout((
-    ("min_tokens", "i4"), ("num_logprobs", "i4"), ("num_prompt_logprobs", "i4"),
-    *((f.name, np.dtype(f.dtype).str[1:]) for f in PARAM_FIELDS), ("has_seed", "b1"),
-))
-_SEQ_PART, _SEQ_PACKER = _record_layout((
-    ("is_prompt", "b1"), ("seqlen_q", "i4"), ("seqlen_k", "i4"), ("prompt_len", "i4"), ("num_generated", "i4"),
-    ("mtp_read_slot", "i4"), ("mtp_write_slot", "i4"), ("forced_token", "i8"),  # -1: none
-))
-_FLOAT_FIELDS = tuple(name for name in PARAMS_RECORD.names if PARAMS_RECORD.fields[name][0].kind == "f")
-# The two parts' records back to back; each part's size is a multiple of its largest field
-# (8 bytes), so the params part stays aligned after the request's part.
-SEQ_RECORD = np.dtype({
-    "names": [*_SEQ_PART.names, *PARAMS_RECORD.names],
-    "formats": [*(_SEQ_PART.fields[n][0] for n in _SEQ_PART.names),
-                *(PARAMS_RECORD.fields[n][0] for n in PARAMS_RECORD.names)],
-    "offsets": [*(_SEQ_PART.fields[n][1] for n in _SEQ_PART.names),
-                *(_SEQ_PART.itemsize + PARAMS_RECORD.fields[n][1] for n in PARAMS_RECORD.names)],
-    "itemsize": _SEQ_PART.itemsize + PARAMS_RECORD.itemsize,
-}, align=True)
-
-
-def _set_state(obj: object, state: tuple[dict, dict | None]) -> None:
-    """copy / pickle of a frozen dataclass whose record sits in a slot: its fields into the
-    instance dict, its slots set past the frozen `__setattr__`."""
-    fields_state, slots_state = state
-    obj.__dict__.update(fields_state)
-    for name, value in (slots_state or {}).items():
-        object.__setattr__(obj, name, value)
-
-
-def _is_int(value: object) -> bool:
-    # bool is an int subclass; a flag passed where a count belongs is a bug, not a 1.
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _plain_number(value: object) -> object:
-    """A numpy scalar as the Python number it holds (`np.float32(0.9)` is a float to a
-    vLLM user, `np.int64(5)` an int); anything else as it is, for the checks to judge."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (np.integer, np.floating)):
-        return value
-    return value.item()
 
 
 class TokenBias(MappingABC):
@@ -195,7 +130,7 @@ class SamplingParams:
     __slots__ = ("ledger_record", "__dict__", "__weakref__")
 
     def __setstate__(self, state: tuple[dict, dict | None]) -> None:
-        _set_state(self, state)
+        set_state(self, state)
 
     temperature: float = 1.0
     top_k: int = 0
@@ -228,7 +163,7 @@ class SamplingParams:
         ids = self.stop_token_ids
         if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
             raise ValueError(f"stop_token_ids={ids!r}: must be a sequence of int token ids")
-        object.__setattr__(self, "stop_token_ids", tuple(map(_plain_number, ids)))
+        object.__setattr__(self, "stop_token_ids", tuple(map(plain_number, ids)))
         problem = self._normalise()
         if problem:
             raise ValueError(problem)
@@ -240,21 +175,21 @@ class SamplingParams:
                   **{f.name: getattr(self, f.param) for f in PARAM_FIELDS}}
         values["seeds"] = self.seed or 0
         with np.errstate(over="ignore"):  # a finite temperature past float32's range is inf there, as staged
-            for name in _FLOAT_FIELDS:
+            for name in FLOAT_FIELDS:
                 values[name] = np.float32(values[name]).item()
         # Not a field: these parameters as one `PARAMS_RECORD`, what the ledger reads.
-        object.__setattr__(self, "ledger_record", _PARAMS_PACKER.pack(*(values[name] for name in PARAMS_RECORD.names)))
+        object.__setattr__(self, "ledger_record", PARAMS_PACKER.pack(*(values[name] for name in PARAMS_RECORD.names)))
 
     def _normalise(self) -> str | None:
         """Copy the container fields into immutable forms (a caller's later
         edit of its dict or list must not change a submitted request), and numpy
         scalars into the Python numbers they hold."""
         for name in _NUMBER_FIELDS:
-            object.__setattr__(self, name, _plain_number(getattr(self, name)))
+            object.__setattr__(self, name, plain_number(getattr(self, name)))
         # vLLM's spellings of "off" and "none": top_k=-1 and seed=-1.
-        if _is_int(self.top_k) and self.top_k == -1:
+        if is_int(self.top_k) and self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
-        if _is_int(self.seed) and self.seed == -1:
+        if is_int(self.seed) and self.seed == -1:
             object.__setattr__(self, "seed", None)
         problem = self._take_structured_outputs()
         if problem:
@@ -264,12 +199,12 @@ class SamplingParams:
             if not isinstance(bias, Mapping):
                 return f"logit_bias={bias!r}: must be None or a mapping token id -> bias"
             object.__setattr__(self, "logit_bias", TokenBias(
-                {_plain_number(token): _plain_number(value) for token, value in bias.items()}))
+                {plain_number(token): plain_number(value) for token, value in bias.items()}))
         allowed = self.allowed_token_ids
         if allowed is not None:
             if isinstance(allowed, (str, bytes, Mapping)) or not isinstance(allowed, Iterable):
                 return f"allowed_token_ids={allowed!r}: must be None or a sequence of token ids"
-            object.__setattr__(self, "allowed_token_ids", tuple(map(_plain_number, allowed)))
+            object.__setattr__(self, "allowed_token_ids", tuple(map(plain_number, allowed)))
         words = self.bad_words
         if words is not None:
             if isinstance(words, (str, bytes)) or not isinstance(words, Iterable):
@@ -279,7 +214,7 @@ class SamplingParams:
                 if isinstance(word, bytes) or not isinstance(word, (str, Iterable)):
                     return f"bad_words[{j}]={word!r}: must be a word (a str) or a sequence of token ids"
             object.__setattr__(self, "bad_words", tuple(
-                word if isinstance(word, str) else tuple(map(_plain_number, word)) for word in words))
+                word if isinstance(word, str) else tuple(map(plain_number, word)) for word in words))
         stop = self.stop
         if isinstance(stop, str):
             stop = (stop,)  # vLLM accepts one string
@@ -327,7 +262,7 @@ class SamplingParams:
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             return f"temperature={t!r}: must be a finite number >= 0 (0 means greedy)"
-        if not _is_int(self.top_k) or self.top_k < 0 or self.top_k > INT32_MAX:
+        if not is_int(self.top_k) or self.top_k < 0 or self.top_k > INT32_MAX:
             return f"top_k={self.top_k!r}: must be an int >= 0, or -1 (0 and -1 mean off)"
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
@@ -335,23 +270,23 @@ class SamplingParams:
         m = self.min_p
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not (0.0 <= m <= 1.0):
             return f"min_p={m!r}: must lie in [0, 1]"
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= UINT64_MAX):
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= UINT64_MAX):
             return f"seed={self.seed!r}: must be None or an int in [0, 2**64)"
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT32_MAX:
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT32_MAX:
             return f"min_tokens={self.min_tokens!r}: must be an int in [0, 2**31)"
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             return f"max_tokens={self.max_tokens!r}: must be None or an int >= 1"
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             return f"min_tokens={self.min_tokens!r}: exceeds max_tokens={self.max_tokens!r}"
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not -1 <= self.logprobs <= INT32_MAX):
+        if self.logprobs is not None and (not is_int(self.logprobs) or not -1 <= self.logprobs <= INT32_MAX):
             return (f"logprobs={self.logprobs!r}: must be None, an int in [0, 2**31) (top-N alternatives) or -1 "
                     "(the whole vocabulary)")
         pl = self.prompt_logprobs
-        if not (pl is None or isinstance(pl, bool) or (_is_int(pl) and -1 <= pl <= INT32_MAX)):
+        if not (pl is None or isinstance(pl, bool) or (is_int(pl) and -1 <= pl <= INT32_MAX)):
             return (f"prompt_logprobs={pl!r}: must be a bool, an int in [0, 2**31) (top-N alternatives) or -1 "
                     "(the whole vocabulary)")
         for tok in self.stop_token_ids:
-            if not _is_int(tok) or not 0 <= tok <= INT32_MAX:
+            if not is_int(tok) or not 0 <= tok <= INT32_MAX:
                 return f"stop_token_ids={self.stop_token_ids!r}: token {tok!r} is not an int32 token id >= 0"
         if not isinstance(self.ignore_eos, bool):
             return f"ignore_eos={self.ignore_eos!r}: must be a bool"
@@ -369,7 +304,7 @@ class SamplingParams:
                 return f"{name}={value!r}: must lie in [{low:g}, {high:g}] (0 means off)"
         low, high = LOGIT_BIAS_RANGE
         for tok, bias in (self.logit_bias or {}).items():
-            if not _is_int(tok) or not 0 <= tok <= INT32_MAX:
+            if not is_int(tok) or not 0 <= tok <= INT32_MAX:
                 return f"logit_bias: key {tok!r} is not an int32 token id >= 0"
             if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not low <= bias <= high:
                 return f"logit_bias[{tok}]={bias!r}: must lie in [{low:g}, {high:g}]"
@@ -377,7 +312,7 @@ class SamplingParams:
             if not self.allowed_token_ids:
                 return "allowed_token_ids=(): an empty allowed set leaves nothing to sample (None means no restriction)"
             for tok in self.allowed_token_ids:
-                if not _is_int(tok) or not 0 <= tok <= INT32_MAX:
+                if not is_int(tok) or not 0 <= tok <= INT32_MAX:
                     return f"allowed_token_ids: token {tok!r} is not an int32 token id >= 0"
         for j, word in enumerate(self.bad_words or ()):
             if not word:
@@ -387,9 +322,9 @@ class SamplingParams:
                     return f"bad_words[{j}]={word!r}: a word of white space bans nothing"
                 continue
             for tok in word:
-                if not _is_int(tok) or not 0 <= tok <= INT32_MAX:
+                if not is_int(tok) or not 0 <= tok <= INT32_MAX:
                     return f"bad_words[{j}]: token {tok!r} is not an int32 token id >= 0"
-        if not _is_int(self.n) or self.n < 1:
+        if not is_int(self.n) or self.n < 1:
             return f"n={self.n!r}: must be an int >= 1"
         if self.n > 1 and self.is_greedy:
             return f"n={self.n}: must be 1 when temperature=0 (greedy): every sample would be the same (as vLLM)"
@@ -461,7 +396,7 @@ class SeqMeta:
     __slots__ = ("ledger_record", "__dict__", "__weakref__")  # the record outside vars(seq), as SamplingParams
 
     def __setstate__(self, state: tuple[dict, dict | None]) -> None:
-        _set_state(self, state)
+        set_state(self, state)
 
     request_id: Hashable
     is_prompt: bool
@@ -482,7 +417,7 @@ class SeqMeta:
         forced = -1 if self.forced_token is None else self.forced_token
         # Not a field: this view of the step as one `SEQ_RECORD`; a batch of them joined is
         # what `prepare_sampler_inputs` reads, in one go.
-        object.__setattr__(self, "ledger_record", _SEQ_PACKER.pack(
+        object.__setattr__(self, "ledger_record", SEQ_PACKER.pack(
             self.is_prompt, self.seqlen_q, self.seqlen_k, self.prompt_len, self.num_generated, self.mtp_read_slot,
             self.mtp_write_slot, forced) + self.params.ledger_record)
 
@@ -497,7 +432,7 @@ class SeqMeta:
             return f"is_prompt={self.is_prompt!r}: must be a bool"
         for name in ("seqlen_q", "seqlen_k", "prompt_len", "num_generated", "mtp_read_slot", "mtp_write_slot"):
             value = getattr(self, name)
-            if not _is_int(value) or not 0 <= value <= INT32_MAX:
+            if not is_int(value) or not 0 <= value <= INT32_MAX:
                 return f"{name}={value!r}: must be an int in [0, 2**31)"
         if self.seqlen_q < 1:
             return f"seqlen_q={self.seqlen_q}: must be >= 1 (a scheduled request has at least one query token)"
@@ -527,7 +462,7 @@ class SeqMeta:
                     # A Python list that numpy could not type as ints (a float,
                     # a bool, an int past int64, a nested list): name the element.
                     for j, t in enumerate(prompt):
-                        if not _is_int(_plain_number(t)) or not 0 <= t <= INT32_MAX:
+                        if not is_int(plain_number(t)) or not 0 <= t <= INT32_MAX:
                             return f"prompt_tokens[{j}]={t!r}: not an int32 token id >= 0"
                 return f"prompt_tokens: dtype {tokens.dtype} is not an integer type"
             bad = np.flatnonzero((tokens < 0) | (tokens > INT32_MAX)) if tokens.size else ()
@@ -543,7 +478,7 @@ class SeqMeta:
         if self.params.num_prompt_logprobs >= 0 and self.is_prompt and self.prompt_tokens is None:
             return "params.prompt_logprobs: requested but prompt_tokens is None (targets come from the prompt)"
         forced = self.forced_token
-        if forced is not None and (not _is_int(forced) or not 0 <= forced <= INT32_MAX):
+        if forced is not None and (not is_int(forced) or not 0 <= forced <= INT32_MAX):
             return f"forced_token={forced!r}: must be None or an int token id >= 0"
         return None
 

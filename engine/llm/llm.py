@@ -39,9 +39,9 @@ from engine.cpu_threads import ThreadChoice, check_threads, use_threads
 from engine.host.params import SamplingParams
 from engine.llm.loading import load
 from engine.llm.progress import Bar
-from engine.llm.outputs import RequestOutput, request_output
+from engine.llm.request_output import RequestOutput, request_output
 from engine.llm.prompts import Conversation, Prompt, PromptLike, read_prompts
-from engine.loop.config import LoopConfig
+from engine.loop.loop_config import LoopConfig
 from engine.loop.decode_loop import DecodeLoop
 from engine.loop.detokenize import output_decoder
 from engine.loop.requests import StepEvent
@@ -49,7 +49,7 @@ from engine.loop.stop_strings import OutputText
 from engine.models.protocol import CausalLM
 from engine.models.tokenizer import HFProtocol, as_tokenizer, check_conversation
 from engine.parallel.launch import join_group
-from engine.step.config import EngineConfig
+from engine.step.engine_config import EngineConfig
 from engine.step.step_engine import StepEngine
 
 DEFAULT_MAX_NUM_REQS = 8

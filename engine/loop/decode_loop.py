@@ -1,29 +1,14 @@
 """A small continuous-batching decode loop around StepEngine.
 
-Per step: admit arrived requests (a KV-cache slot and a row of the persistent
-batch each), schedule decodes first (1 + n-gram drafts each), then prefill
-chunks with the rest of the token budget (engine/loop/scheduler.py); run the
-model's forward straight into the engine's static hidden-state source
-(zero-copy); let the persistent batch build the ledger (docs/contract.md §5:
-no per-step rebuild from Python objects) and `engine.run` sample / verify;
-emit, finish (EOS, stop ids, stop strings, max_tokens, a failed row) and
-free the slots.
-
-With a tokenizer the loop fills `Completion.text` and ends requests on their
-`stop` strings (engine/loop/stop_strings.py). A request with `n > 1` runs as
-n sibling requests keyed `(request_id, j)`, each with its own seed
-(`sibling_seed`); the siblings share the prompt's prefill through prefix
-sharing (one computes the prompt, the others copy its keys and values).
-
-The loop runs its engine as configured: `engine_config_for` fills in what the
-caller left at its default and refuses what it cannot honour. Drafts go in as
-`draft_tokens`, so the engine keeps no draft-info pool.
-
-A step is atomic: whatever raises inside it (the model, the engine, this
-loop's own bookkeeping, a KeyboardInterrupt), everything it changed is put
-back before the exception leaves, so the next `step()` runs it again as if it
-had never started. Requests leave through one door (`_release`): finished,
-failed or aborted, they give back their batch row and KV-cache slot.
+Per step: admit arrived requests (a KV-cache slot and a persistent-batch row each),
+schedule decodes (1 + n-gram drafts each) then prefill chunks within the token budget
+(scheduler.py), run the model straight into the engine's static source, let the persistent
+batch build the ledger and `engine.run` sample and verify, then emit, finish (EOS, stop ids,
+stop strings, max_tokens, a failed row) and free the slots. A request with `n > 1` runs as
+n siblings `(request_id, j)` with their own seeds, sharing the prompt's prefill. A step is
+atomic: whatever raises inside it, everything it changed is put back first, so the next
+`step()` runs it again as if it had never started. Requests leave through one door
+(`_release`): finished, failed or aborted, they give back their row and KV-cache slot.
 """
 from __future__ import annotations
 
@@ -31,18 +16,17 @@ import bisect
 import dataclasses
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
 from typing import Callable, Hashable, Sequence
 
 import numpy as np
 import torch
 
 from engine.host.params import SamplingParams
-from engine.loop.config import LoopConfig, engine_config_for
+from engine.loop.loop_config import LoopConfig, engine_config_for
 from engine.loop.detokenize import output_decoder
 from engine.host.token_ids import check_request_id
-from engine.loop.requests import (Completion, RunningRequest, StepEvent, drop_oldest_finished, fresh_seed,
-                                  sibling_seed)
+from engine.loop.requests import (Completion, RunningRequest, StepEvent, StepUndo, drop_oldest_finished,
+                                  fresh_seed, sibling_seed)
 from engine.loop.scheduler import ScheduledRequest, choose_shared_prefix, common_prefix_length, schedule
 from engine.loop.stats import LoopStats
 from engine.loop.stop_strings import OutputText, StopMatch
@@ -50,28 +34,11 @@ from engine.loop.submission import Submission, check_submission
 from engine.models.protocol import CausalLM, ChatTokenizer, ForwardBatch, PrefixCopy
 from engine.parallel.launch import agreed_seed_base, join_group, rank_head
 from engine.step.batch import BatchStep, PersistentBatch
-from engine.step.checkpoint import EngineCheckpoint
-from engine.step.config import EngineConfig
+from engine.step.engine_config import EngineConfig
 from engine.step.lm_head import LMHead
-from engine.step.outputs import StepOutput
+from engine.step.step_output import StepOutput
 from engine.step.step_engine import StepEngine
 from engine.trace import stage, step_range
-
-
-@dataclass
-class _StepUndo:
-    """What one step may change, taken before it starts (`DecodeLoop._rollback`)."""
-
-    stats: LoopStats
-    engine: EngineCheckpoint
-    running: list[RunningRequest]
-    retained: OrderedDict[int, np.ndarray]
-    marks: list[tuple[RunningRequest, tuple]]  # the step's requests, admitted ones included
-    # Admitted this step: (arrival step, request, the tokens of the retained cache whose
-    # slot it took, None for a slot fresh from the model).
-    admitted: list[tuple[int, RunningRequest, np.ndarray | None]] = field(default_factory=list)
-    # Cut by a stop string this step: (request, the tokens cut, the logprobs cut or None).
-    cuts: list[tuple[RunningRequest, list[int], list | None]] = field(default_factory=list)
 
 
 class DecodeLoop:
@@ -257,7 +224,7 @@ class DecodeLoop:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _admit(self, undo: _StepUndo) -> None:
+    def _admit(self, undo: StepUndo) -> None:
         while self.waiting and len(self.running) < self.config.max_num_reqs and self.waiting[0][0] <= self.stats.steps:
             try:
                 kv_slot, evicted = self._take_slot()
@@ -325,7 +292,7 @@ class DecodeLoop:
 
         Atomic: when anything raises, `_rollback` undoes what the step changed before
         the exception propagates (see the module docstring)."""
-        undo = _StepUndo(
+        undo = StepUndo(
             stats=dataclasses.replace(self.stats),
             engine=self.engine.checkpoint(),
             running=list(self.running),
@@ -344,7 +311,7 @@ class DecodeLoop:
         drop_oldest_finished(self.finished, self._known, self.families, self.config.max_finished)
         return events
 
-    def _step(self, undo: _StepUndo) -> tuple[list[StepEvent], list[RunningRequest]]:
+    def _step(self, undo: StepUndo) -> tuple[list[StepEvent], list[RunningRequest]]:
         t0 = time.perf_counter()
         with stage("schedule"):
             self._admit(undo)
@@ -377,7 +344,7 @@ class DecodeLoop:
         self.stats.steps += 1
         return events, left
 
-    def _rollback(self, undo: _StepUndo) -> None:
+    def _rollback(self, undo: StepUndo) -> None:
         """Put back what a failed step changed. The model's cache may hold keys and values
         the step wrote past each request's context: the next owner of those positions
         writes them before anything reads them."""
@@ -410,7 +377,7 @@ class DecodeLoop:
         return drafts
 
     def _apply(
-        self, batch: list[ScheduledRequest], prepared: BatchStep, out: StepOutput, undo: _StepUndo
+        self, batch: list[ScheduledRequest], prepared: BatchStep, out: StepOutput, undo: StepUndo
     ) -> tuple[list[StepEvent], list[RunningRequest]]:
         """Emit the step's tokens and finish requests; returns the events and the requests
         that finished (their slots are released once the step is committed)."""
@@ -467,7 +434,7 @@ class DecodeLoop:
                 self._finish(req)
         return events, left
 
-    def _cut(self, req: RunningRequest, match: StopMatch, undo: _StepUndo) -> None:
+    def _cut(self, req: RunningRequest, match: StopMatch, undo: StepUndo) -> None:
         """Finish a request on a stop string: keep the text before it (through it when
         included) and the tokens that produced that text (engine/loop/stop_strings.py).
         What is cut may predate this step, so it goes into the undo record."""

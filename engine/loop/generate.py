@@ -4,12 +4,12 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 from engine.host.params import SamplingParams
-from engine.loop.config import LoopConfig
+from engine.loop.loop_config import LoopConfig
 from engine.loop.decode_loop import DecodeLoop
 from engine.host.token_ids import checked_prompt
 from engine.loop.requests import Completion
 from engine.models.protocol import CausalLM, ChatTokenizer
-from engine.step.config import EngineConfig
+from engine.step.engine_config import EngineConfig
 
 
 def generate(

@@ -3,15 +3,18 @@ while it runs, and what it hands back (its completion, per-step events)."""
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Hashable
 
 import numpy as np
 
 from engine.host.params import UINT64_MAX, SamplingParams
+from engine.loop.stats import LoopStats
 from engine.loop.stop_strings import OutputText
+from engine.step.checkpoint import EngineCheckpoint
 from engine.step.prompt_logprobs import PromptLogprob
-from engine.step.outputs import TokenLogprob
+from engine.step.step_output import TokenLogprob
 
 
 def fresh_seed() -> int:
@@ -131,3 +134,19 @@ def drop_oldest_finished(finished: dict[Hashable, Completion], known: set, famil
                 del finished[sample_id]
             known.difference_update((family, *samples))
             del families[family]
+
+
+@dataclass
+class StepUndo:
+    """What one step may change, taken before it starts (`DecodeLoop._rollback`)."""
+
+    stats: LoopStats
+    engine: EngineCheckpoint
+    running: list[RunningRequest]
+    retained: OrderedDict[int, np.ndarray]
+    marks: list[tuple[RunningRequest, tuple]]  # the step's requests, admitted ones included
+    # Admitted this step: (arrival step, request, the tokens of the retained cache whose
+    # slot it took, None for a slot fresh from the model).
+    admitted: list[tuple[int, RunningRequest, np.ndarray | None]] = field(default_factory=list)
+    # Cut by a stop string this step: (request, the tokens cut, the logprobs cut or None).
+    cuts: list[tuple[RunningRequest, list[int], list | None]] = field(default_factory=list)

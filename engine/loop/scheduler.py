@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from engine.loop.config import LoopConfig
+from engine.loop.loop_config import LoopConfig
 from engine.loop.drafter import propose_ngram_drafts
 from engine.loop.requests import RunningRequest
 

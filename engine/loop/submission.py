@@ -10,7 +10,7 @@ import numpy as np
 
 from engine.host.params import SamplingParams
 from engine.step.batch import PersistentBatch
-from engine.loop.config import LoopConfig
+from engine.loop.loop_config import LoopConfig
 from engine.host.token_ids import check_request_id
 from engine.models.protocol import CausalLM, ChatTokenizer
 

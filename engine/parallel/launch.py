@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from engine.parallel.shard_heads import ShardHead, sharded_head, vocab_shards
-from engine.step.config import EngineConfig
+from engine.step.engine_config import EngineConfig
 
 # What torchrun sets for each rank it starts (the group's rendezvous and this rank's place).
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from engine.host.ledger import SamplerInputs
 from engine.ops import gather, get_logits
 from engine.parallel.vocab_parallel import VocabShards
-from engine.step.config import EngineConfig, EngineStats
+from engine.step.engine_config import EngineConfig, EngineStats
 from engine.step.kernel_head import KernelHead
 from engine.step.lm_head import LocalHead, checked_head_weight
 from engine.step.prompt_logprobs import PromptRowResults, prompt_rows_of

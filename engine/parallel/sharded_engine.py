@@ -30,9 +30,9 @@ from engine.host.ledger import SamplerInputs, prepare_sampler_inputs
 from engine.host.params import SeqMeta
 from engine.parallel.cp_broadcast import LedgerBroadcaster, StepPlan, batch_fingerprint, config_fingerprint
 from engine.parallel.vocab_parallel import STRATEGIES, VocabParallelSampler, VocabShards, candidate_ineligibility
-from engine.step.config import EngineConfig, EngineStats
+from engine.step.engine_config import EngineConfig, EngineStats
 from engine.step.lm_head import LMHead, checked_head_weight
-from engine.step.outputs import StepOutput
+from engine.step.step_output import StepOutput
 from engine.step.prompt_logprobs import PromptRowResults
 from engine.step.staging import StepArrays
 from engine.step.static_buffers import StepBuffers

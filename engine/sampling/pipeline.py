@@ -13,7 +13,7 @@ head's CUDA step: one Triton custom op per group, over the head's static buffers
       3     allowed tokens           allowed_tokens.py                     one pass per row; a row
       4     token bitmask            token_bitmask.py (structured          without controls, stop
                                      output, bad words)                    ids or bitmask skips
-      5     EOS / stop suppression   suppression.py (under min_tokens,     (kernels/controls.py)
+      5     EOS / stop suppression   suppression.py (under min_tokens,     (kernels/controls_kernel.py)
                                      even with ignore_eos)
       6     logit bias               logit_bias.py
       7     penalties                penalties.py (repetition,
@@ -70,7 +70,7 @@ from engine.sampling.token_bitmask import apply_token_bitmask
 @dataclass(frozen=True)
 class ControlRows:
     """The sampling controls of each sample row (stages 3, 6, 7), on the logits' device:
-    the step's control state gathered by row (`engine.step.controls.SamplingControls.rows`)."""
+    the step's control state gathered by row (`engine.step.control_state.SamplingControls.rows`)."""
 
     counts: torch.Tensor  # [rows, V] int32: times each token was generated before the row (drafts included)
     prompt_words: torch.Tensor  # [rows, ceil(V/32)] int32: the prompt's tokens, packed

@@ -21,7 +21,7 @@ from engine.host.token_constraints import TokenConstraint, TokenConstraints
 from engine.step.prompt_logprobs import PromptLogprobAccumulator
 
 if TYPE_CHECKING:
-    from engine.step.outputs import StepOutput
+    from engine.step.step_output import StepOutput
     from engine.step.staging import StepArrays
     from engine.step.step_engine import StepEngine
 

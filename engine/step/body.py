@@ -26,8 +26,8 @@ from engine.sampling.rows import expand_rows
 from engine.sampling.sampler import controlled_scores
 from engine.sampling.suppression import suppressed_scores
 from engine.sampling.verify import accept_strict, draft_in_top_k, target_probs, verify_rejection
-from engine.step.config import EngineConfig
-from engine.step.controls import SamplingControls
+from engine.step.engine_config import EngineConfig
+from engine.step.control_state import SamplingControls
 from engine.step.static_buffers import StepBuffers
 
 

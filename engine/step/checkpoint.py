@@ -5,7 +5,7 @@ import copy
 from dataclasses import dataclass
 from typing import Hashable, TypeVar
 
-from engine.step.config import EngineStats
+from engine.step.engine_config import EngineStats
 from engine.step.prompt_logprobs import PromptLogprob
 from graphs.replay import ReplayCounts
 

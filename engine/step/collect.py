@@ -25,8 +25,8 @@ from engine.ops import upload
 from engine.sampling.sample_output import SampleOutput
 from engine.sampling.sampler import sample
 from engine.step.body import verify_drafts
-from engine.step.config import EngineConfig, EngineStats
-from engine.step.controls import SamplingControls
+from engine.step.engine_config import EngineConfig, EngineStats
+from engine.step.control_state import SamplingControls
 from engine.step.staging import StepArrays
 from engine.step.static_buffers import StepBuffers
 from engine.step.transfer import HostOutputs

@@ -19,7 +19,7 @@ import torch
 
 from engine.host.ledger import SamplerInputs
 from engine.host.step_fields import READ_FROM_POOL
-from engine.step.config import EngineConfig
+from engine.step.engine_config import EngineConfig
 from engine.step.staging import StepArrays
 from engine.step.validation import type_name
 

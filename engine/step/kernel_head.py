@@ -35,8 +35,8 @@ import torch
 
 from engine.host.ledger import SamplerInputs
 from engine.invariance import warn_not_invariant
-from engine.step.config import EngineConfig, EngineStats
-from engine.step.controls import SamplingControls
+from engine.step.engine_config import EngineConfig, EngineStats
+from engine.step.control_state import SamplingControls
 from engine.step.lm_head import LMHead, LocalHead
 from engine.step.lm_head_choice import RowLogits, choose_row_logits
 from engine.step.prompt_logprobs import PromptRowResults, compute_prompt_logprobs

@@ -25,16 +25,16 @@ from typing import Protocol
 
 import torch
 
-from engine.sampling.kernels.controls import apply_controls
+from engine.sampling.kernels.controls_kernel import apply_controls
 from engine.sampling.kernels.hidden_check import fail_non_finite_hidden
 from engine.sampling.kernels.sample import KeptWeights, SampleScratch, sample_rows
-from engine.sampling.kernels.verify import split_for, verify_residual_chunks, verify_step
+from engine.sampling.kernels.verify_kernel import split_for, verify_residual_chunks, verify_step
 from engine.sampling.pipeline import ControlRows, ProcessedScores, TorchStages, run_stages
 from engine.sampling.rows import SamplingRows
 from engine.sampling.sample_output import SampleOutput
 from engine.sampling.sampler_config import SamplerConfig
-from engine.step.config import EngineConfig
-from engine.step.controls import SamplingControls
+from engine.step.engine_config import EngineConfig
+from engine.step.control_state import SamplingControls
 from engine.step.static_buffers import StepBuffers
 
 

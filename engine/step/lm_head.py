@@ -26,9 +26,9 @@ from engine.host.ledger import SamplerInputs
 from engine.invariance import choose_block_gemm, lm_head_candidates, warn_not_invariant
 from engine.ops import BlockGemm, get_logits
 from engine.sampling.sampler import TOP_K_MODES, SamplerConfig, sample
-from engine.step.config import EngineConfig, EngineStats
+from engine.step.engine_config import EngineConfig, EngineStats
 from engine.step.body import StepBody
-from engine.step.controls import SamplingControls
+from engine.step.control_state import SamplingControls
 from engine.step.prompt_logprobs import PromptRowResults, compute_prompt_logprobs
 from engine.step.static_buffers import StepBuffers
 from engine.step.validation import type_name

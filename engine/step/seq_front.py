@@ -12,7 +12,7 @@ from engine.host.params import SeqMeta
 from engine.host.control_slots import ControlHook
 from engine.host.request_table import LazyLookup, RequestState, RequestTable
 from engine.host.stop_ids import StopIds
-from engine.step.config import EngineConfig
+from engine.step.engine_config import EngineConfig
 from engine.step.prompt_logprobs import PromptLogprobAccumulator
 
 

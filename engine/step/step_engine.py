@@ -9,7 +9,7 @@
                         -> sample -> verify drafts -> draft-pool writes
       -> collect        exact rows, output copy, rescoring                  collect.py
       -> prompt logprobs  chunked, eager, outside the graph                 lm_head.py
-      -> StepOutput                                                         outputs.py
+      -> StepOutput                                                         step_output.py
 
 A row whose hidden state or logits are not finite, or whose controls leave no
 token, fails only its own request (docs/contract.md §2): the sampler marks it
@@ -49,12 +49,12 @@ from engine.ops import upload
 from engine.sampling.token_bitmask import bitmask_words
 from engine.step.checkpoint import EngineCheckpoint, copy_counters, restore_counters
 from engine.step.collect import CollectedRows, collect
-from engine.step.config import EngineConfig, EngineStats
-from engine.step.controls import ControlWrites, SamplingControls
+from engine.step.engine_config import EngineConfig, EngineStats
+from engine.step.control_state import ControlWrites, SamplingControls
 from engine.step.drafts import StepDrafts
 from engine.step.kernel_head import local_head
 from engine.step.lm_head import LMHead
-from engine.step.outputs import StepOutput, assemble, row_errors
+from engine.step.step_output import StepOutput, assemble, row_errors
 from engine.step.prompt_logprobs import PromptLogprobAccumulator, PromptLogprobUpdate
 from engine.step.seq_front import SeqMetaFront
 from engine.step.staging import StepArrays

@@ -17,7 +17,7 @@ step after next overwrites.
 
 The host-to-device way is `StepBuffers.load`: the per-step fields packed into
 one pinned staging area, with the control writes staged since the last step
-(`engine.step.controls`) and a step's token bitmask carried in the same copy.
+(`engine.step.control_state`) and a step's token bitmask carried in the same copy.
 What still travels apart: rejection mode's draft distributions ([k, V] a
 request, too large to stage every step), the row index of a step whose hidden
 states are not in the engine's source, and, after the copy back, the logprob

@@ -37,13 +37,13 @@ from pathlib import Path
 
 import torch
 
-from engine.cli.prompts import CHAT_PROMPTS
+from engine.cli.demo_prompts import CHAT_PROMPTS
 from engine.loop.decode_loop import DecodeLoop, LoopConfig
 from engine.models.gguf_loader import cache_dir, file_digest, load_gguf, load_smollm2, smollm2_gguf_path
 from engine.models.llama_weights import LlamaConfig, LlamaWeights
 from engine.models.tokenizer import ChatMLTokenizer
 from engine.host.params import SamplingParams
-from engine.step.config import EngineConfig
+from engine.step.engine_config import EngineConfig
 from profiling.bench._timing import print_table
 from profiling.bench.peer import missing_peer_notice, run_under_peer
 

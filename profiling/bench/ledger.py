@@ -37,7 +37,7 @@ import torch
 from engine.host.ledger import prepare_sampler_inputs
 from engine.host.params import SamplingParams, SeqMeta
 from engine.step.batch import PersistentBatch
-from engine.step.config import EngineConfig
+from engine.step.engine_config import EngineConfig
 from engine.step.step_engine import StepEngine
 from profiling.bench._timing import print_table, ratio
 

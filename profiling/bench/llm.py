@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from engine.cli.prompts import CHAT_PROMPTS
+from engine.cli.demo_prompts import CHAT_PROMPTS
 from engine.host.params import SamplingParams
 from engine.llm import LLM
 from profiling.bench._timing import print_table, ratio

@@ -56,7 +56,7 @@ from engine.host.params import SamplingParams, SeqMeta
 from engine.sampling.row_params import RowParams
 from engine.sampling.sample_output import SampleOutput
 from engine.sampling.sampler import SamplerConfig, sample
-from engine.step.config import EngineConfig
+from engine.step.engine_config import EngineConfig
 from engine.step.lm_head import CPU_CHUNK_ROWS
 from engine.step.step_engine import StepEngine
 from profiling.bench._timing import print_table

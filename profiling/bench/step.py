@@ -21,7 +21,7 @@ import torch
 from engine.host.draft_slots import DraftSlots
 from engine.host.params import SamplingParams
 from engine.host.request_table import RequestTable
-from engine.step.config import EngineConfig
+from engine.step.engine_config import EngineConfig
 from engine.step.step_engine import StepEngine
 from profiling.bench._timing import median_us, print_table, ratio
 

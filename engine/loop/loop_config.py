@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from engine.models.protocol import CausalLM
-from engine.step.config import EngineConfig
+from engine.step.engine_config import EngineConfig
 
 
 @dataclass(frozen=True)

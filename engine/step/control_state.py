@@ -48,7 +48,7 @@ from engine.ops import upload
 from engine.sampling.errors import RowError
 from engine.sampling.pipeline import ControlRows
 from engine.sampling.token_bitmask import BITS_PER_WORD, bitmask_words
-from engine.step.config import EngineConfig
+from engine.step.engine_config import EngineConfig
 from engine.step.static_buffers import StepBuffers
 
 log = logging.getLogger(__name__)

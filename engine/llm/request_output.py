@@ -11,7 +11,7 @@ from typing import NamedTuple, Sequence
 
 from engine.loop.requests import Completion
 from engine.models.tokenizer import HFProtocol
-from engine.step.outputs import TokenLogprob
+from engine.step.step_output import TokenLogprob
 from engine.step.prompt_logprobs import PromptLogprob
 
 # vLLM's sample and prompt logprobs: per position, token id -> its Logprob.

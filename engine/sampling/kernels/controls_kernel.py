@@ -304,7 +304,7 @@ def apply_controls(
     - `row_to_req`, `local_step` [rows] int64; `control_slots` [reqs] int64 (0 = none);
     - `row_drafts` [rows] int64 (-1 none, -2 from the pool), `read_rows` [rows] int64
       (`mtp_info_read_rows`), `pool_tokens` [pool rows] int64: read when `max_drafts` > 0;
-    - the control slots' state (`engine/step/controls.py`): `counts` [slots, V] int32,
+    - the control slots' state (`engine/step/control_state.py`): `counts` [slots, V] int32,
       `prompt_words` [slots, W] int32, `penalties` [slots, 3] f32 (repetition,
       frequency, presence), `bias_ids` [slots, L] int64 and `bias_values` [slots, L]
       f32 (padding (0, +0.0) after the real entries, whose ids are distinct),
