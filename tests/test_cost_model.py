@@ -218,7 +218,10 @@ def test_cli_json_has_every_graph_and_field(capsys: pytest.CaptureFixture[str], 
         assert g["kernels"] > 20 and g["weight_reads"] == 1.0  # one 64-row GEMM block covers every bucket here
         assert g["modelled_us"] == g["bytes"]
         # Rejection mode's floor reads the staged draft distributions once more: [rows, V] f32.
-        draft_probs = g["rows"] * g["vocab"] * 4 if g["scenario"] == "drafts rejection" else 0
+        rejection = g["scenario"] in ("drafts rejection", "shard heads drafts")  # the shard heads' drafts: rejection
+        # The draft distributions are over the whole vocabulary (tp = 2 shards for the shard heads).
+        full_vocab = g["vocab"] * (2 if g["scenario"].startswith("shard heads") else 1)
+        draft_probs = g["rows"] * full_vocab * 4 if rejection else 0
         assert g["floor_us"] == g["weight_bytes"] + 2 * g["rows"] * g["vocab"] * 4 + draft_probs
         assert g["ratio"] == pytest.approx(g["modelled_us"] / g["floor_us"], rel=1e-3)
         assert sum(op["kernels"] for op in g["ops"]) == g["kernels"]

@@ -129,6 +129,12 @@ class KernelHead(LMHead):
         rows = b.rows_for(bucket)
         self.row_logits(b.source, b.inputs.selected_token_indices[:rows], b.logits[:rows])  # [rows, V] f32
 
+    @property
+    def split_sampler(self) -> bool:
+        """The sampler splits rows over the SMs in graphs without drafts (their verification
+        kernels leave no room for its 8 more launches within 12 a graph)."""
+        return not self.config.max_draft_tokens
+
     def graphs_for(self, inputs: SamplerInputs, rows: int, stats: EngineStats) -> str:
         return KERNELS
 

@@ -44,6 +44,9 @@ class KernelStepHead(Protocol):
     buffers: StepBuffers
     config: EngineConfig
     state: KernelState
+    # Whether the sampler may split a row over programs (9 launches, one per phase); False
+    # keeps it to one launch where the graph's other kernels leave no room (12 a graph).
+    split_sampler: bool
 
     def logits(self, bucket: int) -> None:
         """The bucket's sample rows' fp32 logits into `buffers.logits`."""
@@ -155,12 +158,12 @@ class TritonStages(TorchStages):
         every row branches on its own parameters. Capture-safe."""
         s = self.head.state
         # Without drafts each row spreads over the SMs (9 launches at small buckets: the graph's
-        # 12 kernels); a drafts graph keeps one launch, one program per row: its verification
-        # kernels leave no room for 8 more, and its rows are (1 + drafts) x the bucket's.
+        # 12 kernels); a drafts graph (or a shard head's, with its exchange) keeps one launch,
+        # one program per row: its other kernels leave no room for 8 more.
         sample_rows(processed.scores, rows.params, out, s.scratch, logits=plain,
                     nothing_allowed=processed.nothing_allowed, logprobs=mode,
                     row_controlled=processed.row_controlled, kept=s.kept,
-                    programs=1 if self.head.config.max_draft_tokens else None)
+                    programs=None if self.head.split_sampler else 1)
 
 
 @dataclass(frozen=True)
