@@ -131,6 +131,11 @@ def _min_p_case_params(rows: int = 1) -> RowParams:
         row_to_req=np.arange(rows), local_step=np.zeros(rows, np.int64))
 
 
+def _listed_with_mass(out) -> list[int]:
+    """The processed top-N's tokens of finite logprob: the kept set (the ids past it are listed at -inf)."""
+    return [t for t, lp in zip(out.top_ids[0].tolist(), out.top_logprobs[0].tolist()) if lp > -math.inf]
+
+
 def _min_p_case_logits() -> torch.Tensor:
     return torch.tensor([[math.log(p) for p in MIN_P_CASE["probs"]]], dtype=torch.float32)
 
@@ -140,14 +145,14 @@ def test_min_p_applies_before_top_p(path):
     logits, params = _min_p_case_logits(), _min_p_case_params()
     cfg = SamplerConfig(candidate_cap=4, max_logprobs=4, logprobs_mode="processed")
     if path == "sampler":
-        kept = [t for t in sample(logits, params, cfg).top_ids[0].tolist() if t >= 0]
+        kept = _listed_with_mass(sample(logits, params, cfg))
     elif path == "variants":  # the weights-only pass (no kept mask): the draws land only on the kept set
         many = _min_p_case_params(4000)
         out = sample(logits.expand(4000, 4), many, SamplerConfig(candidate_cap=4, max_logprobs=0, top_k="none"),
                      compute_logprobs=False)
         kept = sorted(set(out.tokens.tolist()))
     elif path == "reference":
-        kept = [t for t in sample_reference(logits, params, cfg).top_ids[0].tolist() if t >= 0]
+        kept = _listed_with_mass(sample_reference(logits, params, cfg))
     elif path == "kept_sets":
         kept = torch.nonzero(kept_sets(logits, params)[0]).flatten().tolist()
     elif path == "verify":
