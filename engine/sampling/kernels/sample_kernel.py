@@ -208,14 +208,12 @@ def sample_kernel(
         best_id = tl.zeros((), dtype=tl.int64)
         raw_max = tl.full((), -float("inf"), tl.float32)
         not_finite = tl.zeros((), dtype=tl.int1)
-        scores_nan = tl.zeros((), dtype=tl.int1)  # a control made a NaN (its +inf shows in `best`)
         raw_top = tl.full((TOP_PAD,), ABSENT, dtype=tl.int64)
         for base in range(start, stop, CHUNK):
             offs = base + tl.arange(0, CHUNK)
             in_row = offs < stop
             score, masked = masked_scores(score_row, offs, in_row, stop_row, active, NUM_STOP)
             clean = tl.where(masked == masked, masked, -float("inf"))  # a NaN (failed row) plays no part
-            scores_nan = scores_nan | (tl.max((masked != masked).to(tl.int32), 0) > 0)
             chunk_best = tl.max(clean, 0)
             chunk_id = tl.min(tl.where(clean == chunk_best, offs, V), 0).to(tl.int64)
             best_id = tl.where(chunk_best > best, chunk_id, best_id)  # the first chunk holding M wins ties
@@ -231,8 +229,7 @@ def sample_kernel(
         tl.store(part_f_ptr + slot * 2 + _BEST, best)
         tl.store(part_f_ptr + slot * 2 + _RAW_MAX, raw_max)
         tl.store(part_i_ptr + slot * 4 + _P_BEST_ID, best_id)
-        # Bit 0: the logits are not finite; bit 1: the processed scores hold a NaN.
-        tl.store(part_i_ptr + slot * 4 + _P_NOT_FINITE, not_finite.to(tl.int64) | (scores_nan.to(tl.int64) << 1))
+        tl.store(part_i_ptr + slot * 4 + _P_NOT_FINITE, not_finite.to(tl.int64))
         if (LOGPROBS == 1) and (NUM_TOP > 0):
             tl.store(part_top_ptr + slot * stride_part_top + lane, raw_top)
         if _arrive(arrivals_ptr, row, parts):
@@ -246,9 +243,8 @@ def sample_kernel(
             best_id = tl.load(part_i_ptr + (row * parts + first_part) * 4 + _P_BEST_ID, cache_modifier=".cg")
             raw_max = tl.max(tl.load(part_f_ptr + part_slots * 2 + _RAW_MAX, mask=my_parts, other=-float("inf"),
                                      cache_modifier=".cg"), 0)
-            flags = tl.load(part_i_ptr + part_slots * 4 + _P_NOT_FINITE, mask=my_parts, other=0, cache_modifier=".cg")
-            not_finite = tl.max((flags & 1).to(tl.int32), 0) != 0
-            scores_nan = tl.max(((flags >> 1) & 1).to(tl.int32), 0) != 0
+            not_finite = tl.max(tl.load(part_i_ptr + part_slots * 4 + _P_NOT_FINITE, mask=my_parts, other=0,
+                                        cache_modifier=".cg").to(tl.int32), 0) != 0
             if (LOGPROBS == 1) and (NUM_TOP > 0):
                 raw_top = top_of_lists(tl.load(part_top_ptr + part_slots[:, None] * stride_part_top + lane[None, :],
                                                mask=my_parts[:, None], other=ABSENT, cache_modifier=".cg"), TOP_PAD)
@@ -257,9 +253,9 @@ def sample_kernel(
             else:
                 nothing_allowed = tl.zeros((), dtype=tl.int1)
             left = tl.where(nothing_allowed, NO_TOKEN_ALLOWED, tl.where(best == -float("inf"), NOTHING_LEFT, 0))
-            # A control that makes a finite logit +inf (it shows in `best`) or NaN fails the row.
-            error = tl.where(not_finite, NOT_FINITE,
-                             tl.where(scores_nan | (best == float("inf")), SCORES_NOT_FINITE, left))
+            # A control that makes a finite logit +inf (a penalty near 0) fails the row; it shows in
+            # `best`. The validated controls (finite bias and penalties) make no NaN of a finite logit.
+            error = tl.where(not_finite, NOT_FINITE, tl.where(best == float("inf"), SCORES_NOT_FINITE, left))
             tl.store(state_f + _BEST, best)
             tl.store(state_f + _RAW_MAX, raw_max)
             tl.store(state_i + _BEST_ID, best_id)
