@@ -21,6 +21,7 @@ Not yet run on GPUs.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import secrets
 
@@ -51,10 +52,18 @@ def join_group(tp: int, device: torch.device) -> None:
                                  "index; each rank takes GPU LOCAL_RANK")
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # The group this made is left at exit: a process that exits holding it may abort in its
+        # communication threads' teardown ("terminate called without an active exception").
+        atexit.register(_leave_group)
     world = dist.get_world_size()
     if world != tp:
         raise ValueError(f"tensor_parallel_size={tp}: the torch.distributed group has {world} ranks; "
                          f"start {tp} ranks (torchrun --nproc-per-node {tp}) or set tensor_parallel_size={world}")
+
+
+def _leave_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def agreed_seed_base(seed_base: int | None, device: torch.device) -> int:
