@@ -17,7 +17,7 @@ Scenarios: the StepEngine (both candidate graph sets, the source-copy path,
 prompt logprobs, an eager fallback), drafts verified in strict and rejection
 mode (also with penalties, logit bias and allowed tokens: the controls graphs), one rank's step of the vocab-sharded engine (a fake process group):
 the single-device heads over a shard with the logits exchange (`shard heads`, also with
-drafts verified by rejection) and the torch-op sharded engine (`sharded`), and
+drafts verified by rejection), and
 the batch-invariant Llama model's decode step, checked under the same rules
 with its KV cache as the static buffers.
 
@@ -80,8 +80,6 @@ from engine.models.protocol import ForwardBatch
 from engine.host.ledger import SamplerInputs
 from engine.host.params import SamplingParams, SeqMeta
 from engine.parallel.shard_heads import sharded_head, vocab_shards
-from engine.parallel.sharded_engine import ParallelConfig, ShardedStepEngine
-from engine.parallel.vocab_parallel import VocabShards
 from engine.sampling.token_bitmask import bitmask_words
 from engine.step.engine_config import EngineConfig
 from engine.step.kernel_head import KERNELS
@@ -479,20 +477,6 @@ def _sharded(run: _Run) -> None:
                 engine.step(engine.source, scenario_requests(n, params=top_k))
                 engine.step(engine.source, scenario_requests(n, decode=True, drafts=drafts),
                             [[1] * drafts for _ in range(n)] if drafts else None)
-    shards = VocabShards.split(cfg.vocab, cfg.tp)
-    with _fake_process_group(cfg.tp):
-        engine = ShardedStepEngine(run.weight(shards.sizes[0], cfg.hidden), cfg.vocab,
-                                   EngineConfig(device="cuda", max_num_reqs=cfg.max_num_reqs),
-                                   ParallelConfig(strategy="candidates"))
-        run.graph_sets(f"sharded tp={cfg.tp}", engine,
-                       {f"sharded tp={cfg.tp} {strategy}": strategy for strategy in engine.replayers})
-        if not run.runs_steps:
-            return
-        n = min(4, cfg.max_num_reqs)
-        top_k = lambda i: SamplingParams(temperature=0.8, top_k=20, seed=i)  # noqa: E731
-        with run.steps(f"sharded rank 0 of {cfg.tp}", 2):
-            engine.step(engine.source, scenario_requests(n, params=top_k))  # candidates
-            engine.step(engine.source, scenario_requests(n, decode=True))  # top-p: falls back to gather
 
 
 def _model_weights(run: _Run, config: LlamaConfig) -> LlamaWeights:

@@ -18,7 +18,6 @@ BENCHES = {
     "logits": (["--quick", "--repeats", "1"], ["invariant/plain"]),
     "verify": (["--quick", "--repeats", "1"], ["verify/plain", "strict/plain", "rejection/plain"]),
     "forward": (["--quick", "--repeats", "1", "--batches", "1", "2", "--prompt-len", "16"], ["vs fast"]),
-    "tp": (["--quick", "--repeats", "1"], ["bytes: gather/this", "time: this/gather"]),
     "controls": (["--quick", "--repeats", "1", "--batch", "2", "--vocab", "1024"], ["controls/plain"]),
     "llm": (["--quick"], ["vs invariant"]),
 }

@@ -355,7 +355,7 @@ def test_counts_follow_the_draws_of_wide_top_p_rows():
     tokens = []
     for s in range(20):
         tokens += _step(batch, ["a"], seed=s).tokens[0]
-    assert engine.stats.exact_rows == 0 and len(set(tokens)) > 5
+    assert len(set(tokens)) > 5
     slot = int(batch.table.control_slot[batch.table.row("a")])
     np.testing.assert_array_equal(engine.controls.counts[slot].numpy(), np.bincount(tokens, minlength=VOCAB))
 

@@ -31,7 +31,7 @@ def test_dry_run_passes_and_reports_ops_per_bucket(capsys: pytest.CaptureFixture
     # On CUDA the engines run the kernel head: one graph set, one graph per bucket (no variants).
     assert not re.search(r"^  (engine|drafts \w+) (plain|greedy|controls) ", out, re.M), out
     for graph_set in ("engine", "drafts strict", "drafts rejection",
-                      "sharded tp=2 gather", "sharded tp=2 candidates", "model decode (eager)"):
+                      "shard heads tp=2", "model decode (eager)"):
         line = next(line for line in out.splitlines() if line.strip().startswith(graph_set + " "))
         counts = [int(ops) for ops in re.findall(r"\b\d+:(\d+)", line)]
         assert counts and min(counts) > 50, line  # every bucket ran a real step under the check

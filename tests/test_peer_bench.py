@@ -83,7 +83,7 @@ def results() -> list[peer.Result]:
     for part in ("sampler", "tail"):
         for batch in (1, 16):
             for n, case in enumerate(peer.CASES):
-                out.append(peer.Result(part, 49152, 576, batch, case, ours_us=100.0 + n, vllm_us=200.0, exact_rows=n % 2))
+                out.append(peer.Result(part, 49152, 576, batch, case, ours_us=100.0 + n, vllm_us=200.0))
     return out
 
 
@@ -109,7 +109,7 @@ def test_json_holds_every_result_with_its_ratio():
     assert set(doc) == {"meta", "results", "floor"}
     assert len(doc["results"]) == len(rows)
     first = doc["results"][0]
-    assert set(first) == {"part", "vocab", "hidden", "batch", "case", "ours_us", "vllm_us", "exact_rows", "ratio"}
+    assert set(first) == {"part", "vocab", "hidden", "batch", "case", "ours_us", "vllm_us", "ratio"}
     assert first["ratio"] == pytest.approx(first["vllm_us"] / first["ours_us"])
     assert peer.weight_floor([r for r in rows if r.part == "sampler"], 1e10) is None
 
@@ -251,7 +251,7 @@ def test_peer_plots_one_png_per_part_and_vocabulary_from_a_saved_run(tmp_path, c
     from profiling.bench import peer
 
     rows = [dict(part=part, vocab=vocab, hidden=576, batch=batch, case=case, ours_us=100.0 * batch,
-                 vllm_us=150.0 * batch, exact_rows=0, ratio=1.5)
+                 vllm_us=150.0 * batch, ratio=1.5)
             for part in ("sampler", "tail") for vocab in (49152, 128256) for batch in (1, 16)
             for case in ("greedy", "top-p0.9")]
     meta = dict(vllm="0.32.0", torch="2.13", threads=1, repeats=1, cpu="AMD EPYC", cpu_flags="avx2", commit="abc1234")

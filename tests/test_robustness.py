@@ -27,8 +27,7 @@ from hypothesis import strategies as st
 import engine.step.lm_head as lm_head_module
 import tests.test_parallel as parallel
 from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine
-from engine.parallel import ParallelConfig, ShardedStepEngine, VocabShards
-from engine.parallel.vocab_parallel import VocabParallelSampler
+from engine.parallel import sharded_head, vocab_shards
 from engine.sampling.errors import PLACEHOLDER_TOKEN, RowError
 from engine.sampling.exact import sample_exact, sample_reference
 from engine.sampling.row_params import RowParams
@@ -437,26 +436,16 @@ def _parallel_weight() -> torch.Tensor:
     return torch.randn(parallel.VOCAB, parallel.HIDDEN, generator=torch.Generator().manual_seed(0))
 
 
-def _without_ids(fields: tuple) -> tuple:
-    """Followers name requests by their broadcast keys: compare the causes."""
-    return (*fields[:-1], [None if e is None else e.split(": ", 1)[1] for e in fields[-1]])
-
-
-def _poisoned_sharded_worker(rank: int, world: int, cases: list) -> dict:
-    shards = VocabShards.split(parallel.VOCAB, world)
-    results = {}
-    for strategy in ("gather", "candidates"):
-        engine = ShardedStepEngine(shards.shard(_parallel_weight(), rank), parallel.VOCAB, parallel.CONFIG,
-                                   ParallelConfig(strategy=strategy, k_cap=50))
-        engine.capture()
-        results[strategy] = [_fields(engine.step(hidden, seqs if rank == 0 else None, drafts if rank == 0 else None))
-                             for seqs, hidden, drafts in cases]
-    return results
+def _poisoned_sharded_worker(rank: int, world: int, cases: list) -> list:
+    shard = vocab_shards(parallel.VOCAB, world).shard(_parallel_weight(), rank)
+    engine = StepEngine(sharded_head(shard, parallel.VOCAB, parallel.CONFIG), parallel.CONFIG)
+    engine.capture()
+    return [_fields(engine.step(hidden, seqs, drafts)) for seqs, hidden, drafts in cases]
 
 
 def test_the_sharded_engine_fails_the_same_requests(tmp_path):
-    """Both strategies, 2 gloo ranks: a poisoned batch gives the unsharded
-    engine's tokens, logprobs and errors on every rank."""
+    """2 gloo ranks: a poisoned batch gives the unsharded engine's tokens, logprobs
+    and errors on every rank."""
     rng = np.random.default_rng(11)
     cases = []
     for seed, eligible in ((0, True), (1, True), (2, False)):
@@ -471,33 +460,6 @@ def test_the_sharded_engine_fails_the_same_requests(tmp_path):
     expected = [_fields(reference.step(hidden, seqs, drafts)) for seqs, hidden, drafts in cases]
     errors = [e for fields in expected for e in fields[-1]]
     assert any(e is not None for e in errors) and any(e is None for e in errors)
-    for rank, result in enumerate(parallel.run_ranks(2, _poisoned_sharded_worker, (cases,), tmp_path)):
-        for strategy, outs in result.items():
-            for got, want in zip(outs, expected):
-                assert (got if rank == 0 else _without_ids(got)) == (want if rank == 0 else _without_ids(want)), (
-                    rank, strategy)
-
-
-def _candidate_rows_worker(rank: int, world: int) -> tuple:
-    vocab = parallel.VOCAB
-    sampler = VocabParallelSampler(VocabShards.split(vocab, world), rank, max_rows=4, k_cap=50, max_stop_ids=8,
-                                   sampler=SamplerConfig(candidate_cap=256, max_logprobs=5),
-                                   full_logits=torch.zeros(4, vocab))
-    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(12))
-    logits[1] = math.nan
-    logits[2, 7] = math.inf
-    logits[3, 9] = -math.inf  # the only non-finite logit: no NaN arises from it on its own
-    sampler.local_logits[:, : sampler.size].copy_(logits[:, sampler.start : sampler.start + sampler.size])
-    params = RowParams.from_numpy(
-        temperatures=np.array([0.0, 0.7, 0.0, 1.0], np.float32), top_ks=np.array([0, 5, 0, 20], np.int32),
-        top_ps=np.ones(4, np.float32), min_ps=np.zeros(4, np.float32), seeds=np.arange(4, dtype=np.uint64),
-        sample_positions=np.zeros(4, np.int64), row_to_req=np.arange(4), local_step=np.zeros(4, np.int64))
-    out = SampleOutput.allocate(4, 5)
-    sampler.sample_candidates(4, params, out)
-    return out.error.tolist(), out.tokens.tolist(), out.needs_exact.tolist(), torch.isfinite(out.logprob).all().item()
-
-
-def test_the_candidate_exchange_flags_non_finite_rows_on_every_rank(tmp_path):
-    for error, tokens, needs_exact, finite in parallel.run_ranks(2, _candidate_rows_worker, (), tmp_path):
-        assert error == [0, 1, 1, 1] and tokens[1:] == [PLACEHOLDER_TOKEN] * 3
-        assert needs_exact[1:] == [False] * 3 and finite
+    for rank, outs in enumerate(parallel.run_ranks(2, _poisoned_sharded_worker, (cases,), tmp_path)):
+        for got, want in zip(outs, expected):
+            assert got == want, rank

@@ -265,5 +265,5 @@ def test_wide_top_p_rows_see_the_mask():
     e = make_engine(sampler=SamplerConfig(candidate_cap=16, max_logprobs=2), sampler_variants=False)
     params = SamplingParams(temperature=2.0, top_p=0.99, seed=4, bad_words=tuple((t,) for t in range(0, V, 2)))
     emitted = run_with_drafts(e, [3, 4], params, 30, lambda done: [])
-    assert e.stats.exact_rows == 0 and len(set(emitted)) > 5
+    assert len(set(emitted)) > 5
     assert all(t % 2 for t in emitted)

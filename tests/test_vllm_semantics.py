@@ -20,12 +20,10 @@ import torch
 
 from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine
 from engine.step.batch import PersistentBatch
-from engine.sampling.candidates import decide_on_candidates
 from engine.sampling.exact import kept_sets, sample_reference
 from engine.sampling.row_params import RowParams
 from engine.sampling.rows import expand_rows
 from engine.sampling.sampler import SamplerConfig, sample
-from engine.sampling.suppression import suppression_and_shift
 from engine.sampling.verify import target_probs
 from tests import numpy_sampler_reference as ref
 from tests.controls_reference import controlled_row
@@ -140,7 +138,7 @@ def _min_p_case_logits() -> torch.Tensor:
     return torch.tensor([[math.log(p) for p in MIN_P_CASE["probs"]]], dtype=torch.float32)
 
 
-@pytest.mark.parametrize("path", ["sampler", "variants", "reference", "kept_sets", "verify", "candidates", "numpy"])
+@pytest.mark.parametrize("path", ["sampler", "variants", "reference", "kept_sets", "verify", "numpy"])
 def test_min_p_applies_before_top_p(path):
     logits, params = _min_p_case_logits(), _min_p_case_params()
     cfg = SamplerConfig(candidate_cap=4, max_logprobs=4, logprobs_mode="processed")
@@ -157,14 +155,6 @@ def test_min_p_applies_before_top_p(path):
         kept = torch.nonzero(kept_sets(logits, params)[0]).flatten().tolist()
     elif path == "verify":
         kept = torch.nonzero(target_probs(logits, params)[0] > 0).flatten().tolist()
-    elif path == "candidates":
-        rows = expand_rows(params, 4)
-        ids = torch.arange(4)[None]
-        valid, _, shift = suppression_and_shift(logits, ids, logits[:, -1], rows)
-        draws = {int(decide_on_candidates(logits, ids, logits[:, -1], valid, shift,
-                                          rows.replace(uniform=torch.tensor([u], dtype=torch.float64)), 4).token)
-                 for u in np.linspace(0.001, 0.999, 200)}
-        kept = sorted(draws)
     else:
         spec = ref.RowSpec(temperature=1.0, top_p=MIN_P_CASE["top_p"], min_p=MIN_P_CASE["min_p"])
         kept = np.flatnonzero(ref.sample_row(logits[0].numpy(), spec, mode="processed").kept).tolist()

@@ -17,9 +17,8 @@ picks its kernel by shape and is not checked against the whole head). Every rank
 the same tokens, so ranks that schedule alike stay in lockstep without a broadcast.
 
 What moves per step is the logits: (tp - 1) x rows x V_rank x 4 bytes received per rank
-(`LogitsExchange.received_bytes`; 16.5 MB at 64 rows of V = 129280, tp = 2), not the
-candidates of `vocab_parallel`; in exchange the stages are the single-device ones, with
-nothing of their own to keep exact, and a graph is 7 kernels (9 with drafts).
+(`LogitsExchange.received_bytes`; 16.5 MB at 64 rows of V = 129280, tp = 2); in exchange
+the stages are the single-device ones, with nothing of their own to keep exact, and a graph is 7 kernels (9 with drafts).
 
 Not built yet: an exact exchange of per-shard summaries on the kernels. docs/contract.md
 makes it possible: every cut is a threshold on z, and every sum (top-p's, the draw's, the
@@ -47,7 +46,6 @@ import torch.distributed as dist
 
 from engine.host.ledger import SamplerInputs
 from engine.ops import gather, get_logits
-from engine.parallel.vocab_parallel import VocabShards
 from engine.step.engine_config import EngineConfig, EngineStats
 from engine.step.kernel_head import KernelHead
 from engine.step.lm_head import LocalHead, checked_head_weight
@@ -60,11 +58,41 @@ from engine.step.static_buffers import StepBuffers
 SHARD_ALIGN = 32
 
 
+@dataclass(frozen=True)
+class VocabShards:
+    """Which vocabulary rows each of `tp` ranks holds: contiguous runs of whole SHARD_ALIGN
+    blocks, the first ranks one block more where they do not divide evenly (the last shard is
+    never larger than the others and no rank is left empty)."""
+
+    vocab: int
+    tp: int
+    starts: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def max_size(self) -> int:
+        return max(self.sizes)
+
+    def shard(self, weight: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank `rank`'s rows of a full [V, H] LM head (a view)."""
+        if weight.shape[0] != self.vocab:
+            raise ValueError(f"weight: {weight.shape[0]} rows, the shards cover vocab={self.vocab}")
+        return weight[self.starts[rank] : self.starts[rank] + self.sizes[rank]]
+
+
 def vocab_shards(vocab: int, tp: int) -> VocabShards:
-    """The vocabulary rows each of `tp` ranks holds: runs of whole SHARD_ALIGN blocks, the
-    first ranks one block more where they do not divide evenly. **Raises** ValueError when
-    there are fewer blocks than ranks."""
-    return VocabShards.split(vocab, tp, SHARD_ALIGN)
+    """The `VocabShards` of `vocab` tokens over `tp` ranks. **Raises** ValueError when there
+    are fewer SHARD_ALIGN blocks than ranks."""
+    if tp < 1:
+        raise ValueError(f"tp={tp}: must be >= 1")
+    blocks = -(-vocab // SHARD_ALIGN)
+    if blocks < tp:
+        raise ValueError(f"vocab={vocab}: {blocks} blocks of {SHARD_ALIGN} tokens cannot feed tp={tp} ranks")
+    counts = [blocks // tp + (r < blocks % tp) for r in range(tp)]
+    ends = np.cumsum(counts) * SHARD_ALIGN
+    starts = tuple(int(e) for e in np.concatenate([[0], ends[:-1]]))
+    sizes = tuple(min(int(e), vocab) - a for a, e in zip(starts, ends))
+    return VocabShards(vocab, tp, starts, sizes)
 
 
 @dataclass

@@ -10,7 +10,7 @@
   token; this one looks for the block of `BLOCK` tokens first (the block
   masses of `engine.sampling.thresholds.RowDistribution`), then the token
   inside it. Any path that lays the same weights out over the whole row (the
-  vocab-parallel candidates, the Triton kernels) gets the same bits.
+  Triton kernels) gets the same bits.
 - A forced token, when set, replaces whatever the row drew.
 Verification draws from explicit distributions by their integer masses with `inverse_cdf`;
 its top-k-space bonus token races Gumbel noise keyed by token id (`gumbel_race`).

@@ -1,8 +1,7 @@
 """The kept set by sorting (docs/contract.md §2): min-p -> top-k -> top-p, defined on values.
 
-The reference path (`engine.sampling.exact`) and the vocab-parallel candidate
-exchange sort each row (or its candidates) by (z desc, id asc) and apply the
-definitions in a walk; the sampler finds the same thresholds by radix select
+The reference path (`engine.sampling.exact`) sorts each row by (z desc, id asc)
+and applies the definitions in a walk; the sampler finds the same thresholds by radix select
 (`engine.sampling.thresholds`) and the two agree bit for bit. Over processed
 logits z with masses w (`thresholds.token_masses`, float64 integers):
 

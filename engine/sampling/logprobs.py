@@ -48,59 +48,20 @@ class RowLogprobs:
                 target[index] = value.to(target.dtype)
 
 
-def token_logprobs(
-    logits: torch.Tensor,
-    tokens: torch.Tensor,
-    *,
-    log_normaliser: torch.Tensor | None = None,
-    ids: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *,
+                   log_normaliser: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Raw logprob and rank of each row's token.
 
-    Parameters: `logits` [rows, V] f32 raw logits (or [rows, M] candidates,
-    with `ids`); `tokens` [rows] int64; `log_normaliser` [rows] f64 from
-    `raw_log_normaliser` when the caller has it (None: computed over
-    `logits`); `ids` [rows, M] int64 the token id of each column of
-    `logits`, when those are candidates holding every token that outranks
-    the given one (None: column = token id). Returns: `logprob` [rows] f64
-    and `rank` [rows] int64. Capture-safe.
+    Parameters: `logits` [rows, V] f32 raw logits; `tokens` [rows] int64;
+    `log_normaliser` [rows] f64 from `raw_log_normaliser` when the caller has
+    it (None: computed over `logits`). Returns: `logprob` [rows] f64 and
+    `rank` [rows] int64. Capture-safe.
     """
-    if ids is None:
-        value = logits.gather(1, tokens[:, None])  # [rows, 1]
-    else:
-        neg_inf = torch.full((), -math.inf, dtype=logits.dtype, device=logits.device)
-        value = torch.where(ids == tokens[:, None], logits, neg_inf).amax(-1, keepdim=True)
+    value = logits.gather(1, tokens[:, None])  # [rows, 1]
     if log_normaliser is None:
         log_normaliser = raw_log_normaliser(logits, logits.amax(-1))
     rank = (logits > value).sum(-1) + 1
     return value.squeeze(1).to(torch.float64) - log_normaliser, rank
-
-
-def candidate_raw_logprobs(
-    logits: torch.Tensor,
-    tokens: torch.Tensor,
-    cand_raw: torch.Tensor,
-    cand_ids: torch.Tensor,
-    log_normaliser: torch.Tensor,
-    num_top: int,
-    has_tail: bool,
-    *,
-    ids: torch.Tensor | None = None,
-) -> tuple[RowLogprobs, torch.Tensor]:
-    """Raw logprobs with the top-N taken from ordered candidates.
-
-    Parameters: `logits`, `tokens`, `log_normaliser`, `ids` as in
-    `token_logprobs`; `cand_raw`, `cand_ids` [rows, C] in (raw desc, id asc)
-    order, C >= `num_top`; `has_tail`: tokens exist past the C-th candidate.
-    Returns: the logprobs, and [rows] bool: rows whose N-th value ties all the
-    way to the C-th candidate, where smaller ids outside the candidates may
-    belong in the top-N (the reference path decides them). Capture-safe.
-    """
-    logprob, rank = token_logprobs(logits, tokens, log_normaliser=log_normaliser, ids=ids)
-    top = RowLogprobs(logprob, rank, cand_ids[:, :num_top], cand_raw[:, :num_top].to(torch.float64) - log_normaliser[:, None])
-    if num_top == 0 or not has_tail:
-        return top, torch.zeros_like(tokens, dtype=torch.bool)
-    return top, cand_raw[:, num_top - 1] <= cand_raw[:, -1]
 
 
 def raw_logprobs(plain: torch.Tensor, tokens: torch.Tensor, num_top: int) -> RowLogprobs:

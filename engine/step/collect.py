@@ -1,9 +1,5 @@
-"""After the replay: the copy out, and the rows a head's graph left to the host.
+"""After the replay: the copy out, and the rescoring of residual draws.
 
-    exact rows   only for a head whose sampler can flag rows (the vocab-parallel
-                 candidate exchange, when a tie reaches past its candidates):
-                 redone by the eager reference path, drafts re-verified against
-                 them. The local head decides every row inside the graph.
     output copy  the real rows of the static outputs, copied to the host before
                  the next replay overwrites them: one packed copy of every output
                  (engine/step/transfer.py), the step's one read of the device
@@ -20,13 +16,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from engine.sampling.exact import sample_exact
 from engine.ops import upload
 from engine.sampling.sample_output import SampleOutput
 from engine.sampling.sampler import sample
-from engine.step.body import verify_drafts
-from engine.step.engine_config import EngineConfig, EngineStats
-from engine.step.control_state import SamplingControls
+from engine.step.engine_config import EngineConfig
 from engine.step.staging import StepArrays
 from engine.step.static_buffers import StepBuffers
 from engine.step.transfer import HostOutputs
@@ -58,44 +51,19 @@ class CollectedRows:
 ScoresAfter = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor | None]"]
 
 
-def collect(buffers: StepBuffers, config: EngineConfig, bucket: int, arrays: StepArrays, stats: EngineStats, *,
-            want_top: bool, want_logprobs: bool = True, controls: SamplingControls | None = None,
-            fetched: HostOutputs | None = None, counted: bool = False,
+def collect(buffers: StepBuffers, config: EngineConfig, bucket: int, arrays: StepArrays, *,
+            want_top: bool, want_logprobs: bool = True, counted: bool = False,
             scores_after: ScoresAfter | None = None) -> CollectedRows:
-    """Redo flagged rows exactly, re-verify if needed, and copy the real rows
-    out: per sample row tokens, logprob, rank, error (and top_ids /
-    top_logprobs with `want_top`), per request num_accepted, per row the
-    penalty counts' index.
-    `controls`: the sampling-control state when the step ran a controls
-    graph (`buffers.logits` hold the controlled logits, raw logprobs come
-    from its unprocessed ones, and the counts follow the exact rows' draws).
-    `fetched`: the step's output copy when the head's sampler may have flagged
-    rows (it was fetched to read the flags); None: fetched here. `counted`: the
-    step added its tokens to the penalty counts (`CollectedRows.counted_index`).
-    `scores_after`: the rows as the sampler saw them, for rescoring residual
-    draws (rejection mode)."""
+    """Copy the real rows out: per sample row tokens, logprob, rank, error (and
+    top_ids / top_logprobs with `want_top`), per request num_accepted, per row the
+    penalty counts' index. `counted`: the step added its tokens to the penalty
+    counts (`CollectedRows.counted_index`). `scores_after`: the rows as the sampler
+    saw them, for rescoring residual draws (rejection mode)."""
     b = buffers
-    rows, capacity, n = len(arrays.row_to_req), b.rows_for(bucket), len(arrays.temperatures)
-    params, out = b.params(bucket), b.outputs(capacity)
+    rows, n = len(arrays.row_to_req), len(arrays.temperatures)
     token_bitmask = b.token_bitmask if arrays.token_bitmask is not None else None  # the step's, staged
-    with stage("exact rows"):
-        flags = fetched.rows("needs_exact", rows) if fetched is not None else None
-        if flags is not None and flags.any():
-            # The rows change on the device: the copy is fetched again after them.
-            fetched = None
-            index = upload(np.flatnonzero(flags), b.logits.device)
-            sample_exact(b.logits[:capacity], params, config.sampler, index, out, compute_logprobs=want_logprobs,
-                         unprocessed=None if controls is None else controls.unprocessed[:capacity],
-                         token_bitmask=None if token_bitmask is None else token_bitmask[:capacity])
-            stats.exact_rows += len(index)
-            if config.max_draft_tokens:
-                # The drafts were checked against the candidate exchange's draws.
-                verify_drafts(b, config, bucket, token_bitmask)
-            if controls is not None:
-                controls.recount(b, config, bucket)  # the graph counted the flagged rows' first draws
     with stage("output copy"):
-        if fetched is None:
-            fetched = b.output_copy.fetch(wide=want_top)
+        fetched = b.output_copy.fetch(wide=want_top)
         result = _host_results(fetched, rows, want_top=want_top)
         k = config.max_draft_tokens
         result.num_accepted = fetched.rows("num_accepted", n) if k else np.zeros(n, np.int64)

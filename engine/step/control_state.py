@@ -326,12 +326,6 @@ class SamplingControls:
         counted = index >= 0
         self.counts.view(-1).scatter_add_(0, index.clamp(min=0), counted.to(torch.int32) * sign)
 
-    def recount(self, buffers: StepBuffers, config: EngineConfig, bucket: int) -> None:
-        """After the exact rows changed some draws (eager): take back what `count`
-        added in the graph and count again."""
-        self._add(self.counted_index[: buffers.rows_for(bucket)], -1)
-        self.count(buffers, config, bucket)
-
     # -- host side: undoing ---------------------------------------------------------
 
     def start_step(self) -> None:

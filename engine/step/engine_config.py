@@ -130,7 +130,6 @@ class EngineStats:
     eager_steps: int = 0  # use_graphs=False, or graphs never captured
     eager_fallbacks: int = 0  # above the largest bucket
     source_copies: int = 0  # steps whose hidden states were copied into the static source
-    exact_rows: int = 0  # rows redone eagerly by the reference path (only the vocab-parallel candidate exchange flags any)
     greedy_steps: int = 0  # steps sampled by the greedy graph set (EngineConfig.sampler_variants)
     plain_steps: int = 0  # steps sampled by the plain graph set (no filtered request)
     bucket_histogram: dict[int, int] = field(default_factory=dict)

@@ -3,14 +3,11 @@
 The engine owns the ledger, the static buffers, the graphs and the host side
 of every step. Its `LMHead` owns what depends on where the vocabulary lives:
 the weight, the captured part from the gathered hidden rows to the sampled
-tokens, which of its graph sets a step uses, whether its sampler can leave
-rows to the eager reference path (only the vocab-parallel candidate
-exchange does) and what must happen before those read full logits rows, and
-the prompt logprobs.
+tokens, which of its graph sets a step uses, and the prompt logprobs.
 
 - `LocalHead`: the whole head on this device (`StepEngine(weight, config)`).
-- `engine.parallel.sharded_engine.VocabParallelHead`: one rank's vocabulary
-  shard, exchanging full logits rows or candidates with the other ranks.
+- `engine.step.kernel_head.KernelHead`: the same with the Triton kernels.
+- `engine.parallel.shard_heads`: either over one rank's vocabulary shard.
 """
 from __future__ import annotations
 
@@ -53,9 +50,6 @@ class LMHead(ABC):
     batch_invariant_verified: bool = False
     stats: object | None = None  # the head's own counters, saved and restored with the engine's
     supports_controls = False  # whether `attach_controls` may be called (penalties, logit bias, allowed tokens)
-    # Whether the captured step may flag rows in `out.needs_exact` for the eager
-    # reference path; the local sampler decides every row itself.
-    flags_exact_rows = False
 
     def hold_weight(self, lm_head_weight: object, config: EngineConfig) -> torch.device:
         """Check and keep the whole head's weight and the config (weight, config,
@@ -99,11 +93,6 @@ class LMHead(ABC):
     @abstractmethod
     def graphs_for(self, inputs: SamplerInputs, rows: int, stats: EngineStats) -> str:
         """The graph set of this step; `rows`: the static rows its buckets run over."""
-
-    def before_exact_rows(self, graphs: str, bucket: int, flagged: bool) -> None:
-        """After the replay of `bucket`, before the exact rows read `buffers.logits`
-        (`flagged`: some row needs them, as the step's output copy says): full logits
-        rows must be there by then."""
 
     def scores_after(self, graphs: str, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """After a replay of `graphs`, sample rows `index` [k] int64 as the sampler saw them:

@@ -85,7 +85,7 @@ class StepEngine:
     `lm_head_weight` is the LM head's weight [vocab, hidden] on the engine's
     device (a `LocalHead` computes the logits, or with `EngineConfig.kernels` "triton" a
     `KernelHead`), or the `LMHead` strategy that
-    holds it (the vocab-parallel head of `ShardedStepEngine`)."""
+    holds it (`engine.parallel.sharded_head`: one rank's vocabulary shard)."""
 
     def __init__(self, lm_head_weight: torch.Tensor | LMHead, config: EngineConfig | None = None):
         config = config or EngineConfig()
@@ -343,10 +343,6 @@ class StepEngine:
         else:
             graphs = self.head.graphs_for(inputs, sum(self.buffers.rows_for(p) for _, _, p in parts), self.stats)
         replayer = self.replayers[graphs]
-        # Whether the graph rewrote `buffers.logits` with the processed scores: a masked graph
-        # applies the (neutral) controls too, with no request holding a slot.
-        in_place = (self.controls is not None and self.head.controls_in_place
-                    and graphs in (self.head.controls_graphs, self.head.masked_graphs))
         if bucket is None:
             replayer.record_eager_fallback(n)
             self.stats.eager_fallbacks += 1
@@ -370,14 +366,8 @@ class StepEngine:
                         self.stats.eager_steps += 1
             if controlled:
                 self.controls.replayed(self.buffers.rows_for(part_bucket))
-            # A head that may flag rows for the exact path: the output copy first, for the flags.
-            fetched = self.buffers.output_copy.fetch(wide=want_top) if self.head.flags_exact_rows else None
-            self.head.before_exact_rows(graphs, part_bucket, fetched is not None and bool(
-                fetched.rows("needs_exact", len(part.row_to_req)).any()))
-            results.append(collect(self.buffers, self.config, part_bucket, part, self.stats,
-                                   want_top=want_top, want_logprobs=want_logprobs,
-                                   controls=self.controls if in_place else None,
-                                   fetched=fetched, counted=controlled,
+            results.append(collect(self.buffers, self.config, part_bucket, part,
+                                   want_top=want_top, want_logprobs=want_logprobs, counted=controlled,
                                    scores_after=functools.partial(self.head.scores_after, graphs)))
             if controlled:
                 self.controls.collected(results[-1].counted_index)
