@@ -62,7 +62,6 @@ class CaptureReport:
     # shared graph pool: torch.cuda.graph empties the allocator cache before
     # each capture, so warm-up scratch is released again.
     pool_bytes: int | None
-    graphs_per_bucket: int = 1  # the step engine captures a second sampler variant per bucket
     logits_kernel: str | None = None  # the step engine's verified LM-head block GEMM, e.g. "onednn[16]"
     # Aten ops the capture-safety check saw per bucket (the checked run; on
     # CUDA the first warm-up), in capture order.
@@ -70,9 +69,8 @@ class CaptureReport:
 
     def __str__(self) -> str:
         pool = "" if self.pool_bytes is None else f", {self.pool_bytes / 2**20:.1f} MiB pool"
-        per = "" if self.graphs_per_bucket == 1 else f" ({self.graphs_per_bucket} graphs each)"
         kernel = "" if self.logits_kernel is None else f", LM head {self.logits_kernel}"
-        return f"captured {len(self.buckets)} buckets{per} on {self.device} in {self.seconds:.2f} s{pool}{kernel}"
+        return f"captured {len(self.buckets)} buckets on {self.device} in {self.seconds:.2f} s{pool}{kernel}"
 
 
 # (buckets captured, buckets to capture, the bucket just captured): what a caller's

@@ -371,7 +371,7 @@ class GraphCost:
     """One captured graph: the kernels of one bucket's step and what they cost."""
 
     scenario: str  # e.g. "engine", "drafts rejection", "sharded tp=2"
-    graph_set: str  # the engine's name of the graph set (its `replayers` key)
+    graph_set: str  # the graph: its head's name (`LMHead.name`), the kernel head's per row mix
     bucket: int
     rows: int  # sample rows of the bucket: bucket * (1 + drafts)
     vocab: int  # vocabulary rows of the weight this graph reads (a rank's shard when sharded)
@@ -445,7 +445,7 @@ def table_lines(costs: Sequence[GraphCost], node_us: float = NODE_US, bandwidth_
                 detail: bool = False, sms: int = SMS, sm_bandwidth_gbs: float = SM_BANDWIDTH_GBS) -> Iterator[str]:
     """The readable table: one line per graph (and its costliest ops with `detail`)."""
     measured = any(c.measured_us is not None for c in costs)
-    yield (f"{'scenario':<18} {'graph set':<40} {'bucket':>6} {'rows':>5} {'kernels':>7} {'MB':>9} "
+    yield (f"{'scenario':<18} {'graph':<40} {'bucket':>6} {'rows':>5} {'kernels':>7} {'MB':>9} "
            f"{'W reads':>7} {'model us':>9} {'floor us':>9} {'ratio':>6}" + (f" {'GPU us':>9}" if measured else ""))
     for c in costs:
         modelled, floor = c.modelled_us(node_us, bandwidth_tbs, sms, sm_bandwidth_gbs), c.floor_us(bandwidth_tbs)

@@ -13,9 +13,9 @@ torch.cuda.graph itself cannot run here. Then each scenario runs a few whole
 steps (ledger, staging copy, replay, collection); host reads of device values
 see zeros and are counted per call site.
 
-Scenarios: the StepEngine (both candidate graph sets, the source-copy path,
+Scenarios: the StepEngine (the source-copy path,
 prompt logprobs, an eager fallback), drafts verified in strict and rejection
-mode (also with penalties, logit bias and allowed tokens: the controls graphs), one rank's step of the vocab-sharded engine (a fake process group):
+mode (also with penalties, logit bias and allowed tokens), one rank's step of the vocab-sharded engine (a fake process group):
 the single-device heads over a shard with the logits exchange (`shard heads`, also with
 drafts verified by rejection), and
 the batch-invariant Llama model's decode step, checked under the same rules
@@ -44,8 +44,7 @@ profiling/gpu_check.sh runs it.
 
 `--cost` runs the kernel-level cost model (profiling/cost_model.py,
 docs/cost-model.md) instead of the checks: the same scenarios' engines, each
-checked graph set's step (every graph set's with --all-graph-sets) run once per
-bucket under a kernel counter, no steps. It prints per graph the kernels, their
+engine's step run once per bucket under a kernel counter, no steps. It prints per graph the kernels, their
 bytes, how many times the step reads the LM-head weight, a modelled H200 replay
 time and the floor. Occupancy is counted: the fake device has `--sms` SMs, and
 every Triton launch's grid is read where its launcher makes it (a kernel of few
@@ -83,7 +82,6 @@ from engine.parallel.shard_heads import sharded_head, vocab_shards
 from engine.sampling.token_bitmask import bitmask_words
 from engine.step.engine_config import EngineConfig
 from engine.step.kernel_head import KERNELS
-from engine.step.lm_head import CONTROLLED, FILTERED, GREEDY, PLAIN
 from engine.step.staging import StepArrays
 from engine.step.step_engine import StepEngine
 from graphs.buckets import BucketTable
@@ -148,7 +146,7 @@ class HostTraffic:
 
 @dataclass
 class DryRunReport:
-    """What the dry run checked: ops per bucket of every captured graph set, steps run,
+    """What the dry run checked: ops per bucket of every captured graph, steps run,
     and the host waits (device-to-host reads, pageable copies) of those steps outside
     their graphs."""
 
@@ -158,7 +156,7 @@ class DryRunReport:
     pageable_copies: Counter[str] = field(default_factory=Counter)  # call site -> copies
     h2d_copies: Counter[str] = field(default_factory=Counter)  # call site -> every host-to-device copy
     cuda_syncs: Counter[str] = field(default_factory=Counter)  # on a GPU: call site -> flagged syncs
-    costs: list[GraphCost] = field(default_factory=list)  # a cost run: one per graph set and bucket
+    costs: list[GraphCost] = field(default_factory=list)  # a cost run: one per graph (and row mix) and bucket
     seconds: float = 0.0
     # The host traffic of the steps the graphs serve (one replay: within the largest bucket, no
     # prompt logprobs), where the bar is one copy each way, and of the other engine steps, apart.
@@ -182,7 +180,7 @@ class DryRunReport:
         self.graphs[name] = tuple(zip(report.buckets, report.ops_checked))
 
     def lines(self) -> Iterator[str]:
-        yield "ops checked per bucket under the CUDA rules (graph sets: capture; the model: its eager decode step):"
+        yield "ops checked per bucket under the CUDA rules (graphs: capture; the model: its eager decode step):"
         for name, buckets in self.graphs.items():
             yield f"  {name:<28} " + "  ".join(f"{bucket}:{ops}" for bucket, ops in sorted(buckets))
         yield "steps run: " + ", ".join(f"{name} {count}" for name, count in self.steps.items())
@@ -270,40 +268,38 @@ def controlled_params(i: int) -> SamplingParams:
 @dataclass
 class _Run:
     """One dry run's settings and findings; `cuda` is None on a real GPU (the twin).
-    `replays` > 0: a cost run, which costs graphs instead of checking them (`graph_sets`)."""
+    `replays` > 0: a cost run, which costs graphs instead of checking them (`graphs`)."""
 
     cfg: DryRunConfig
     report: DryRunReport
     cuda: FakeCuda | None
     replays: int = 0
-    all_graph_sets: bool = False
     buckets: frozenset[int] | None = None  # a cost run: only these buckets (None: all)
 
     @property
     def costing(self) -> bool:
         return self.replays > 0
 
-    def graph_sets(self, scenario: str, engine: StepEngine, sets: dict[str, str]) -> None:
-        """Capture the graph sets `sets` (report name -> `engine.replayers` key) under the
-        checks, or in a cost run cost them (all of the engine's with `all_graph_sets`)."""
+    def graphs(self, scenario: str, engine: StepEngine) -> None:
+        """Capture the engine's graphs (one a bucket) under the checks, or in a cost run cost
+        them: the kernel head's once per row mix (its kernels branch per row on the device),
+        the torch head's once (on CUDA its graph runs every stage for every row)."""
         if not self.costing:
-            for name, key in sets.items():
-                self.capture(name, engine.replayers[key])
+            self.capture(scenario, engine.replayer)
             return
-        for graph_set in tuple(engine.replayers) if self.all_graph_sets else tuple(sets.values()):
-            if graph_set != KERNELS:
-                self._cost(scenario, graph_set, engine)
-                continue
-            for mix, sample_passes, control_passes in ROW_MIXES["drafts" if engine.config.max_draft_tokens else "engine"]:
-                passes = {"engine.sample_rows.default": sample_passes, "engine.apply_controls.default": control_passes}
-                self._cost(scenario, graph_set, engine, label=f"{KERNELS} ({mix})", passes=passes)
+        if engine.head.name != KERNELS:
+            self._cost(scenario, engine)
+            return
+        for mix, sample_passes, control_passes in ROW_MIXES["drafts" if engine.config.max_draft_tokens else "engine"]:
+            passes = {"engine.sample_rows.default": sample_passes, "engine.apply_controls.default": control_passes}
+            self._cost(scenario, engine, label=f"{KERNELS} ({mix})", passes=passes)
 
-    def _cost(self, scenario: str, graph_set: str, engine: StepEngine, label: str | None = None,
+    def _cost(self, scenario: str, engine: StepEngine, label: str | None = None,
               passes: dict[str, int] | None = None) -> None:
-        """Each bucket of one graph set, run once under the kernel counter
+        """Each bucket of the engine's graphs, run once under the kernel counter
         (`profiling.cost_model`); on a real GPU also captured, and each bucket's replay
         timed (the median of `replays`-replay runs)."""
-        replayer, weight = engine.replayers[graph_set], engine.weight  # weight: [V, H] or this rank's shard
+        replayer, weight = engine.replayer, engine.weight  # weight: [V, H] or this rank's shard
         if self.buckets is not None and not self.buckets <= set(replayer.buckets):
             raise ValueError(f"buckets={sorted(self.buckets)}: {sorted(self.buckets - set(replayer.buckets))} "
                              f"not among {scenario}'s buckets {tuple(replayer.buckets)}")
@@ -318,7 +314,7 @@ class _Run:
             replayer.restore_counts(counts)
             rows = engine.buffers.rows_for(bucket)
             draft_probs = engine.buffers.draft_probs
-            cost = GraphCost(scenario, label or graph_set, bucket, rows, weight.shape[0],
+            cost = GraphCost(scenario, label or engine.head.name, bucket, rows, weight.shape[0],
                              weight.numel() * weight.element_size(), counter.kernels,
                              draft_probs_bytes=0 if draft_probs is None else rows * draft_probs[0].nbytes)
             if self.cuda is None:
@@ -376,26 +372,18 @@ class _Run:
                 setattr(total, f.name, getattr(total, f.name) + getattr(traffic, f.name))
 
 
-def _sets(engine: StepEngine, name: str, torch_sets: dict[str, str]) -> dict[str, str]:
-    """The graph sets a scenario checks (report name -> replayers key): the kernel head's
-    one, or the torch head's `torch_sets` (name suffix -> key)."""
-    if KERNELS in engine.replayers:
-        return {name: KERNELS}
-    return {name + suffix: key for suffix, key in torch_sets.items()}
-
-
 def _engine(run: _Run) -> None:
     cfg = run.cfg
     engine = StepEngine(run.weight(cfg.vocab, cfg.hidden),
                         EngineConfig(device="cuda", max_num_reqs=cfg.max_num_reqs, eos_token_id=2, kernels=cfg.kernels))
-    run.graph_sets("engine", engine, _sets(engine, "engine", {"": FILTERED, " plain": PLAIN, " greedy": GREEDY}))
+    run.graphs("engine", engine)
     if not run.runs_steps:
         return
     n = min(5, cfg.max_num_reqs)
     greedy = lambda i: SamplingParams(temperature=0.0, seed=i)  # noqa: E731
     with_prompt_logprobs = lambda i: SamplingParams(temperature=0.5, seed=i, prompt_logprobs=True, logprobs=2)  # noqa: E731
     hidden = run.weight(n * 6, cfg.hidden)
-    masked = engine.head.masked_graphs is not None
+    masked = engine.head.applies_token_bitmask
     with run.steps("engine", 4 if masked else 3):
         engine.step(engine.source, scenario_requests(n, params=mixed_params))  # zero-copy source
         engine.step(hidden, scenario_requests(n, decode=True, params=mixed_params))  # rows copied into the source
@@ -423,8 +411,7 @@ def _drafts(run: _Run, mode: str) -> None:
     engine = StepEngine(run.weight(cfg.vocab, cfg.hidden), EngineConfig(
         device="cuda", max_num_reqs=cfg.max_num_reqs, max_draft_tokens=k, verify_mode=mode,
         max_control_slots=cfg.max_num_reqs, max_logit_bias=8, max_allowed_token_ids=64, kernels=cfg.kernels))
-    run.graph_sets(f"drafts {mode}", engine, _sets(engine, f"drafts {mode}", {
-        "": FILTERED, " plain": PLAIN, " greedy": GREEDY, " controls": CONTROLLED}))
+    run.graphs(f"drafts {mode}", engine)
     if not run.runs_steps:
         return
     n = min(4, cfg.max_num_reqs)
@@ -468,7 +455,7 @@ def _sharded(run: _Run) -> None:
                                   max_draft_tokens=drafts, verify_mode="rejection")
             engine = StepEngine(sharded_head(run.weight(shard_rows, cfg.hidden), cfg.vocab, config), config)
             name = "shard heads drafts" if drafts else f"shard heads tp={cfg.tp}"  # drafts: verified by rejection
-            run.graph_sets(name, engine, _sets(engine, name, {"": FILTERED}))
+            run.graphs(name, engine)
             if run.costing:
                 continue
             n = min(4, cfg.max_num_reqs)
@@ -514,13 +501,12 @@ def _model(run: _Run) -> None:
 
 
 def run(cfg: DryRunConfig, *, real_cuda: bool = False, cost: bool = False, replays: int = 20,
-        all_graph_sets: bool = False, buckets: Iterable[int] | None = None) -> DryRunReport:
+        buckets: Iterable[int] | None = None) -> DryRunReport:
     """All scenarios on the fake device (or, `real_cuda=True`, on this machine's GPU with real
     graph capture); raises DryRunFailure on the first violation.
 
-    `cost=True`: the cost run instead of the checks. The graph sets the checks capture (with
-    `all_graph_sets`, every graph set of every scenario's engine, as `StepEngine.capture`
-    captures them on CUDA; the model's eager step is no graph: left out), each bucket's step
+    `cost=True`: the cost run instead of the checks. The graphs the checks capture (the
+    model's eager step is no graph: left out), each bucket's step
     run once under `profiling.cost_model.KernelCounter`, into `report.costs`; no steps.
     `buckets`: only those (each one of the engines' buckets). With `real_cuda`, each graph
     is also captured and its replay timed (`replays` replays a run, median of 3)."""
@@ -538,8 +524,7 @@ def run(cfg: DryRunConfig, *, real_cuda: bool = False, cost: bool = False, repla
         if not real_cuda:
             cuda = stack.enter_context(FakeCuda(sms=cfg.sms))
             stack.enter_context(simulated_cuda_capture(cuda.is_pinned))
-        state = _Run(cfg, report, cuda, replays if cost else 0, all_graph_sets,
-                     None if buckets is None else frozenset(buckets))
+        state = _Run(cfg, report, cuda, replays if cost else 0, None if buckets is None else frozenset(buckets))
         with _scenario("StepEngine"):
             _engine(state)
         for mode in ("strict", "rejection"):
@@ -581,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
     cost = parser.add_argument_group("cost model (profiling/cost_model.py, docs/cost-model.md)")
     cost.add_argument("--cost", action="store_true",
                       help="instead of the checks: kernels, bytes and a modelled H200 replay time of every "
-                           "graph set and bucket (with --real-cuda, also each graph's measured replay)")
+                           "graph (the kernels': per row mix) and bucket (with --real-cuda, also each graph's measured replay)")
     cost.add_argument("--json", action="store_true", help="with --cost: one JSON object on stdout")
     cost.add_argument("--json-out", metavar="PATH", help="with --cost: also write the JSON object to PATH")
     cost.add_argument("--cost-detail", action="store_true", help="with --cost: kernels, bytes and time per op")
@@ -594,16 +579,14 @@ def main(argv: list[str] | None = None) -> int:
     cost.add_argument("--sm-bandwidth-gbs", type=float, default=SM_BANDWIDTH_GBS,
                       help="what one SM streams from device memory in GB/s, an assumption (docs/cost-model.md; "
                            "default %(default)s)")
-    cost.add_argument("--all-graph-sets", action="store_true",
-                      help="with --cost: every graph set of each engine (StepEngine.capture's), not only the checked ones")
     cost.add_argument("--buckets", type=_bucket_list, default=None,
                       help="with --cost: only these buckets, e.g. 1,8,64 (default: all)")
     cost.add_argument("--replays", type=int, default=20, help="with --real-cuda --cost: replays per timed run")
     args = parser.parse_args(argv)
     if args.real_cuda and not torch.cuda.is_available():
         parser.error("--real-cuda: no CUDA device here")
-    if (args.json or args.json_out or args.cost_detail or args.all_graph_sets or args.buckets) and not args.cost:
-        parser.error("--json, --json-out, --cost-detail, --all-graph-sets and --buckets go with --cost")
+    if (args.json or args.json_out or args.cost_detail or args.buckets) and not args.cost:
+        parser.error("--json, --json-out, --cost-detail and --buckets go with --cost")
     if args.sms is None:
         args.sms = torch.cuda.get_device_properties().multi_processor_count if args.real_cuda else SMS
     if args.node_us < 0 or args.bandwidth_tbs <= 0 or args.replays < 1 or args.sms < 1 or args.sm_bandwidth_gbs <= 0:
@@ -622,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
               + ("" if args.cost else f", model {cfg.model.num_layers}x{cfg.model.hidden_size}"))
     try:
         report = run(cfg, real_cuda=args.real_cuda, cost=args.cost, replays=args.replays,
-                     all_graph_sets=args.all_graph_sets, buckets=args.buckets)
+                     buckets=args.buckets)
     except DryRunFailure as err:
         print(f"FAILED: {err}", file=sys.stderr)
         return 1

@@ -16,7 +16,7 @@
 #   real twin of the dry run (B <= 16)  ~45 s
 #   Triton head vs torch head (B = 64)  ~40 s  (capture of both, 5 x 4 steps each)
 #   cost model vs replay (B <= 64)      ~40 s  (the kernel head: one graph per bucket)
-#   torch head's cost vs replay         ~40 s  (its graph sets, buckets 1, 16, 64)
+#   torch head's cost vs replay         ~40 s  (its one graph a bucket, buckets 1, 16, 64)
 #   step bench, plain and 3 drafts      ~2 x 40 s
 #   the demo on 2 ranks over NCCL       ~40 s  (two GPUs only)
 #   demo                                ~30 s
@@ -58,7 +58,7 @@ run "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.vers
 # sampler's rows split over the SMs (9 launches, merged by atomics) == one program per row.
 run "$PY" -m pytest -q -m cuda -x tests
 run "$PY" -m pytest -q -x tests/test_step_engine.py tests/test_speculative.py
-# The fake-CUDA dry run's real twin: its scenarios (both candidate graph sets, drafts in
+# The fake-CUDA dry run's real twin: its scenarios (the engine, drafts in
 # both verify modes, prompt logprobs, a sharded rank, the invariant model's decode step)
 # capturing real graphs, each bucket's first warm-up under the CUDA capture-safety rules.
 # Its steps run under torch.cuda.set_sync_debug_mode("warn"): the graph steps (one packed
@@ -69,12 +69,12 @@ run "$PY" -m profiling.cuda_dry_run --real-cuda --max-num-reqs 16
 # same steps, tokens identical, median step times side by side.
 run "$PY" -m profiling.kernel_head_check --device cuda --hidden 7168 --vocab 129280 --reqs 64
 # The cost model beside the GPU (docs/cost-model.md), to calibrate it: every checked graph
-# set and bucket at H = 7168, V = 129280, bf16, max_num_reqs 64, captured, then replayed
+# and bucket at H = 7168, V = 129280, bf16, max_num_reqs 64, captured, then replayed
 # 3 x 20 times under CUDA events; the table shows measured beside modelled µs, and a
 # least-squares fit of the per-kernel time and bandwidth closes it.
 COST=(-m profiling.cuda_dry_run --cost --json-out "$OUTDIR/cost_gpu.json")
 run "$PY" "${COST[@]}" --real-cuda
-# The torch head's graph sets, replayed beside the kernel head's (the default above).
+# The torch head's graphs (every stage for every row), replayed beside the kernel head's (the default above).
 run "$PY" -m profiling.cuda_dry_run --cost --real-cuda --kernels torch --buckets 1,16,64 --json-out "$OUTDIR/cost_gpu_torch.json"
 if [ "$DRY" = 1 ]; then
   # Its Python side without a GPU: the same command on the fake device at small shapes.

@@ -2,20 +2,26 @@
 
 The penalties, the logit bias and the allowed tokens live in control slots
 (`engine/step/control_state.py`); bad words reach the logits through the per-row
-token bitmask (`engine/sampling/token_bitmask.py`). A step with both runs the
-masked graph set, which applies the controls as well. These tests mix
+token bitmask (`engine/sampling/token_bitmask.py`). On the CPU a step runs the
+controls where a request holds a slot or a row is masked, the bitmask where a row
+is restricted. These tests mix
 requests that use one, the other, both and neither in one batch (n > 1 among
-them) and check what the contract promises of the mix: strict drafts emit
+them) and check what the contract promises of the mix: the CUDA graph's every
+stage for every row gives the CPU's per-step choice, strict drafts emit
 the tokens of one-token decoding, replay equals eager, a request is the same
 alone and in a crowd, and what the controls forbid never appears.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
+import pytest
 
 from engine import EngineConfig, SamplingParams
 from engine.loop.loop_config import LoopConfig
 from engine.loop.decode_loop import DecodeLoop
+from engine.step.body import StepKind
 from tests.test_decode_loop import CONFIG, tiny_model
 
 VOCAB = CONFIG.vocab_size
@@ -103,3 +109,43 @@ def test_what_the_controls_forbid_never_appears():
     assert tokens[(5, 0)] != tokens[(5, 1)]  # samples draw with their own seeds
     for key in tokens:
         assert done[key][1] in ("stop", "length")
+
+
+def _every_stage(loop: DecodeLoop) -> None:
+    """The torch head as its CUDA graph runs: every stage for every row (the full sampler,
+    the controls through the neutral slot 0 where a request holds none, the token bitmask
+    with unrestricted rows as all ones), however little the step's requests need."""
+    head = loop.engine.head
+    head.per_step = False
+    head.kind = StepKind(head.full, controls=head.controls is not None, masked=head.applies_token_bitmask)
+
+
+def _run_every_stage(prompts, params, drafts: int, mode: str):
+    loop = DecodeLoop(_flatter_model(), LoopConfig(seed_base=0, max_num_reqs=8, token_budget=96, max_draft_tokens=drafts),
+                      engine_config=EngineConfig(device="cpu", use_graphs=False, verify_mode=mode))
+    _every_stage(loop)
+    for rid, (prompt, p) in enumerate(zip(prompts, params)):
+        loop.submit(rid, prompt, p)
+    done = loop.run()
+    return {key: (c.tokens, c.finish_reason, [lp.logprob for lp in c.logprobs or []]) for key, c in done.items()}
+
+
+@pytest.mark.parametrize("drafts, mode", [(0, "strict"), (2, "strict"), (2, "rejection")])
+def test_one_step_of_every_stage_gives_the_tokens_of_the_per_step_choice(drafts, mode):
+    """One step function per bucket: the CPU head picks per step what the requests need;
+    the CUDA graph runs every stage for every row. Both give the same tokens and logprobs,
+    steps with a bitmask, with controls, with both and with neither (requests finish at
+    different steps: later steps run over bitmask rows a masked step left behind)."""
+    prompts, params = _mixed_requests()
+    # The requests without bad words (2, 3) go last and outlive the others: their last steps
+    # have no bitmask, and their rows held the bad-words rows of the steps before.
+    order = [0, 1, 4, 5, 2, 3]
+    prompts = [prompts[i] for i in order]
+    params = [dataclasses.replace(params[i], max_tokens=params[i].max_tokens + 8 * (i in (2, 3))) for i in order]
+    loop = DecodeLoop(_flatter_model(), LoopConfig(seed_base=0, max_num_reqs=8, token_budget=96, max_draft_tokens=drafts),
+                      engine_config=EngineConfig(device="cpu", use_graphs=False, verify_mode=mode))
+    for rid, (prompt, p) in enumerate(zip(prompts, params)):
+        loop.submit(rid, prompt, p)
+    chosen = {key: (c.tokens, c.finish_reason, [lp.logprob for lp in c.logprobs or []]) for key, c in loop.run().items()}
+    assert loop.engine.stats.steps > 12
+    assert _run_every_stage(prompts, params, drafts, mode) == chosen

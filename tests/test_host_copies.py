@@ -29,7 +29,7 @@ def test_a_graph_step_copies_once_each_way(kernels: str) -> None:
     the bar (prompt logprobs, above the largest bucket) are counted apart, not dropped."""
     report = run(DryRunConfig(**{**SMALL.__dict__, "kernels": kernels}))
     host = report.host_summary()
-    assert host["steps"] >= 15, host
+    assert host["steps"] >= 14, host
     assert host["d2h_reads"] <= host["steps"], (host, report.host_reads)
     assert host["pageable_h2d"] == 0, report.pageable_copies
     # One packed copy a step (on the kernel head's engine a step restricted by a token bitmask
@@ -47,7 +47,7 @@ def test_cost_json_carries_the_host_counts(capsys: pytest.CaptureFixture[str]) -
     assert main(argv) == 0
     host = json.loads(capsys.readouterr().out)["host"]
     assert {"steps", "d2h_reads", "pageable_h2d", "h2d_copies", "other"} <= set(host)
-    assert host["steps"] >= 15 and host["d2h_reads"] <= host["steps"] and host["pageable_h2d"] == 0, host
+    assert host["steps"] >= 14 and host["d2h_reads"] <= host["steps"] and host["pageable_h2d"] == 0, host
 
 
 VOCAB, HIDDEN = 269, 16  # not a multiple of 32: the last bitmask word is partial

@@ -278,7 +278,7 @@ def _state(engine: StepEngine) -> tuple:
     b = engine.buffers
     tensors = [b.staging, b.packed, b.source, b.pool_tokens, b.pool_logprobs, b.logits, *vars(b.out).values()]
     return ([t.clone() for t in tensors], copy.deepcopy(engine.stats), engine.prompt_logprobs.snapshot(),
-            [r.counts() for r in engine.replayers.values()])
+            engine.replayer.counts())
 
 
 def _assert_same_state(a: tuple, b: tuple) -> None:

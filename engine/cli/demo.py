@@ -183,7 +183,7 @@ def run_workload(loaded: Loaded, args: argparse.Namespace, requests: list, *, us
     times = RunTimes()
     if use_graphs:
         report = loop.engine.capture(progress=progress)
-        times.capture_seconds, times.graphs_captured = report.seconds, len(report.buckets) * report.graphs_per_bucket
+        times.capture_seconds, times.graphs_captured = report.seconds, len(report.buckets)
     arrival_of = {}
     for request_id, text, params, arrival in requests:
         prompt = tokenizer.chat_prompt([{"role": "user", "content": text}])
@@ -395,7 +395,7 @@ def run(args: argparse.Namespace) -> int:
         rows += verbose_rows(figures)
     say(table(rows + tele.rows()))
     if not args.verbose:
-        say("  (--verbose adds the engine's internals: buckets, graph sets, host time per step, ...)")
+        say("  (--verbose adds the engine's internals: buckets, the lighter CPU steps, host time per step, ...)")
     if checks:
         say("\nDeterminism")
         for name, differ in checks.items():

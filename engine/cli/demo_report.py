@@ -128,7 +128,7 @@ def verbose_rows(f: dict) -> list[tuple[str, str]]:
     return [
         ("bucket histogram (bucket:steps)", hist),
         ("eager steps: graphs off / above the largest bucket", f"{f['eager_steps']} / {f['eager_fallbacks']}"),
-        ("steps by the greedy / plain graph sets", f"{f['greedy_steps']} / {f['plain_steps']}"),
+        ("CPU steps by the argmax alone / without filters", f"{f['greedy_steps']} / {f['plain_steps']}"),
         ("host µs per step (ledger + staging)", f"{f['host_us_per_step']:.0f}"),
         ("time: model forward / step engine / scheduling",
          f"{f['forward_seconds']:.2f} s / {f['engine_seconds']:.2f} s / {f['schedule_seconds']:.2f} s"),

@@ -50,6 +50,7 @@ from engine.step.engine_config import EngineConfig, EngineStats
 from engine.step.kernel_head import KernelHead
 from engine.step.lm_head import LocalHead, checked_head_weight
 from engine.step.prompt_logprobs import PromptRowResults, prompt_rows_of
+from engine.step.staging import StepArrays
 from engine.step.static_buffers import StepBuffers
 
 
@@ -180,10 +181,10 @@ class ShardOfHead:
     def static_tensors(self) -> dict[str, torch.Tensor]:
         return {**super().static_tensors(), **self.exchange.static_tensors()}
 
-    def graphs_for(self, inputs: SamplerInputs, rows: int, stats: EngineStats) -> str:
+    def plan(self, inputs: SamplerInputs, arrays: StepArrays, rows: int, stats: EngineStats) -> None:
         self.stats.steps += 1
         self.stats.received_bytes += self.exchange.received_bytes(rows)
-        return super().graphs_for(inputs, rows, stats)
+        super().plan(inputs, arrays, rows, stats)
 
     def prompt_logprobs(self, hidden_states: torch.Tensor, inputs: SamplerInputs) -> PromptRowResults:
         # Top-k-space mode (docs/contract.md §2.1; the torch head only): a target outside the top-k reads -inf.
@@ -193,7 +194,7 @@ class ShardOfHead:
 
 class ShardedLocalHead(ShardOfHead, LocalHead):
     """`LocalHead` (the torch sampler) over this rank's shard: its logits stage is the
-    shard's GEMM and the exchange; every graph set and control is `LocalHead`'s."""
+    shard's GEMM and the exchange; every stage and control is `LocalHead`'s."""
 
     def logits(self, bucket: int) -> None:
         """The shard's logits of the gathered hidden rows, then the exchange into `buffers.logits`."""

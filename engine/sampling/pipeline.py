@@ -40,7 +40,7 @@ with the same signatures: the reference path's sorted walk
 (`engine.sampling.exact.ReferenceStages`) overrides the kept set; the kernel head's
 `TritonStages` overrides `logits_processors` and `sample_rows`, one kernel each (the
 temperature is not a pass of its own there: the sampler's kernel computes (s - M) / T
-in the passes it makes anyway). The graph sets' sampler variants
+in the passes it makes anyway). The CPU steps' sampler variants
 (`SamplerConfig.stages`, `top_k`, `top_p`, `logprobs`) choose which torch stages run;
 the kernels branch per row on the device instead.
 """

@@ -5,7 +5,7 @@ whatever its values; nothing is left to a later eager pass. Its stages, in
 vLLM V1's order, read in one function: `engine.sampling.pipeline.run_stages`
 (the order and where each stage lives are listed there). Here: the
 argmax-only variant and the slicing of a large batch into row chunks; which
-stages a variant runs (`SamplerConfig`, one per graph set) is declared in
+stages a variant runs (`SamplerConfig`, one per kind of CPU step) is declared in
 `engine.sampling.sampler_config` and re-exported here.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The sampler's configuration: which stages a variant (one graph set) runs
+"""The sampler's configuration: which stages a variant (one kind of CPU step) runs
 and how. Its own module so that `engine.sampling.pipeline` (which reads it)
 and `engine.sampling.sampler` (which composes the pipeline) do not import
 each other; `engine.sampling.sampler` re-exports every name here.
@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 LOGPROBS_MODES = ("raw", "processed")
-# What a sampler variant (one graph set) computes: "greedy" only the argmax (every
+# What a sampler variant computes: "greedy" only the argmax (every
 # row greedy and none with its EOS suppression on), "plain" the draw without
 # filters (no sampled row has top-k, top-p or min-p), "filters" the filters too.
 # Rows a variant cannot serve must not reach it.

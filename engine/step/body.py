@@ -14,8 +14,8 @@ the CPU "replay" can call it again over the same addresses (graphs/replay.py).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -28,38 +28,58 @@ from engine.sampling.suppression import suppressed_scores
 from engine.sampling.verify import accept_strict, draft_in_top_k, target_probs, verify_rejection
 from engine.step.engine_config import EngineConfig
 from engine.step.control_state import SamplingControls
+from engine.sampling.sampler_config import SamplerConfig
 from engine.step.static_buffers import StepBuffers
 
 
 @dataclass(frozen=True)
-class StepBody:
-    """The step of one graph set, called with the bucket (`GraphReplayer`'s step function).
+class StepKind:
+    """What one step of the torch head runs: its sampler variant (`SamplerConfig.stages`,
+    `top_k`, `top_p`, `logprobs`), whether it applies the control state (and counts the
+    emitted tokens) and whether it applies the token bitmask."""
 
-    `logits_and_sample(bucket)` is the LM head's part: from `buffers.hidden`
-    to `buffers.out` (local logits and the sampler, or a shard's logits and
-    the collectives of a vocab-parallel head). `controls`: the engine's
-    sampling-control state in a graph set that applies it (the head applies
-    the controls), whose emitted tokens this step counts; None elsewhere.
-    `token_bitmask`: the static bitmask buffer when this graph set applies
-    it (verification must see the same masked distribution), else None."""
+    sampler: SamplerConfig
+    controls: bool
+    masked: bool
+
+
+class StepKindSource(Protocol):
+    """The head whose step this is: `kind` says what the step runs."""
+
+    kind: StepKind
+
+    def logits_and_sample(self, bucket: int) -> None:
+        """From `buffers.hidden` to the sampler's `buffers.out`."""
+
+
+@dataclass(frozen=True)
+class StepBody:
+    """The torch head's step, called with the bucket (`GraphReplayer`'s step function).
+
+    `head.logits_and_sample(bucket)` is the LM head's part: from `buffers.hidden` to
+    `buffers.out`. `head.kind` says, per step on the CPU and once for a captured graph,
+    whether the step applies the token bitmask (verification must see the same masked
+    distribution; rows outside `masked_rows` are unrestricted) and the controls, whose
+    emitted tokens it then counts."""
 
     buffers: StepBuffers
     config: EngineConfig
-    logits_and_sample: Callable[[int], None]
+    head: StepKindSource
     controls: SamplingControls | None = None
-    token_bitmask: torch.Tensor | None = None
 
     def __call__(self, bucket: int) -> None:
-        b = self.buffers
+        b, kind = self.buffers, self.head.kind
         rows = b.rows_for(bucket)
         gather(b.source, b.inputs.selected_token_indices[:rows], out=b.hidden[:rows])  # [rows, H]
+        if kind.masked:  # the staged words of the restricted rows; every other row unrestricted
+            b.token_bitmask[:rows].masked_fill_(~b.inputs.masked_rows[:rows, None], -1)
         if self.config.max_draft_tokens:
             resolve_drafts(b, bucket)  # before the head: the penalties count a row's earlier drafts
-        self.logits_and_sample(bucket)
+        self.head.logits_and_sample(bucket)
         fail_non_finite_hidden(b, rows)
         if self.config.max_draft_tokens:
-            verify_and_store_drafts(b, self.config, bucket, self.token_bitmask)
-        if self.controls is not None:
+            verify_and_store_drafts(b, self.config, bucket, b.token_bitmask if kind.masked else None)
+        if kind.controls:
             self.controls.count(b, self.config, bucket)
 
 
@@ -114,7 +134,7 @@ def verify_drafts(buffers: StepBuffers, config: EngineConfig, bucket: int,
         allowed = None
         if k_req is not None:
             # The top-k of the scores the rows drew from: the bitmask and the suppressed stop
-            # ids applied (again: a graph set with controls left them in b.logits already).
+            # ids applied (again: a step with controls left them in b.logits already).
             scores, _ = controlled_scores(b.logits[:rows], mask)
             scores = suppressed_scores(scores, expand_rows(params, scores.shape[1]))
             allowed = draft_in_top_k(scores, drafts, k_req[params.row_to_req], config.sampler.candidate_cap)

@@ -20,7 +20,7 @@ class EngineCheckpoint:
     partial_prompt_logprobs: dict[object, dict[Hashable, list[PromptLogprob]]]
     stats: EngineStats  # a copy of the engine's stats
     head_stats: object | None  # a copy of its LM head's own counters (`LMHead.stats`), if any
-    replayer_counts: tuple[ReplayCounts, ...]  # one per replayer, in `StepEngine.replayers` order
+    replayer_counts: ReplayCounts  # `StepEngine.replayer`'s
     control_steps: int | None = None  # `SamplingControls.steps`, None without controls
 
 

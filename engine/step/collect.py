@@ -47,7 +47,7 @@ class CollectedRows:
 
 
 # After a replay, sample rows [k] int64 -> (their scores [k, V] f32, the unprocessed logits or None):
-# `LMHead.scores_after` of the graph set that ran.
+# `LMHead.scores_after` of the step that ran.
 ScoresAfter = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor | None]"]
 
 

@@ -11,7 +11,7 @@ from engine.step.prompt_logprobs import DEFAULT_CHUNK_ROWS
 from graphs.buckets import BucketTable
 
 VERIFY_MODES = ("strict", "rejection")
-# How a local LM head runs its step: "torch" (torch ops, a graph set per sampler variant),
+# How a local LM head runs its step: "torch" (torch ops: the CPU path, and on CUDA the reference),
 # "triton" (fused Triton kernels, one graph per bucket), "auto" (triton on CUDA, torch elsewhere).
 KERNELS = ("auto", "triton", "torch")
 
@@ -31,14 +31,14 @@ class EngineConfig:
     max_source_rows: int = 8192  # rows of the static hidden-state source
     source_dtype: torch.dtype | None = None  # None: the LM-head weight's dtype
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
-    # Lighter graph sets for steps that need less of the sampler: "greedy" when every
-    # request is greedy (the argmax and raw logprobs only), "plain" when no sampled
-    # request has top-k, top-p or min-p (no threshold passes). Results do not depend on
-    # the set (each row's definitions are the same), only speed. False: one set for all.
+    # On the CPU, lighter steps where the requests need less of the sampler, picked on the
+    # host per step: the argmax alone when every request is greedy, no threshold passes when
+    # no sampled request has top-k, top-p or min-p. Results do not depend on the choice
+    # (each row's definitions are the same), only speed. False: every stage every step.
     sampler_variants: bool = True
-    # A third set of graphs applies a per-row token bitmask (structured output, bad words;
-    # docs/contract.md §2); only steps that restrict a row use it, the others pay nothing
-    # for it. False: no bitmask buffer, no graphs, and a step with a bitmask is refused.
+    # The per-row token bitmask stage (structured output, bad words; docs/contract.md §2);
+    # on the CPU only steps that restrict a row run it. False: no bitmask buffer, and a step
+    # with a bitmask is refused.
     token_bitmask: bool = True
     batch_invariant: bool = True  # LM head in fixed row blocks: tokens independent of the bucket
     # Rows per LM-head GEMM in batch-invariant mode, for the sampled rows and the
@@ -130,8 +130,8 @@ class EngineStats:
     eager_steps: int = 0  # use_graphs=False, or graphs never captured
     eager_fallbacks: int = 0  # above the largest bucket
     source_copies: int = 0  # steps whose hidden states were copied into the static source
-    greedy_steps: int = 0  # steps sampled by the greedy graph set (EngineConfig.sampler_variants)
-    plain_steps: int = 0  # steps sampled by the plain graph set (no filtered request)
+    greedy_steps: int = 0  # CPU steps sampled by the argmax alone (EngineConfig.sampler_variants)
+    plain_steps: int = 0  # CPU steps sampled without threshold passes (no filtered request)
     bucket_histogram: dict[int, int] = field(default_factory=dict)
     host_seconds: float = 0.0  # ledger + validation + staging, summed
     logits_kernel: str = "plain"  # the LM head's verified block GEMM, e.g. "onednn[16]"; "plain": one GEMM

@@ -1,9 +1,8 @@
 """The LM head as fused Triton kernels: one captured graph per bucket (`KernelHead`).
 
-The torch-op head (`LocalHead`) captures a graph set per sampler variant (greedy, plain,
-filters, logprobs, controls, masked), because a captured graph fixes which torch ops run.
-Here every row takes its own branch inside the kernels, on flags read on the device, so
-one graph per bucket serves every step:
+Every row takes its own branch inside the kernels, on flags read on the device, so one
+graph per bucket serves every step at the cost of each row's own work (the torch head's
+CUDA graph runs every stage for every row):
 
     lm head      the gathered hidden rows x the weight        -> buffers.logits (unprocessed)
     controls     engine::apply_controls: allowed tokens, token bitmask, EOS/stop suppression,
@@ -35,7 +34,7 @@ import torch
 
 from engine.host.ledger import SamplerInputs
 from engine.invariance import warn_not_invariant
-from engine.step.engine_config import EngineConfig, EngineStats
+from engine.step.engine_config import EngineConfig
 from engine.step.control_state import SamplingControls
 from engine.step.lm_head import LMHead, LocalHead
 from engine.step.lm_head_choice import RowLogits, choose_row_logits
@@ -46,7 +45,7 @@ from graphs.buckets import BucketTable
 if TYPE_CHECKING:
     from engine.step.kernel_step import KernelState
 
-# The kernel head's one graph set.
+# The kernel head's step, by name.
 KERNELS = "kernels"
 
 
@@ -60,14 +59,13 @@ def local_head(lm_head_weight: torch.Tensor, config: EngineConfig) -> LMHead:
 
 class KernelHead(LMHead):
     """The whole LM head on this device, its captured step as fused Triton kernels: one
-    graph set, `KERNELS`, for plain, greedy, filtered, logprob, controlled and masked
-    steps alike (see the module docstring)."""
+    graph per bucket for plain, greedy, filtered, logprob, controlled and masked steps
+    alike (see the module docstring)."""
 
     supports_controls = True
     controls_in_place = False  # the controlled scores go to `scores`; `buffers.logits` stay unprocessed
-    graph_sets = (KERNELS,)
-    masked_graphs = KERNELS
-    controls_graphs = KERNELS
+    applies_token_bitmask = True
+    name = KERNELS
 
     def __init__(self, lm_head_weight: torch.Tensor, config: EngineConfig) -> None:
         if config.top_k_space_verify:
@@ -109,13 +107,13 @@ class KernelHead(LMHead):
     def static_tensors(self) -> dict[str, torch.Tensor]:
         return self.state.static_tensors()
 
-    def step_body(self, graphs: str, buffers: StepBuffers, config: EngineConfig,
+    def step_body(self, buffers: StepBuffers, config: EngineConfig,
                   controls: SamplingControls | None) -> Callable[[int], None]:
         from engine.step.kernel_step import KernelStep
 
         return KernelStep(self)
 
-    def logits_and_sample(self, bucket: int, graphs: str) -> None:
+    def logits_and_sample(self, bucket: int) -> None:
         """The lm head and every stage of `bucket` (`run_stages` by the kernels; `KernelStep`
         runs the rest)."""
         from engine.step.kernel_step import logits_and_sample
@@ -135,10 +133,7 @@ class KernelHead(LMHead):
         kernels leave no room for its 8 more launches within 12 a graph)."""
         return not self.config.max_draft_tokens
 
-    def graphs_for(self, inputs: SamplerInputs, rows: int, stats: EngineStats) -> str:
-        return KERNELS
-
-    def scores_after(self, graphs: str, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def scores_after(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The controls kernel wrote the processed scores of the rows it did not skip to
         `KernelState.scores`; `buffers.logits` stay unprocessed."""
         logits, s = self.buffers.logits[index], self.state

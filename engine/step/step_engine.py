@@ -118,12 +118,12 @@ class StepEngine:
             device=self.device,
             pool_slots=config.pool_slots,
             draft_probs=config.verify_mode == "rejection" and config.max_draft_tokens > 0,
-            token_bitmask_words=bitmask_words(self.vocab_size) if self.head.masked_graphs is not None else 0,
+            token_bitmask_words=bitmask_words(self.vocab_size) if self.head.applies_token_bitmask else 0,
             # Room for a control write of every slot and a step's token bitmask, carried with its copy.
             carried_bytes=(ControlWrites.nbytes(config.max_control_slots, config.max_logit_bias,
                                                 bitmask_words(self.vocab_size)) if self.head.supports_controls else 0)
             + (config.max_num_reqs * (1 + config.max_draft_tokens) * bitmask_words(self.vocab_size) * 4
-               if self.head.masked_graphs is not None else 0),
+               if self.head.applies_token_bitmask else 0),
         )
         self.head.attach(self.buffers)
         # Sampling controls (penalties, logit bias, allowed tokens): state only when the config asks.
@@ -140,13 +140,9 @@ class StepEngine:
             if not config.max_control_slots else f"{type(self.head).__name__} does not apply sampling controls")
         static = {**self.buffers.static_tensors(), **self.head.static_tensors(),
                   **(self.controls.static_tensors() if self.controls else {})}
-        # One replayer per graph set of the head: a captured graph fixes its sampler variant and collectives.
-        self.replayers: dict[str, GraphReplayer] = {
-            graphs: GraphReplayer(self.head.step_body(graphs, self.buffers, config, self.controls),
-                                  self.buckets, static, self.device,
-                                  check_addresses_each_replay=config.check_addresses_each_replay)
-            for graphs in self.head.graph_sets
-        }
+        # One step function, one graph per bucket.
+        self.replayer = GraphReplayer(self.head.step_body(self.buffers, config, self.controls), self.buckets, static,
+                                      self.device, check_addresses_each_replay=config.check_addresses_each_replay)
         # Partial prompt logprobs belong to the request table of the front whose steps make them
         # (a PersistentBatch's, the step() front's): two fronts may reuse one request id.
         self._prompt_stores: weakref.WeakKeyDictionary[RequestTable, PromptLogprobAccumulator] = (
@@ -180,7 +176,7 @@ class StepEngine:
     def checkpoint(self) -> EngineCheckpoint:
         """The host state that spans steps: the prompt-logprob accumulators of
         every front (partial prompt logprobs of requests between prompt chunks), the
-        engine's and its head's stats and the replayers' counters. `rollback`
+        engine's and its head's stats and the replayer's counters. `rollback`
         restores it, so a caller whose own code failed after `run`/`step`
         returned can undo the step. Not covered: device state, i.e. the static
         buffers (every step rewrites what it reads) and the draft-info pool,
@@ -190,7 +186,7 @@ class StepEngine:
             partial_prompt_logprobs={table: store.snapshot() for table, store in self._prompt_stores.items()},
             stats=copy_counters(self.stats),
             head_stats=None if self.head.stats is None else copy_counters(self.head.stats),
-            replayer_counts=tuple(r.counts() for r in self.replayers.values()),
+            replayer_counts=self.replayer.counts(),
             control_steps=None if self.controls is None else self.controls.steps,
         )
 
@@ -205,8 +201,7 @@ class StepEngine:
         restore_counters(self.stats, checkpoint.stats)
         if checkpoint.head_stats is not None:
             restore_counters(self.head.stats, checkpoint.head_stats)
-        for replayer, counts in zip(self.replayers.values(), checkpoint.replayer_counts):
-            replayer.restore_counts(counts)
+        self.replayer.restore_counts(checkpoint.replayer_counts)
         if self.controls is not None and checkpoint.control_steps is not None:
             self.controls.rollback_to(checkpoint.control_steps)
 
@@ -219,24 +214,12 @@ class StepEngine:
         return self.buffers.source
 
     def capture(self, progress: bool | CaptureProgress = False) -> CaptureReport:
-        """Capture one graph per bucket (largest first) of every graph set; on CPU,
-        run each once under the capture safety check. Reports buckets, seconds, pool bytes.
-        `progress`: True draws one bar on stderr over every set's buckets; a callable
-        hears (graphs captured, graphs to capture, bucket) instead."""
-        total = sum(len(replayer.buckets) for replayer in self.replayers.values())
+        """Capture one graph per bucket (largest first); on CPU, run each once under the
+        capture safety check. Reports buckets, seconds, pool bytes. `progress`: True draws
+        a bar on stderr; a callable hears (graphs captured, graphs to capture, bucket)."""
         hear = functools.partial(show_capture_progress, device=self.device) if progress is True else progress
-        reports: list[CaptureReport] = []
-        for replayer in self.replayers.values():
-            offset = sum(len(report.buckets) for report in reports)  # graphs of the sets before this one
-
-            def heard(done: int, _: int, bucket: int, offset: int = offset) -> None:
-                hear(offset + done, total, bucket)
-
-            reports.append(replayer.capture(progress=heard if hear else False))
-        first = reports[0]
-        pools = None if first.pool_bytes is None else sum(r.pool_bytes or 0 for r in reports)
-        return dataclasses.replace(first, seconds=sum(r.seconds for r in reports), pool_bytes=pools,
-                                   graphs_per_bucket=len(reports), logits_kernel=self.stats.logits_kernel)
+        report = self.replayer.capture(progress=hear or False)
+        return dataclasses.replace(report, logits_kernel=self.stats.logits_kernel)
 
     # -- one step -----------------------------------------------------------------
 
@@ -307,7 +290,7 @@ class StepEngine:
             inputs.prepared.check()
         self.validate(hidden_states, inputs)
         check_token_bitmask(arrays.token_bitmask, inputs.num_sample_rows, self.vocab_size,
-                            applies=self.head.masked_graphs is not None)
+                            applies=self.head.applies_token_bitmask)
         if inputs.num_reqs == 0:
             return StepOutput.empty()
         mark = self.checkpoint()
@@ -333,16 +316,9 @@ class StepEngine:
         # slice at a time. Rows are independent (batch-invariant logits, per-row
         # sampling), so this equals one big step.
         parts = self.buckets.parts(n)
-        # A step that restricts a row by the token bitmask runs the masked graphs (which apply the
-        # controls too); one where a request holds a control slot, the controls graphs.
-        controlled = arrays.control_slots is not None
-        if arrays.token_bitmask is not None:
-            graphs = self.head.masked_graphs
-        elif controlled:
-            graphs = self.head.controls_graphs
-        else:
-            graphs = self.head.graphs_for(inputs, sum(self.buffers.rows_for(p) for _, _, p in parts), self.stats)
-        replayer = self.replayers[graphs]
+        controlled = arrays.control_slots is not None  # a request holds a control slot
+        self.head.plan(inputs, arrays, sum(self.buffers.rows_for(p) for _, _, p in parts), self.stats)
+        replayer = self.replayer
         if bucket is None:
             replayer.record_eager_fallback(n)
             self.stats.eager_fallbacks += 1
@@ -368,7 +344,7 @@ class StepEngine:
                 self.controls.replayed(self.buffers.rows_for(part_bucket))
             results.append(collect(self.buffers, self.config, part_bucket, part,
                                    want_top=want_top, want_logprobs=want_logprobs, counted=controlled,
-                                   scores_after=functools.partial(self.head.scores_after, graphs)))
+                                   scores_after=self.head.scores_after))
             if controlled:
                 self.controls.collected(results[-1].counted_index)
             host_start = time.perf_counter()
@@ -433,7 +409,7 @@ class StepEngine:
                 carried.append(writes)
             mask = arrays.token_bitmask
             if mask is not None:
-                # Only steps that restrict a row carry it (the masked graphs read it).
+                # Only steps that restrict a row carry it.
                 carried.append(np.ascontiguousarray(mask, dtype=np.int32).reshape(-1).view(np.uint8))
                 arrays = dataclasses.replace(arrays, masked_rows=(mask != -1).any(1))  # a row of -1 words: unrestricted
             twins = b.load(arrays if sample_rows is arrays.selected_token_indices

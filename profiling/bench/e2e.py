@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ours, last run: {stats.steps} steps; model forward {stats.forward_seconds:.2f} s, step engine "
           f"{stats.engine_seconds:.2f} s, scheduling {stats.schedule_seconds:.2f} s; prompt tokens computed "
           f"{stats.prefill_tokens}, copied from a shared prefix {stats.shared_prefix_tokens}; "
-          f"{loop.engine.stats.greedy_steps} steps by the greedy graph set")
+          f"{loop.engine.stats.greedy_steps} steps by the argmax alone")
     same_single = sum(a == b for a, b in zip(ours, hf_single))
     same_batched = sum(a == b for a, b in zip(ours, hf_batched))
     line = (f"identical greedy completions: {same_single}/{count} vs HF one at a time, "

@@ -1,8 +1,8 @@
 """Side by side with vLLM's CPU sampler, in one process, on the same inputs.
 
 Two parts, each case with per-request seeds:
-- sampler: ours (`engine.sampling.sampler.sample`, the variant the engine's graph set
-  for the case runs, no logprobs) against vLLM's V1 `Sampler` on the same LM-like
+- sampler: ours (`engine.sampling.sampler.sample`, the variant the CPU head
+  picks for the case, no logprobs) against vLLM's V1 `Sampler` on the same LM-like
   logits (a Zipf-like profile with a per-row sharpness, see `profiling.bench.sample`);
 - tail: our `StepEngine.step` (public API, default config: batch-invariant LM
   head, captured graphs, one bucket of exactly B) against `hidden @ W.T` and
@@ -198,8 +198,8 @@ def stage_uniforms(params: RowParams) -> None:
 
 
 def our_sampler_config(case: str) -> SamplerConfig:
-    """The sampler variant the engine's graph set for a step of this case runs
-    (`LocalHead.graphs_for`: no request wants logprobs)."""
+    """The sampler variant the CPU head runs for a step of this case
+    (`LocalHead.plan`: no request wants logprobs)."""
     p = case_params(case)
     stages = {"greedy": "greedy", "plain": "plain"}.get(case, "filters")
     top_k = "none" if not p["top_k"] else "topk"
@@ -305,7 +305,7 @@ def bench_sampler(v: SimpleNamespace, vocab: int, batch: int, cases: Sequence[st
 
         def ours() -> float:
             start = clock()
-            if cfg.stages != "greedy":  # the greedy graph set never reads the uniforms
+            if cfg.stages != "greedy":  # the argmax alone never reads the uniforms
                 stage_uniforms(params)
             sample(logits, params, cfg, out, compute_logprobs=False)
             return clock() - start

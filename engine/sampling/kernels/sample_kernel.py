@@ -5,7 +5,7 @@ scratch and ahead-of-time builds: `engine.sampling.kernels.sample`).
 computes, in vLLM's stage order (temperature, min-p, top-k, top-p), from the controlled
 scores and the unprocessed logits, into a `SampleOutput`. Every row takes its own branch
 inside the kernel, so one launch serves greedy, plain, filtered, logprob and processed-
-logprob rows alike: no graph-set variants.
+logprob rows alike: no step variants.
 
 Design
 - Phases. The work of a row is a chain of nine phases, each one pass over the row (or
