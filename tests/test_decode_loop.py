@@ -498,6 +498,16 @@ class FaultyModel:
         return hidden
 
 
+class _AskedIds:
+    """Stop ids whose every membership test goes through `wrap` (a fault injector)."""
+
+    def __init__(self, ids: tuple[int, ...], wrap) -> None:
+        self.ids, self.contains = ids, wrap(ids.__contains__)
+
+    def __contains__(self, token: int) -> bool:
+        return self.contains(token)
+
+
 def atomic_workload():
     """Chunked prefill with prompt logprobs (request 0: 30 tokens at a 12-token budget, so
     its early chunks are not last ones), drafts, shared prefixes, staggered arrivals, and
@@ -553,8 +563,8 @@ def test_a_step_that_raises_leaves_no_trace_and_the_run_ends_as_if_it_never_happ
 
     if fault.startswith("engine"):
         loop.engine.run = one_shot(loop.engine.run)
-    elif fault == "stop check":
-        loop._stops = one_shot(loop._stops)
+    elif fault == "stop check":  # the model's stop ids, asked after each emitted token
+        model.stop_token_ids = _AskedIds(model.model.stop_token_ids, one_shot)
     elif fault == "commit":
         loop.batch.record = one_shot(loop.batch.record)
 

@@ -703,6 +703,7 @@ def test_expanded_rows_follow_their_requests_and_replace_only_known_controls():
     params = _params(3)
     params.row_to_req = torch.tensor([2, 0, 0, 1])
     params.local_step = torch.tensor([0, 0, 1, 0])
+    params.eos_suppression_rows = torch.tensor([False, True, False, False])  # per row, as the others
     params.temperatures = torch.tensor([0.0, 0.7, 1.5])
     params.top_ks = torch.tensor([0, 5, 100], dtype=torch.int32)
     vocab = 100

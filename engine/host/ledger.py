@@ -146,14 +146,13 @@ class SamplerInputs:
     # The table rows a persistent batch prepared this step over (None: a step of SeqMeta
     # lists); `engine.run` refuses the step once any of them changed (`PreparedRows.check`).
     prepared: PreparedStep | None = field(default=None, compare=False, repr=False)
+    # Counted once, when made: the step reads them often.
+    num_reqs: int = field(init=False, compare=False, repr=False)
+    num_sample_rows: int = field(init=False, compare=False, repr=False)
 
-    @property
-    def num_reqs(self) -> int:
-        return len(self.request_ids)
-
-    @property
-    def num_sample_rows(self) -> int:
-        return len(self.selected_token_indices)
+    def __post_init__(self) -> None:
+        self.num_reqs = len(self.request_ids)
+        self.num_sample_rows = len(self.selected_token_indices)
 
     @property
     def num_prompt_rows(self) -> int:

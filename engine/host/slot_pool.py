@@ -13,21 +13,21 @@ class SlotPool:
     def __init__(self, count: int, *, first: int = 0) -> None:
         self.count = count
         self.free = list(range(count - 1, first - 1, -1))  # popped from the end: lowest first
-        self._in_use = np.zeros(count, dtype=bool)
+        self.in_use = np.zeros(count, dtype=bool)  # [count] whether each slot is handed out (read-only outside)
 
     def take(self) -> int | None:
         """The lowest free slot, now in use; None when every slot is."""
         if not self.free:
             return None
         slot = self.free.pop()
-        self._in_use[slot] = True
+        self.in_use[slot] = True
         return slot
 
     def holds(self, slot: int) -> bool:
         """Whether `slot` is handed out."""
-        return 0 <= slot < self.count and bool(self._in_use[slot])
+        return 0 <= slot < self.count and bool(self.in_use[slot])
 
     def give_back(self, slot: int) -> None:
         """`slot` is free again (the owner checked `holds`)."""
-        self._in_use[slot] = False
+        self.in_use[slot] = False
         self.free.append(slot)

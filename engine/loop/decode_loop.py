@@ -319,11 +319,11 @@ class DecodeLoop:
         if not batch:
             self.stats.steps += 1
             return [], []
-        seqlen_q = np.fromiter((s.seqlen_q for s in batch), dtype=np.int32, count=len(batch))
+        seqlen_q = np.array([s.seqlen_q for s in batch], dtype=np.int32)
         # The rest of the step under one parent range (a trace's "step"), with its arguments.
         with step_range(self.stats.steps, len(batch), int(seqlen_q.sum()), self.engine.buckets.bucket_for(len(batch))):
-            rows = np.fromiter((s.req.table_row for s in batch), dtype=np.int64, count=len(batch))
-            seqlen_k = np.fromiter((s.seqlen_k for s in batch), dtype=np.int32, count=len(batch))
+            rows = np.array([s.req.table_row for s in batch], dtype=np.int64)
+            seqlen_k = np.array([s.seqlen_k for s in batch], dtype=np.int32)
             token_ids = torch.from_numpy(np.concatenate([s.tokens for s in batch]))
             forward_batch = ForwardBatch.of([s.req.kv_slot for s in batch], seqlen_q, seqlen_k)
             t1 = time.perf_counter()
@@ -382,6 +382,7 @@ class DecodeLoop:
         """Emit the step's tokens and finish requests; returns the events and the requests
         that finished (their slots are released once the step is committed)."""
         events = []
+        model_stops = self.model.stop_token_ids
         for i, scheduled in enumerate(batch):
             req = scheduled.req
             completion = req.completion
@@ -399,13 +400,16 @@ class DecodeLoop:
                 completion.finish_reason, completion.error = "error", out.errors[i]
                 events.append(StepEvent(req.request_id, [], True))
                 continue
-            new = []
+            new, p = [], req.params
             for j, token in enumerate(out.tokens[i]):
                 new.append(token)
                 completion.tokens.append(token)
                 if completion.logprobs is not None:
                     completion.logprobs.append(out.logprobs[i][j])
-                if self._stops(req, token):
+                # Not while among the first min_tokens (the engine suppresses EOS and stop ids
+                # there; other model stop ids are simply not honoured yet).
+                if len(completion.tokens) > p.min_tokens and (
+                        token in p.stop_token_ids or not p.ignore_eos and token in model_stops):
                     completion.finish_reason = "stop"
                     completion.stop_reason = token if token in req.params.stop_token_ids else None
                     break
@@ -456,16 +460,6 @@ class DecodeLoop:
             self.retained[req.kv_slot] = req.cached_tokens()
         else:
             self.model.free_slot(req.kv_slot)
-
-    def _stops(self, req: RunningRequest, token: int) -> bool:
-        """Does `token`, just appended, end the request? Not while it is among
-        the first min_tokens (the engine suppresses EOS and stop ids there;
-        other model stop ids are simply not honoured yet)."""
-        if len(req.generated) <= req.params.min_tokens:
-            return False
-        if token in req.params.stop_token_ids:
-            return True
-        return not req.params.ignore_eos and token in self.model.stop_token_ids
 
     def run(self, on_step: Callable[[list[StepEvent]], None] | None = None) -> dict[Hashable, Completion]:
         """Step until every submitted request finished. Returns the completions `finished`

@@ -46,17 +46,18 @@ def schedule(
         if req.prefilled < len(req.prompt):
             continue
         drafts: list[int] = []
+        generated = req.completion.tokens
         if config.max_draft_tokens:
-            room = req.max_tokens - len(req.generated) - 1  # drafts past max_tokens are wasted
+            room = req.max_tokens - len(generated) - 1  # drafts past max_tokens are wasted
             k = min(config.max_draft_tokens, max(room, 0))
             if k:
-                history = np.concatenate([req.prompt, np.asarray(req.generated, dtype=np.int64)])
+                history = np.concatenate([req.prompt, np.asarray(generated, dtype=np.int64)])
                 drafts = propose_ngram_drafts(history, k, config.ngram_max)
         req.drafts = drafts
         q = 1 + len(drafts)
         # The first query token is the last generated one, not yet in the cache.
-        seqlen_k = len(req.prompt) + len(req.generated) + len(drafts)
-        batch.append(ScheduledRequest(req, False, q, seqlen_k, np.asarray([req.generated[-1], *drafts], dtype=np.int64)))
+        seqlen_k = len(req.prompt) + len(generated) + len(drafts)
+        batch.append(ScheduledRequest(req, False, q, seqlen_k, np.asarray([generated[-1], *drafts], dtype=np.int64)))
         budget -= q
     for req in running:
         if req.prefilled >= len(req.prompt) or budget <= 0:

@@ -60,6 +60,12 @@ class KVCache:
     def is_allocated(self, slot: int) -> bool:
         return self.slots.holds(slot)
 
+    def first_unallocated(self, slots: np.ndarray) -> int | None:
+        """The index of the first of `slots` [n] int64 not allocated, or None."""
+        bad = (slots < 0) | (slots >= self.num_slots)
+        bad[~bad] = ~self.slots.in_use[slots[~bad]]
+        return int(bad.argmax()) if bad.any() else None
+
     def free(self, slot: int) -> None:
         """Give `slot` back; its contents are garbage to its next owner.
         **Raises** ValueError when it is not allocated."""

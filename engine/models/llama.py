@@ -176,9 +176,9 @@ class LlamaModel:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [T, H]
         check_forward_args(self, token_ids, positions, batch, out)
-        for i, slot in enumerate(batch.slots.tolist()):
-            if not self.kv.is_allocated(slot):
-                raise ValueError(f"request {i}: KV-cache slot {slot} is not allocated")
+        i = self.kv.first_unallocated(np.asarray(batch.slots, dtype=np.int64))
+        if i is not None:
+            raise ValueError(f"request {i}: KV-cache slot {int(batch.slots[i])} is not allocated")
         cfg = self.config
         total = batch.num_tokens
         if self.invariant is not None:

@@ -25,12 +25,15 @@ blocks reports its blocks' masses.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 BLOCK = 1024  # tokens per block of the block masses and the inverse-CDF draw
 TEMPORARY_BYTES = 1 << 20  # the largest masses temporary `block_sums` makes (see there)
 
 
+@functools.cache  # a per-step question with few answers: hits cost no Python call
 def mass_bits(vocab: int) -> int:
     """S: a token's mass is floor(exp(z) * 2**S). V * 2**S <= 2**52, so any sum
     of a row's masses is an integer below 2**53, exact in float64."""

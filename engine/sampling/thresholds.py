@@ -25,6 +25,7 @@ the same sets (tested); it stays as the reference path.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -40,6 +41,7 @@ KEY_MAX = (1 << KEY_BITS) - 1  # above every key: "keep every token"
 MAX_DIGIT_BITS = 11  # a pass's histogram: at most 2048 bins per row (16 KiB of float64, in L1)
 
 
+@functools.cache  # a per-step question with few answers: hits cost no Python call
 def radix_digits(vocab: int) -> tuple[int, ...]:
     """Bits per radix pass, most significant first, adding up to KEY_BITS: as
     few passes as bins of about V per row allow (V = 49152: 11, 10, 10; V =

@@ -69,7 +69,7 @@ class StepBody:
 
     def __call__(self, bucket: int) -> None:
         b, kind = self.buffers, self.head.kind
-        rows = b.rows_for(bucket)
+        rows = bucket * b.rows_per_req
         gather(b.source, b.inputs.selected_token_indices[:rows], out=b.hidden[:rows])  # [rows, H]
         if kind.masked:  # the staged words of the restricted rows; every other row unrestricted
             b.token_bitmask[:rows].masked_fill_(~b.inputs.masked_rows[:rows, None], -1)

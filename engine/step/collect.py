@@ -42,6 +42,8 @@ class CollectedRows:
     @classmethod
     def concatenate(cls, parts: Sequence[CollectedRows]) -> CollectedRows:
         """The parts of a step run a slice of requests at a time, in order."""
+        if len(parts) == 1:
+            return parts[0]
         joined = {f.name: [getattr(part, f.name) for part in parts] for f in fields(cls)}
         return cls(**{name: None if values[0] is None else np.concatenate(values) for name, values in joined.items()})
 

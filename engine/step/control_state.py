@@ -90,7 +90,7 @@ class ControlWrites:
         self.columns = tuple(columns)
         self.record_bytes = offset
         self._records = np.zeros((capacity, offset), dtype=np.uint8)
-        self._index: dict[int, int] = {}  # slot -> its record
+        self.staged: dict[int, int] = {}  # slot -> its record (empty: nothing to carry)
 
     @staticmethod
     def nbytes(capacity: int, max_logit_bias: int, words: int) -> int:
@@ -99,7 +99,7 @@ class ControlWrites:
 
     def stage(self, slot: int, **values: np.ndarray | float | bool) -> None:
         """Record every column but `slot` for `slot` (replacing a record staged before)."""
-        i = self._index.setdefault(slot, len(self._index))
+        i = self.staged.setdefault(slot, len(self.staged))
         record = self._records[i]
         for column in self.columns:
             value = slot if column.name == "slot" else values[column.name]
@@ -107,12 +107,12 @@ class ControlWrites:
 
     def pending(self) -> np.ndarray | None:
         """[records * record_bytes] uint8: the staged records, None when there are none."""
-        return self._records[: len(self._index)].reshape(-1) if self._index else None
+        return self._records[: len(self.staged)].reshape(-1) if self.staged else None
 
     def apply(self, records: torch.Tensor, controls: SamplingControls) -> None:
         """Scatter the records `pending` returned, now on the controls' device, into the
         slots' rows; the records are done with. Eager, before the step's replay."""
-        table = records.view(len(self._index), self.record_bytes)  # [records, record_bytes] uint8
+        table = records.view(len(self.staged), self.record_bytes)  # [records, record_bytes] uint8
 
         def column(name: str) -> torch.Tensor:  # [records, width]
             c = next(c for c in self.columns if c.name == name)
@@ -122,7 +122,7 @@ class ControlWrites:
         for name in ("penalties", "bias_ids", "bias_values", "prompt_words", "allowed_words"):
             getattr(controls, name).index_copy_(0, slots, column(name))
         controls.restricted.index_copy_(0, slots, column("restricted")[:, 0])
-        self._index.clear()
+        self.staged.clear()
 
 
 class SamplingControls:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -94,19 +95,19 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.kernels={self.kernels!r}: must be one of {KERNELS}")
         BucketTable(self.max_num_reqs, self.buckets)  # raises naming the bad bucket
 
-    @property
+    @cached_property
     def block_rows(self) -> int:
         if self.logits_block_rows is not None:
             return self.logits_block_rows
         return default_block_rows(self.resolved_device())
 
-    @property
+    @cached_property
     def pool_slots(self) -> int:
         if self.max_draft_tokens == 0:
             return 1
         return self.draft_pool_slots if self.draft_pool_slots is not None else self.max_num_reqs + 1
 
-    @property
+    @cached_property
     def draft_pool(self) -> bool:
         """Whether drafts may come from the draft-info pool (slot 0 padding plus real slots)."""
         return self.pool_slots > 1

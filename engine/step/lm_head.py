@@ -207,7 +207,7 @@ class LocalHead(LMHead):
     def logits(self, bucket: int) -> None:
         """The lm head: the fp32 logits of the bucket's gathered hidden rows into `buffers.logits`."""
         b = self.buffers
-        rows = b.rows_for(bucket)
+        rows = bucket * b.rows_per_req
         get_logits(
             b.hidden[:rows],
             self.weight,
@@ -222,7 +222,7 @@ class LocalHead(LMHead):
         step's kind runs; with controls, `buffers.logits` hold the processed scores afterwards
         (what verification reads)."""
         b, kind = self.buffers, self.kind
-        rows = b.rows_for(bucket)
+        rows = bucket * b.rows_per_req
         self.logits(bucket)
         sample(b.logits[:rows], b.params(bucket), kind.sampler, out=b.outputs(rows),
                controls=self.controls.rows(b, bucket) if kind.controls else None,

@@ -153,6 +153,7 @@ class StepBuffers:
     _field_bytes: int = 0
     # Per staged field: leading entries that may hold non-padding values.
     _high_water: dict[str, int] = field(default_factory=dict)
+    _views: dict[tuple[str, int], object] = field(default_factory=dict)  # `params` and `outputs`, per bucket
 
     @classmethod
     def allocate(
@@ -291,7 +292,7 @@ class StepBuffers:
         ([len] uint8 each, 8-aligned), to be read by device work queued after it."""
         rows = len(getattr(arrays, self._row_count))
         n = len(getattr(arrays, self._req_count))
-        cap_reqs, cap_rows = bucket, self.rows_for(bucket)
+        cap_reqs, cap_rows = bucket, bucket * self.rows_per_req
         if n > cap_reqs or rows > cap_rows:
             raise ValueError(f"bucket={bucket}: holds {cap_reqs} requests / {cap_rows} rows, step has {n} / {rows}")
         starts = np.cumsum([0] + [-(-len(c) // _ALIGN) * _ALIGN for c in carried]) + self._field_bytes
@@ -339,12 +340,19 @@ class StepBuffers:
 
     def params(self, bucket: int) -> RowParams:
         """The sampler's view of a bucket: leading slices of the sample-stage fields."""
-        reqs, rows = bucket, self.rows_for(bucket)
-        return RowParams(**{name: view[: rows if per_row else reqs] for name, per_row, view in self._sampler_views})
+        params = self._views.get(("params", bucket))
+        if params is None:  # views of static tensors: made once per bucket
+            reqs, rows = bucket, bucket * self.rows_per_req
+            params = self._views[("params", bucket)] = RowParams(
+                **{name: view[: rows if per_row else reqs] for name, per_row, view in self._sampler_views})
+        return params
 
     def outputs(self, rows: int) -> SampleOutput:
         """Leading `rows` of the sampler's output buffers (views, no copy)."""
-        return SampleOutput(**{k: v[:rows] for k, v in vars(self.out).items()})
+        out = self._views.get(("outputs", rows))
+        if out is None:
+            out = self._views[("outputs", rows)] = SampleOutput(**{k: v[:rows] for k, v in vars(self.out).items()})
+        return out
 
     def fill_garbage(self, generator: torch.Generator | None = None) -> None:
         """Test hook: scribble over every staged field and output buffer, as a

@@ -126,6 +126,9 @@ class StepEngine:
                if self.head.applies_token_bitmask else 0),
         )
         self.head.attach(self.buffers)
+        # [max_source_rows, H]: a model that writes its last-layer rows here (batch order,
+        # from row 0) makes `step(engine.source, seqs)` zero-copy.
+        self.source = self.buffers.source
         # Sampling controls (penalties, logit bias, allowed tokens): state only when the config asks.
         self.controls: SamplingControls | None = None
         if config.max_control_slots and self.head.supports_controls:
@@ -206,12 +209,6 @@ class StepEngine:
             self.controls.rollback_to(checkpoint.control_steps)
 
     # -- setting up -------------------------------------------------------------
-
-    @property
-    def source(self) -> torch.Tensor:
-        """[max_source_rows, H]: a model that writes its last-layer rows here
-        (batch order, from row 0) makes `step(engine.source, seqs)` zero-copy."""
-        return self.buffers.source
 
     def capture(self, progress: bool | CaptureProgress = False) -> CaptureReport:
         """Capture one graph per bucket (largest first); on CPU, run each once under the
@@ -317,7 +314,7 @@ class StepEngine:
         # sampling), so this equals one big step.
         parts = self.buckets.parts(n)
         controlled = arrays.control_slots is not None  # a request holds a control slot
-        self.head.plan(inputs, arrays, sum(self.buffers.rows_for(p) for _, _, p in parts), self.stats)
+        self.head.plan(inputs, arrays, self.buffers.rows_per_req * sum([p for _, _, p in parts]), self.stats)
         replayer = self.replayer
         if bucket is None:
             replayer.record_eager_fallback(n)
@@ -404,7 +401,8 @@ class StepEngine:
                 for row, q in arrays.draft_probs.items():
                     b.draft_probs[row : row + len(q)].copy_(upload(q, self.device))
             carried = []
-            writes = None if self.controls is None else self.controls.writes.pending()
+            # The control writes staged since the last step (`ControlWrites.pending`), if any.
+            writes = self.controls.writes.pending() if self.controls is not None and self.controls.writes.staged else None
             if writes is not None:
                 carried.append(writes)
             mask = arrays.token_bitmask

@@ -104,7 +104,7 @@ def assemble(
             emitted = range(0)  # the token sampled for a non-last chunk is discarded
         else:
             emitted = range(lo, lo + accepted + 1)
-        tokens.append([int(drawn[r]) for r in emitted])
+        tokens.append(drawn[emitted.start : emitted.stop].tolist())
         n_top = int(inputs.num_logprobs[i])
         if n_top < 0:
             logprobs.append(None)

@@ -109,7 +109,8 @@ class HostOutputs:
         """A copy of the leading `count` entries of output `name` (waits first)."""
         if name not in self._complete:
             raise ValueError(f"output {name!r}: not fetched (fetch(wide=True) brings the [rows, N] outputs)")
-        self.wait()
+        if not self._waited:
+            self.wait()
         return self._views[name][:count].copy()
 
 
@@ -125,6 +126,9 @@ class OutputCopy:
         self._views = [self._host_views(twin) for twin in self._twins]
         self._next = 0
         self.fetches = 0  # copies issued (each one a device-to-host copy)
+        # The outputs a copy brings, all of them (wide) or the [rows] ones.
+        self._complete = {wide: frozenset(s.name for s in area.slots if s.start + s.nbytes <= (
+            area.packed.numel() if wide else area.narrow_bytes)) for wide in (False, True)}
 
     def _host_views(self, twin: torch.Tensor) -> dict[str, np.ndarray]:
         raw = twin.numpy()
@@ -145,5 +149,4 @@ class OutputCopy:
         if event is not None:
             event.record()
         self.fetches += 1
-        complete = frozenset(s.name for s in self.area.slots if s.start + s.nbytes <= nbytes)
-        return HostOutputs(self._views[i], event, complete)
+        return HostOutputs(self._views[i], event, self._complete[wide])
