@@ -96,15 +96,16 @@ class BucketTable:
         """Smallest bucket >= num_reqs, or None above the largest (the caller runs eagerly)."""
         if num_reqs < 1:
             raise ValueError(f"num_reqs = {num_reqs}: a step needs at least one request")
-        if num_reqs > self.largest:
-            return None
-        return int(self._lookup[num_reqs])
+        lookup = self._lookup
+        return int(lookup[num_reqs]) if num_reqs < len(lookup) else None
 
     def parts(self, num_reqs: int) -> list[tuple[int, int, int]]:
         """(first request, end, bucket) of each slice a step of `num_reqs` runs in:
         the whole step in its bucket, or above the largest bucket the largest
         bucket's worth of requests at a time (the eager fallback)."""
-        largest = self.largest
+        largest = self.buckets[-1]
+        if 0 < num_reqs <= largest:
+            return [(0, num_reqs, self.bucket_for(num_reqs))]
         return [(start, min(start + largest, num_reqs), self.bucket_for(min(largest, num_reqs - start)))
                 for start in range(0, num_reqs, largest)]
 

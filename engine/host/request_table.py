@@ -57,7 +57,10 @@ class PreparedRows:
     def check(self, *, ran: bool = False) -> None:
         """ValueError naming the first request whose row changed since the step was prepared
         (or, `ran`, since this step ran); changes nothing."""
-        self.table.check_prepared(self, ran=ran)
+        table, rows = self.table, self.rows
+        changed = (table.generation[rows] != self.generations) | (table.version[rows] != (self.token if ran else self.versions))
+        if changed.any():
+            table.refuse_stale(self, int(np.flatnonzero(changed)[0]), ran=ran)
 
     def mark_run(self) -> None:
         """The step ran: `check(ran=True)` now passes, `check()` refuses to run it again."""
@@ -285,18 +288,13 @@ class RequestTable:
 
     def prepared(self, rows: np.ndarray) -> PreparedRows:
         """The generations and versions of `rows` now, for a step prepared over them."""
-        return PreparedRows(self, rows, self.generation[rows], self.version[rows], self._tick(),
+        self._clock += 1  # the token: a version no other step gives
+        return PreparedRows(self, rows, self.generation[rows], self.version[rows], self._clock,
                             tuple(self.request_ids[rows]))
 
-    def check_prepared(self, prepared: PreparedRows, *, ran: bool) -> None:
-        """See `PreparedRows.check`."""
-        rows = prepared.rows
-        expected = np.full(len(rows), prepared.token, np.int64) if ran else prepared.versions
-        changed = (self.generation[rows] != prepared.generations) | (self.version[rows] != expected)
-        if not changed.any():
-            return
-        i = int(np.flatnonzero(changed)[0])
-        row = int(rows[i])
+    def refuse_stale(self, prepared: PreparedRows, i: int, *, ran: bool) -> None:
+        """ValueError naming request `i` of a prepared step whose row changed (`PreparedRows.check`)."""
+        row = int(prepared.rows[i])
         where = f"request {prepared.request_ids[i]!r}: stale step"
         if self.generation[row] != prepared.generations[i]:
             ended = self.ended[row] or RequestState.REMOVED
@@ -311,7 +309,8 @@ class RequestTable:
 
     def bump(self, rows: np.ndarray) -> None:
         """A new version for `rows` (a step recorded): every step prepared before is stale."""
-        self.version[rows] = self._tick()
+        self._clock += 1
+        self.version[rows] = self._clock
 
     def set_step_columns(
         self,

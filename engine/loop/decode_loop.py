@@ -319,13 +319,14 @@ class DecodeLoop:
         if not batch:
             self.stats.steps += 1
             return [], []
-        seqlen_q = np.array([s.seqlen_q for s in batch], dtype=np.int32)
+        # The step's columns in one pass: query and context lengths, table rows, KV slots.
+        seqlen_q, seqlen_k, rows, slots = np.array(
+            [(s.seqlen_q, s.seqlen_k, s.req.table_row, s.req.kv_slot) for s in batch], dtype=np.int64).T
+        seqlen_q, seqlen_k = seqlen_q.astype(np.int32), seqlen_k.astype(np.int32)
         # The rest of the step under one parent range (a trace's "step"), with its arguments.
         with step_range(self.stats.steps, len(batch), int(seqlen_q.sum()), self.engine.buckets.bucket_for(len(batch))):
-            rows = np.array([s.req.table_row for s in batch], dtype=np.int64)
-            seqlen_k = np.array([s.seqlen_k for s in batch], dtype=np.int32)
             token_ids = torch.from_numpy(np.concatenate([s.tokens for s in batch]))
-            forward_batch = ForwardBatch.of([s.req.kv_slot for s in batch], seqlen_q, seqlen_k)
+            forward_batch = ForwardBatch.of(slots, seqlen_q, seqlen_k)
             t1 = time.perf_counter()
             with stage("model forward"):
                 # Straight into the engine's static source: no copy between the

@@ -22,7 +22,6 @@ from engine.sampling.sampler import sample
 from engine.step.engine_config import EngineConfig
 from engine.step.staging import StepArrays
 from engine.step.static_buffers import StepBuffers
-from engine.step.transfer import HostOutputs
 from engine.trace import stage
 
 
@@ -66,7 +65,9 @@ def collect(buffers: StepBuffers, config: EngineConfig, bucket: int, arrays: Ste
     token_bitmask = b.token_bitmask if arrays.token_bitmask is not None else None  # the step's, staged
     with stage("output copy"):
         fetched = b.output_copy.fetch(wide=want_top)
-        result = _host_results(fetched, rows, want_top=want_top)
+        # The real rows, copied out of the pinned twin (the step after next overwrites it).
+        got = fetched.take(rows, ("tokens", "logprob", "rank", "error") + (("top_ids", "top_logprobs") if want_top else ()))
+        result = CollectedRows(*got[:4], *(got[4:] if want_top else (None, None)))
         k = config.max_draft_tokens
         result.num_accepted = fetched.rows("num_accepted", n) if k else np.zeros(n, np.int64)
         result.counted_index = fetched.rows("counted_index", rows) if counted else None
@@ -102,11 +103,3 @@ def _rescore(b: StepBuffers, config: EngineConfig, bucket: int, scores_after: Sc
     result.logprob[rows] = both[0]
     result.rank[rows] = both[1]
 
-
-def _host_results(fetched: HostOutputs, rows: int, *, want_top: bool) -> CollectedRows:
-    """The real rows of the outputs, copied out of the pinned twin (the step after next
-    overwrites it)."""
-    return CollectedRows(tokens=fetched.rows("tokens", rows), logprob=fetched.rows("logprob", rows),
-                         rank=fetched.rows("rank", rows), error=fetched.rows("error", rows),
-                         top_ids=fetched.rows("top_ids", rows) if want_top else None,
-                         top_logprobs=fetched.rows("top_logprobs", rows) if want_top else None)

@@ -176,7 +176,7 @@ class StepEngine:
 
     # -- undoing a step ---------------------------------------------------------
 
-    def checkpoint(self) -> EngineCheckpoint:
+    def checkpoint(self, *, prompt_logprobs: bool = True) -> EngineCheckpoint:
         """The host state that spans steps: the prompt-logprob accumulators of
         every front (partial prompt logprobs of requests between prompt chunks), the
         engine's and its head's stats and the replayer's counters. `rollback`
@@ -184,9 +184,12 @@ class StepEngine:
         returned can undo the step. Not covered: device state, i.e. the static
         buffers (every step rewrites what it reads) and the draft-info pool,
         whose slots the caller's take-once bookkeeping owns. The penalty counts
-        are covered: a rollback takes back what the last step counted."""
+        are covered: a rollback takes back what the last step counted.
+        `prompt_logprobs=False` leaves the accumulators out (`run`'s own mark: a step
+        commits them only once it has succeeded)."""
         return EngineCheckpoint(
-            partial_prompt_logprobs={table: store.snapshot() for table, store in self._prompt_stores.items()},
+            partial_prompt_logprobs={table: store.snapshot() for table, store in self._prompt_stores.items()}
+            if prompt_logprobs else {},
             stats=copy_counters(self.stats),
             head_stats=None if self.head.stats is None else copy_counters(self.head.stats),
             replayer_counts=self.replayer.counts(),
@@ -290,7 +293,7 @@ class StepEngine:
                             applies=self.head.applies_token_bitmask)
         if inputs.num_reqs == 0:
             return StepOutput.empty()
-        mark = self.checkpoint()
+        mark = self.checkpoint(prompt_logprobs=False)
         try:
             output, prompt = self._sample(hidden_states, inputs, arrays, host_start)
         except BaseException:

@@ -107,11 +107,16 @@ class HostOutputs:
 
     def rows(self, name: str, count: int) -> np.ndarray:
         """A copy of the leading `count` entries of output `name` (waits first)."""
-        if name not in self._complete:
-            raise ValueError(f"output {name!r}: not fetched (fetch(wide=True) brings the [rows, N] outputs)")
+        return self.take(count, (name,))[0]
+
+    def take(self, count: int, names: tuple[str, ...]) -> list[np.ndarray]:
+        """`rows(name, count)` of each of `names`, in order."""
+        missing = [name for name in names if name not in self._complete]
+        if missing:
+            raise ValueError(f"output {missing[0]!r}: not fetched (fetch(wide=True) brings the [rows, N] outputs)")
         if not self._waited:
             self.wait()
-        return self._views[name][:count].copy()
+        return [self._views[name][:count].copy() for name in names]
 
 
 class OutputCopy:
