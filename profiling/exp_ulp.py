@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from engine.sampling.draw import inverse_cdf_draw
-from engine.sampling.normaliser import block_sums, token_masses
+from engine.sampling.thresholds import block_sums, token_masses
 from profiling.bench.sample import lm_like_logits
 
 PERTURBATIONS = ("up", "down", "random")

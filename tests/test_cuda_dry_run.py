@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-import engine.sampling.pipeline as pipeline_module
+import engine.sampling.sampler as sampler_module
 from engine import EngineConfig, StepEngine
 from engine.models.llama_weights import LlamaConfig
 from profiling.cuda_dry_run import DryRunConfig, DryRunFailure, main, run
@@ -50,14 +50,14 @@ def test_dry_run_passes_and_reports_ops_per_bucket(capsys: pytest.CaptureFixture
 def _plant(monkeypatch: pytest.MonkeyPatch, hazard) -> None:
     """Wrap the sampler's suppression stage (inside the captured step of every
     graph set) with `hazard`, given the masked scores and their row maximum."""
-    original = pipeline_module.suppress_stop_ids_
+    original = sampler_module.suppress_stop_ids_
 
     def planted(scores, rows):
         stops = original(scores, rows)
         stops.scores = hazard(stops.scores, stops.scores.amax(-1))
         return stops
 
-    monkeypatch.setattr(pipeline_module, "suppress_stop_ids_", planted)
+    monkeypatch.setattr(sampler_module, "suppress_stop_ids_", planted)
 
 
 def _cpu_constant(e: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:

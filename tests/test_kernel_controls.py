@@ -2,7 +2,7 @@
 Triton's interpreter on CPU tensors.
 
 References: the torch stage functions composed in vLLM V1's order, which the torch path
-adopts (`engine.sampling.pipeline` on h-vllm): allowed tokens -> token bitmask -> EOS/stop
+adopts (`engine.sampling.sampler` on h-vllm): allowed tokens -> token bitmask -> EOS/stop
 suppression (a per-row loop here) -> logit bias -> penalties; and `SamplingControls.apply`
 itself where main's order (penalties -> bias -> allowed tokens, then the bitmask) gives
 the same values and flags: no logit bias, no logit a penalty overflows.
@@ -258,7 +258,7 @@ def test_controls_kernel_equals_sampling_controls_apply(batch: Batch, seed: int)
         assert state.join(params, prompt.tolist()) == slot
         state.counts[slot] = c.counts[slot]
     buffers = _Buffers(batch, c.control_slots)
-    # The torch stages of the controls, as engine.sampling.pipeline runs them on each row's
+    # The torch stages of the controls, as engine.sampling.sampler runs them on each row's
     # gathered slot (`SamplingControls.rows`): allowed tokens, then the penalties (no bias here).
     rows = state.rows(buffers, batch.num_reqs)
     apply_allowed_tokens_(buffers.logits, rows.allowed_words, rows.restricted)

@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 from engine.sampling.kernels import sample as kernel_module
 from engine.sampling.kernels.sample import SampleScratch, sample_rows
-from engine.sampling.normaliser import BLOCK
+from engine.sampling.thresholds import BLOCK
 from engine.sampling.row_params import RowParams
 from engine.sampling.sample_output import SampleOutput
 from tests.kernel_interpreter import torch_math

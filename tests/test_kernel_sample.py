@@ -29,14 +29,12 @@ from engine.sampling.kernels import interpreting
 from engine.sampling.kernels import sample as kernel_module
 from engine.sampling.kernels.sample import SampleScratch, sample_rows
 from engine.sampling.logprobs import processed_row_logprobs, raw_logprobs
-from engine.sampling.normaliser import BLOCK, block_sums
-from engine.sampling.row_max import first_max
+from engine.sampling.thresholds import (
+    BLOCK, KEY_MAX, RowDistribution, block_sums, first_max, order_keys, processed_scores, radix_threshold, token_masses,
+)
 from engine.sampling.rows import expand_rows
 from engine.sampling.sampler import SamplerConfig, sample
 from engine.sampling.suppression import suppressed_scores
-from engine.sampling.thresholds import (
-    KEY_MAX, RowDistribution, order_keys, processed_scores, radix_threshold, token_masses,
-)
 from graphs.capture_safety import capture_safety_check
 from engine.sampling.row_params import RowParams
 from engine.sampling.sample_output import SampleOutput

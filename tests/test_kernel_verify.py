@@ -110,7 +110,7 @@ def random_step(batch: Batch, seed: int, *, near_top: bool = False) -> Step:
 
 
 def mass_bits(vocab: int) -> int:
-    """S of the sampler's masses (engine/sampling/normaliser.py): V * 2**S <= 2**52."""
+    """S of the sampler's masses (engine/sampling/thresholds.py): V * 2**S <= 2**52."""
     return 52 - max(1, (vocab - 1).bit_length())
 
 

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.sampling.row_max import block_width, first_max
+from engine.sampling.thresholds import block_width, first_max
 
 
 def loop_reference(row: list[float]) -> tuple[float, int]:

@@ -12,16 +12,15 @@ from hypothesis import strategies as st
 
 from engine.sampling import exact as exact_module
 from engine.sampling import filters, rng, suppression, thresholds
-from engine.sampling import pipeline as pipeline_module
+from engine.sampling import sampler as sampler_module
 from engine.sampling import verify as verify_module
 from engine.sampling.exact import EXACT_CHUNK_ROWS, kept_sets, sample_exact, sample_reference
 from engine.sampling.errors import PLACEHOLDER_TOKEN, RowError
 from engine.sampling.logprobs import token_logprobs
-from engine.sampling.pipeline import TorchStages
 from engine.sampling.row_params import RowParams
 from engine.sampling.rows import expand_rows
 from engine.sampling.sample_output import SampleOutput
-from engine.sampling.sampler import SamplerConfig, sample
+from engine.sampling.sampler import SamplerConfig, TorchStages, sample
 from engine.sampling.verify import target_probs
 from graphs.capture_safety import capture_safety_check
 from tests import numpy_sampler_reference as ref
@@ -497,7 +496,7 @@ def test_sampler_reference_and_verify_paths_agree_on_the_kept_set(monkeypatch, p
     if plant is not None:
         name, planted = plant(module)
         monkeypatch.setattr(module, name, planted)
-        for user in (pipeline_module, verify_module, exact_module):  # the names the paths imported
+        for user in (sampler_module, verify_module, exact_module):  # the names the paths imported
             if hasattr(user, name):
                 monkeypatch.setattr(user, name, planted)
     cfg = SamplerConfig(max_logprobs=0)

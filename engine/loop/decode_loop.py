@@ -2,7 +2,7 @@
 
 Per step: admit arrived requests (a KV-cache slot and a persistent-batch row each),
 schedule decodes (1 + n-gram drafts each) then prefill chunks within the token budget
-(scheduler.py), run the model straight into the engine's static source, let the persistent
+(requests.py `schedule`), run the model straight into the engine's static source, let the persistent
 batch build the ledger and `engine.run` sample and verify, then emit, finish (EOS, stop ids,
 stop strings, max_tokens, a failed row) and free the slots. A request with `n > 1` runs as
 n siblings `(request_id, j)` with their own seeds, sharing the prompt's prefill. A step is
@@ -25,9 +25,9 @@ from engine.host.params import SamplingParams
 from engine.loop.loop_config import LoopConfig, engine_config_for
 from engine.loop.detokenize import output_decoder
 from engine.host.token_ids import check_request_id
-from engine.loop.requests import (Completion, RunningRequest, StepEvent, StepUndo, drop_oldest_finished,
-                                  fresh_seed, sibling_seed)
-from engine.loop.scheduler import ScheduledRequest, choose_shared_prefix, common_prefix_length, schedule
+from engine.loop.requests import (Completion, RunningRequest, ScheduledRequest, StepEvent, StepUndo,
+                                  choose_shared_prefix, common_prefix_length, drop_oldest_finished, fresh_seed,
+                                  schedule, sibling_seed)
 from engine.loop.stats import LoopStats
 from engine.loop.stop_strings import OutputText, StopMatch
 from engine.loop.submission import Submission, check_submission

@@ -1,6 +1,6 @@
 """Allowed tokens (docs/contract.md §2): a restricted request samples only from its set.
 
-The first of the logits processors (vLLM's order, `engine.sampling.pipeline`):
+The first of the logits processors (vLLM's order, `engine.sampling.sampler`):
 every token outside the set gets logit -inf, which the bias and the
 penalties after it leave as it is. The set is packed like the structured-output bitmask (bit b
 of int32 word w is token 32w + b); unrestricted rows keep every logit.

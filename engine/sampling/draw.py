@@ -4,7 +4,7 @@
   smallest id. Filters do not change it (the maximum is always kept).
 - Every other row draws by inverse CDF with one uniform u per row (stream
   TARGET, counter `INVERSE_CDF_COUNTER`) over its kept tokens' masses in
-  token-id order (`engine.sampling.normaliser`; 0 outside the kept set):
+  token-id order (`engine.sampling.thresholds`; 0 outside the kept set):
   the first token whose running mass exceeds u * total (float64). Masses are
   integers whose sums are exact, so any order of addition finds the same
   token; this one looks for the block of `BLOCK` tokens first (the block
@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from engine.sampling.normaliser import BLOCK, token_masses
+from engine.sampling.thresholds import BLOCK, token_masses
 from engine.host.counter_hash import INVERSE_CDF_COUNTER
 from engine.sampling.rng import TARGET, gumbel, uniform
 from engine.sampling.rows import SamplingRows

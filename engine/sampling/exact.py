@@ -16,14 +16,12 @@ import math
 import torch
 
 from engine.sampling import filters as filters_module
-from engine.sampling.normaliser import block_sums
-from engine.sampling.pipeline import TorchStages
+from engine.sampling.thresholds import RowDistribution, block_sums, processed_scores, token_masses
 from engine.sampling.row_params import RowParams
 from engine.sampling.rows import SamplingRows, expand_rows
 from engine.sampling.sample_output import SampleOutput
-from engine.sampling.sampler import SamplerConfig, sample
+from engine.sampling.sampler import SamplerConfig, TorchStages, sample
 from engine.sampling.suppression import suppressed_scores
-from engine.sampling.thresholds import RowDistribution, processed_scores, token_masses
 
 # Rows sorted at once: a large batch goes in slices (rows are independent,
 # the bits do not depend on the slicing).

@@ -8,7 +8,7 @@ a strictly larger logit (ties share a rank); top-N lists the N largest
 logits, best first, ties to the smaller id.
 
 "processed" mode: the logprobs of the distribution the row drew from: each
-kept token's mass over the kept set's total (`engine.sampling.normaliser`);
+kept token's mass over the kept set's total (`engine.sampling.thresholds`);
 a token outside it (or of mass 0) has logprob -inf, and a token outside it
 ranks after every kept token. Top-N holds real ids only: past the kept
 tokens, the smallest other ids at -inf.
@@ -22,7 +22,7 @@ import torch
 
 from typing import TYPE_CHECKING
 
-from engine.sampling.normaliser import raw_log_normaliser, token_masses
+from engine.sampling.thresholds import raw_log_normaliser, token_masses
 from engine.sampling.sample_output import SampleOutput
 
 if TYPE_CHECKING:

@@ -17,27 +17,64 @@ from engine.sampling.row_params import RowParams
 class SamplingRows:
     """Per-row controls, all [rows] (or [rows, S]) tensors on the logits' device.
 
-    What every sampled row reads (greedy, temperature, stop ids, forced token,
-    uniform) is expanded when the rows are made; the filters' controls on first
-    use and kept: a stage that never reads one (the plain draw reads no filter)
-    issues none of its ops."""
+    Each control is expanded on first use and kept: a stage that never reads one (the
+    plain draw reads no filter, the kernels read none) issues none of its ops. What every
+    torch-sampled row reads (greedy, temperature, stop ids, forced token, uniform) comes
+    in one go, when first read or at once with `expand=True` (the torch stages)."""
 
-    def __init__(self, params: RowParams, vocab: int) -> None:
+    def __init__(self, params: RowParams, vocab: int, *, expand: bool = False) -> None:
         self._params = params
         self._vocab = vocab
-        req = self._req = params.row_to_req
-        raw = params.temperatures[req]
-        self.greedy = raw == 0  # [rows] bool: temperature 0
-        self.temperature = torch.where(self.greedy, 1.0, raw)  # [rows] f32, 1 for greedy rows
-        stop = params.stop_ids[req]
-        self.stop_ids = stop.clamp(min=0)  # [rows, S] int64, clamped to >= 0
-        self.stop_active = params.eos_suppression_rows[:, None] & (stop >= 0)  # [rows, S] bool: suppressed here
-        self.forced = params.forced_tokens  # [rows] int64, -1 = none
-        self.uniform = params.draw_uniforms  # [rows] f64: the draw's uniform, hashed on the host (None: not staged)
+        self._req = params.row_to_req
+        if expand:
+            self._common()
+
+    def _common(self) -> dict[str, torch.Tensor | None]:
+        """The controls every sampled row reads, into the instance (where the cached
+        properties below find them first)."""
+        params = self._params
+        raw = params.temperatures[self._req]
+        greedy = raw == 0
+        stop = params.stop_ids[self._req]
+        common = {
+            "greedy": greedy,  # [rows] bool: temperature 0
+            "temperature": torch.where(greedy, 1.0, raw),  # [rows] f32, 1 for greedy rows
+            "stop_ids": stop.clamp(min=0),  # [rows, S] int64, clamped to >= 0
+            "stop_active": params.eos_suppression_rows[:, None] & (stop >= 0),  # [rows, S] bool: suppressed here
+            "forced": params.forced_tokens,  # [rows] int64, -1 = none
+            "uniform": params.draw_uniforms,  # [rows] f64: the draw's uniform, hashed on the host (None: not staged)
+        }
+        for name, value in common.items():
+            self.__dict__.setdefault(name, value)  # a control `replace` put in stays
+        return common
+
+    @cached_property
+    def greedy(self) -> torch.Tensor:
+        return self._common()["greedy"]
+
+    @cached_property
+    def temperature(self) -> torch.Tensor:
+        return self._common()["temperature"]
+
+    @cached_property
+    def stop_ids(self) -> torch.Tensor:
+        return self._common()["stop_ids"]
+
+    @cached_property
+    def stop_active(self) -> torch.Tensor:
+        return self._common()["stop_active"]
+
+    @cached_property
+    def forced(self) -> torch.Tensor:
+        return self._common()["forced"]
+
+    @cached_property
+    def uniform(self) -> torch.Tensor | None:
+        return self._common()["uniform"]
 
     def replace(self, **controls: torch.Tensor) -> SamplingRows:
         """The same rows with the given controls in place of their own (tests plant bugs this way)."""
-        known = {name for name in dir(self) if not name.startswith("_")} - {"replace", "params"}
+        known = {name for name in dir(type(self)) if not name.startswith("_")} - {"replace", "params"}
         unknown = sorted(set(controls) - known)
         if unknown:
             raise ValueError(f"controls {unknown}: SamplingRows has no such control")
@@ -96,12 +133,12 @@ class SamplingRows:
         return self._params.sample_positions[self._req] + self._params.local_step
 
 
-def expand_rows(params: RowParams, vocab: int) -> SamplingRows:
+def expand_rows(params: RowParams, vocab: int, *, expand: bool = False) -> SamplingRows:
     """Each row's controls from its request's; `vocab` turns top_k off at >= V.
 
     Parameters: `params` per-request tensors plus `row_to_req` / `local_step`
     [rows] int64, all on one device; `vocab` the logits' width V.
     Returns: `SamplingRows` on the same device, each control expanded when
-    first read. Capture-safe.
+    first read (`expand`: the common ones at once). Capture-safe.
     """
-    return SamplingRows(params, vocab)
+    return SamplingRows(params, vocab, expand=expand)

@@ -1,7 +1,6 @@
 """The sampler's configuration: which stages a variant (one kind of CPU step) runs
-and how. Its own module so that `engine.sampling.pipeline` (which reads it)
-and `engine.sampling.sampler` (which composes the pipeline) do not import
-each other; `engine.sampling.sampler` re-exports every name here.
+and how. Its own module so that the stage modules the sampler imports may read it
+without importing the sampler; `engine.sampling.sampler` re-exports every name here.
 """
 from __future__ import annotations
 

@@ -49,12 +49,11 @@ import torch
 from engine.sampling.draw import MASS_SCALE, gumbel_race, inverse_cdf, probability_masses
 from engine.sampling.filters import top_k_mask
 from engine.sampling.rng import ACCEPT, RESIDUAL, uniform
-from engine.sampling.row_max import first_max
+from engine.sampling.thresholds import first_max, row_distribution
 from engine.sampling.row_params import RowParams
 from engine.sampling.rows import expand_rows
 from engine.sampling.sampler import controlled_scores
 from engine.sampling.suppression import suppressed_scores
-from engine.sampling.thresholds import row_distribution
 
 _NONE = torch.iinfo(torch.int64).max  # scatter-min identity: "no rejection seen"
 

@@ -2,7 +2,7 @@
 
     gather       the sample rows of the hidden-state source    -> buffers.hidden
     drafts       each row's draft (the caller's or the pool's)  -> buffers.resolved_drafts
-    LM head      logits and the sampler's stages (engine.sampling.pipeline) -> buffers.out
+    LM head      logits and the sampler's stages (engine.sampling.sampler) -> buffers.out
     hidden check rows whose hidden state is not finite fail
     verify       the rows' draws against their drafts           -> buffers.num_accepted
     draft pool   next step's proposals into the write slots

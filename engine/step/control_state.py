@@ -16,7 +16,7 @@ leaves; the step stages each request's slot (`control_slots`, 0 = none).
 
 Inside the captured step (`rows`, `count`): each sample row's controls,
 gathered from its request's slot, go to the sampler
-(`engine.sampling.pipeline.ControlRows`), which keeps a copy of the
+(`engine.sampling.sampler.ControlRows`), which keeps a copy of the
 unprocessed logits and applies them to `buffers.logits` in place, in vLLM's
 order, so every path that reads the logits afterwards (the exact rows, draft
 verification) sees the processed ones; then the tokens the step emits are
@@ -46,7 +46,7 @@ from engine.host.control_slots import first_control, uses_controls
 from engine.host.params import SamplingParams
 from engine.ops import upload
 from engine.sampling.errors import RowError
-from engine.sampling.pipeline import ControlRows
+from engine.sampling.sampler import ControlRows
 from engine.sampling.token_bitmask import BITS_PER_WORD, bitmask_words
 from engine.step.engine_config import EngineConfig
 from engine.step.static_buffers import StepBuffers

@@ -1,15 +1,19 @@
-"""How a StepEngine is set up (`EngineConfig`) and what it counts (`EngineStats`)."""
+"""How a StepEngine is set up (`EngineConfig`), what it counts (`EngineStats`), and the host
+state that spans its steps, for undoing one (`EngineCheckpoint`, `StepEngine.checkpoint`)."""
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Hashable, TypeVar
 
 import torch
 
 from engine.ops import default_block_rows
 from engine.sampling.sampler import SamplerConfig
-from engine.step.prompt_logprobs import DEFAULT_CHUNK_ROWS
+from engine.step.prompt_logprobs import DEFAULT_CHUNK_ROWS, PromptLogprob
 from graphs.buckets import BucketTable
+from graphs.replay import ReplayCounts
 
 VERIFY_MODES = ("strict", "rejection")
 # How a local LM head runs its step: "torch" (torch ops: the CPU path, and on CUDA the reference),
@@ -136,3 +140,34 @@ class EngineStats:
     bucket_histogram: dict[int, int] = field(default_factory=dict)
     host_seconds: float = 0.0  # ledger + validation + staging, summed
     logits_kernel: str = "plain"  # the LM head's verified block GEMM, e.g. "onednn[16]"; "plain": one GEMM
+
+
+Counters = TypeVar("Counters")
+
+
+@dataclass(frozen=True)
+class EngineCheckpoint:
+    """The host state of a StepEngine that spans steps (see `StepEngine.checkpoint`)."""
+
+    # Per front's request table: its requests' partial prompt logprobs.
+    partial_prompt_logprobs: dict[object, dict[Hashable, list[PromptLogprob]]]
+    stats: EngineStats  # a copy of the engine's stats
+    head_stats: object | None  # a copy of its LM head's own counters (`LMHead.stats`), if any
+    replayer_counts: ReplayCounts  # `StepEngine.replayer`'s
+    control_steps: int | None = None  # `SamplingControls.steps`, None without controls
+
+
+def copy_counters(counters: Counters) -> Counters:
+    """A copy of a stats dataclass whose dict fields are copied too (cheap
+    enough for every step, unlike deepcopy)."""
+    out = copy.copy(counters)
+    for name, value in vars(out).items():
+        if isinstance(value, dict):
+            setattr(out, name, dict(value))
+    return out
+
+
+def restore_counters(counters: Counters, saved: Counters) -> None:
+    """Put `saved`'s values back into `counters`, in place: whoever holds
+    `counters` sees them, and `saved` stays as it was for another rollback."""
+    vars(counters).update(vars(copy_counters(saved)))

@@ -14,7 +14,7 @@ CUDA graph runs every stage for every row):
                  the draft pool's writes, the emitted tokens into the penalty counts
 
 The stages run in vLLM's order through the torch path's own function
-(`engine.sampling.pipeline.run_stages`), its stage groups by the kernels
+(`engine.sampling.sampler.run_stages`), its stage groups by the kernels
 (`engine.step.kernel_step.TritonStages`) where the torch path's are torch ops (the CPU path
 and the reference). Logprobs are computed for every row in the configured mode
 (`SamplerConfig.logprobs_mode`): no step-level variant drops them. The controls' copy of

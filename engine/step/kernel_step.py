@@ -1,7 +1,7 @@
 """The kernel head's captured step (`engine.step.kernel_head`): at most a dozen kernels, one graph per bucket.
 
     lm head       engine::lm_head_logits: gather fused into the GEMM (on CUDA) -> buffers.logits
-    stages 1-14   `engine.sampling.pipeline.run_stages`, vLLM's order, its groups by `TritonStages`:
+    stages 1-14   `engine.sampling.sampler.run_stages`, vLLM's order, its groups by `TritonStages`:
       3-7         engine::apply_controls (vLLM's logits processors, the bitmask, stop ids)
                                                                 -> state.scores, row_controlled
       8-14        engine::sample_rows (one launch; without drafts, 9 at buckets
@@ -29,7 +29,7 @@ from engine.sampling.kernels.controls_kernel import apply_controls
 from engine.sampling.kernels.hidden_check import fail_non_finite_hidden
 from engine.sampling.kernels.sample import KeptWeights, SampleScratch, sample_rows
 from engine.sampling.kernels.verify_kernel import split_for, verify_residual_chunks, verify_step
-from engine.sampling.pipeline import ControlRows, ProcessedScores, TorchStages, run_stages
+from engine.sampling.sampler import ControlRows, ProcessedScores, TorchStages, run_stages
 from engine.sampling.rows import SamplingRows
 from engine.sampling.sample_output import SampleOutput
 from engine.sampling.sampler_config import SamplerConfig
@@ -116,12 +116,13 @@ def logits_and_sample(head: KernelStepHead, bucket: int) -> None:
 class TritonStages(TorchStages):
     """The stage groups as Triton kernels over the kernel head's static buffers, for one
     bucket: `logits_processors` (3-7) and `sample_rows` (8-14) one kernel each, with the
-    signatures of `TorchStages`' (engine/sampling/pipeline.py), whose torch ops they must
+    signatures of `TorchStages`' (engine/sampling/sampler.py), whose torch ops they must
     agree with. The kernel of 8-14 computes the kept set and the logprobs itself: the
     torch groups `kept_set` and `logprobs` are not called."""
 
     head: KernelStepHead
     bucket: int
+    expands_rows = False  # the kernels read each row's controls from `rows.params` themselves
 
     def logits_processors(self, raw: torch.Tensor, rows: SamplingRows, controls: ControlRows | None,
                           token_bitmask: torch.Tensor | None) -> ProcessedScores:

@@ -120,7 +120,7 @@ CPU_CHUNK_ROWS = 64
 
 class LocalHead(LMHead):
     """The whole LM head on this device by torch ops: `weight` [V, H] -> fp32 logits in the
-    engine's static `buffers.logits`, sampled there (engine.sampling.pipeline).
+    engine's static `buffers.logits`, sampled there (engine.sampling.sampler).
 
     One step function per bucket. On CUDA (the reference the kernels are checked against)
     its graph runs every stage for every row: the full sampler, the controls (a row
@@ -218,7 +218,7 @@ class LocalHead(LMHead):
         )
 
     def logits_and_sample(self, bucket: int) -> None:
-        """The logits, then every stage in vLLM's order (engine.sampling.pipeline) that the
+        """The logits, then every stage in vLLM's order (engine.sampling.sampler) that the
         step's kind runs; with controls, `buffers.logits` hold the processed scores afterwards
         (what verification reads)."""
         b, kind = self.buffers, self.kind

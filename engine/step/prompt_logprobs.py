@@ -39,7 +39,7 @@ from engine.host.ledger import SamplerInputs
 from engine.ops import BlockGemm, gather, get_logits, upload
 from engine.sampling.filters import top_k_mask
 from engine.sampling.logprobs import token_logprobs, top_n_ids
-from engine.sampling.normaliser import raw_log_normaliser
+from engine.sampling.thresholds import raw_log_normaliser
 
 DEFAULT_CHUNK_ROWS = 8192
 
@@ -244,7 +244,9 @@ class PromptLogprobAccumulator:
     """
 
     def __init__(self) -> None:
-        self._partial: dict[Hashable, list[PromptLogprob]] = {}
+        # request id -> the prompt logprobs of its chunks so far (read-only outside; a commit
+        # replaces a request's list, never extends it, so a shallow copy is a snapshot)
+        self.partial: dict[Hashable, list[PromptLogprob]] = {}
 
     def check(self, inputs: SamplerInputs) -> None:
         """Raise ValueError when a chunk does not continue what was accumulated
@@ -253,7 +255,7 @@ class PromptLogprobAccumulator:
             request_id = inputs.request_ids[i]
             chunk_start = _chunk_start(inputs, i)
             # A chunk at position 0 starts the prompt afresh (also after a preemption).
-            held = len(self._partial.get(request_id, ())) if chunk_start else 0
+            held = len(self.partial.get(request_id, ())) if chunk_start else 0
             if held != chunk_start:
                 raise ValueError(
                     f"request {request_id!r}: prompt chunk starts at position {chunk_start} but {held}"
@@ -285,7 +287,7 @@ class PromptLogprobAccumulator:
                     errors[i] = f"prompt logprobs not finite at prompt position {chunk_start + int(bad[0]) + 1}"
                 drop.append(request_id)
                 continue
-            partial = list(self._partial.get(request_id, [])) if chunk_start else []
+            partial = list(self.partial.get(request_id, [])) if chunk_start else []
             partial.extend(results.entries(lo, hi))
             handed_over[i] = partial if inputs.is_last_chunk[i] else []
             if inputs.is_last_chunk[i]:
@@ -304,21 +306,21 @@ class PromptLogprobAccumulator:
 
     def commit(self, update: PromptLogprobUpdate) -> None:
         for request_id in update.drop:
-            self._partial.pop(request_id, None)
-        self._partial.update(update.keep)
+            self.partial.pop(request_id, None)
+        self.partial.update(update.keep)
 
     def snapshot(self) -> dict[Hashable, list[PromptLogprob]]:
         """The partial values, for `restore` (a commit replaces lists, never extends them)."""
-        return dict(self._partial)
+        return dict(self.partial)
 
     def restore(self, snapshot: dict[Hashable, list[PromptLogprob]]) -> None:
-        self._partial = dict(snapshot)
+        self.partial = dict(snapshot)
 
     def discard(self, request_id: Hashable) -> None:
         """Forget a request's partial values (aborted mid-prefill)."""
-        self._partial.pop(request_id, None)
+        self.partial.pop(request_id, None)
 
     @property
     def pending(self) -> tuple[Hashable, ...]:
         """Requests holding partial values (between prompt chunks)."""
-        return tuple(self._partial)
+        return tuple(self.partial)

@@ -1,4 +1,5 @@
-"""The host arrays one step stages into the static buffers, in batch order.
+"""The host arrays one step stages into the static buffers, in batch order, and the
+step's drafts checked and laid out on its sample rows (docs/contract.md §1.2, §1.3).
 
 `StepArrays` holds what `StepBuffers.load` copies: one attribute per
 declared per-step field (`engine/host/step_fields.py`), under the same
@@ -7,20 +8,29 @@ plus the drafts' distributions for the rejection-mode buffer, which travel
 in copies of their own, and the token bitmask, which rides the same copy
 after the fields. `from_inputs` and the split into parts derive from the
 declaration.
+
+Every decode row but a request's last verifies one draft: the caller's
+(`draft_tokens`), else the one its read slot of the draft-info pool holds
+(`READ_FROM_POOL`, resolved inside the graph). Rejection mode can take the
+draft distributions (`draft_logprobs`); a draft head's proposals for the next
+step (`next_drafts`) go into each request's write slot inside the graph.
+`StepDrafts.step_arrays` turns the ledger and all of these into the
+`StepArrays` the step stages, after checking every value.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Hashable, Sequence
 
 import numpy as np
+import torch
 
 from engine.host.draw_uniforms import staged_draw_uniforms
 from engine.host.ledger import SamplerInputs
-from engine.host.step_fields import FROM_LEDGER_FIELDS, STEP_FIELDS
-
-if TYPE_CHECKING:
-    import torch
+from engine.host.step_fields import FROM_LEDGER_FIELDS, READ_FROM_POOL, STEP_FIELDS
+from engine.step.engine_config import EngineConfig
+from engine.step.validation import type_name
 
 
 @dataclass
@@ -91,3 +101,187 @@ class StepArrays:
             else {row - r0: q for row, q in self.draft_probs.items() if r0 <= row < r1}
         )
         return StepArrays(**part)
+
+
+DRAFT_MASS_TOLERANCE = 1e-3  # |sum(exp(draft_logprobs)) - 1| accepted per draft (float32 sums)
+
+
+@dataclass(frozen=True)
+class _DraftLayout:
+    row_to_req: np.ndarray  # the ledger arrays this layout was derived from (identity-checked)
+    sample_offsets: np.ndarray
+    row_drafts: np.ndarray  # [rows] READ_FROM_POOL where a row verifies a draft, -1 on last rows
+    draft_rows: np.ndarray  # rows that verify a draft
+    draft_req: np.ndarray  # their request
+    draft_step: np.ndarray  # their local step (= draft index)
+
+
+class StepDrafts:
+    """Builds a step's `StepArrays` with its drafts, for a vocabulary of `vocab_size`."""
+
+    def __init__(self, vocab_size: int, config: EngineConfig) -> None:
+        self.vocab_size = vocab_size
+        self.config = config
+        self._last_layout: _DraftLayout | None = None
+
+    def step_arrays(
+        self,
+        inputs: SamplerInputs,
+        stop_ids: np.ndarray,
+        *,
+        draft_tokens: Sequence[Sequence[int] | None] | np.ndarray | None = None,
+        draft_logprobs: Sequence[np.ndarray | torch.Tensor | None] | None = None,
+        next_drafts: Sequence[Sequence[int] | None] | None = None,
+        next_draft_logprobs: Sequence[Sequence[float] | None] | None = None,
+    ) -> StepArrays:
+        """Everything the step stages, validated (names the request and field).
+        `draft_tokens` may also be an [n, max_draft_tokens] array (vectorised)."""
+        n, rows, k = inputs.num_reqs, inputs.num_sample_rows, self.config.max_draft_tokens
+        for name, value in (("draft_tokens", draft_tokens), ("draft_logprobs", draft_logprobs),
+                            ("next_drafts", next_drafts), ("next_draft_logprobs", next_draft_logprobs)):
+            if value is not None and len(value) != n:
+                raise ValueError(f"{name}: {len(value)} entries for {n} requests")
+        arrays = StepArrays.from_inputs(inputs, stop_ids)
+        if k == 0:
+            for name, value in (("draft_tokens", draft_tokens), ("next_drafts", next_drafts)):
+                if value is not None and any(v for v in value):
+                    raise ValueError(f"{name}: drafts given but EngineConfig.max_draft_tokens=0")
+            return arrays
+        drafts_per_req = inputs.sample_counts - 1  # 0 for a prefill chunk (one sample row)
+        layout = self._layout(inputs)
+        arrays.row_drafts = layout.row_drafts.copy()
+        arrays.mtp_info_read_rows = inputs.mtp_info_read_rows
+        arrays.mtp_info_write_slots = inputs.mtp_info_write_slots
+        limit = self.config.pool_slots
+        pool = (f"the draft-info pool has slots 0..{limit - 1} (EngineConfig.draft_pool_slots)" if limit > 1 else
+                "EngineConfig(draft_pool_slots=1) has no draft-info pool: drafts come only from draft_tokens")
+        for name, slots, bound in (("mtp_read_slot", arrays.mtp_info_read_rows, limit * k),
+                                   ("mtp_write_slot", arrays.mtp_info_write_slots, limit)):
+            if len(slots) and slots.max() >= bound:
+                j = int(np.argmax(slots))
+                req = int(inputs.row_to_req[j]) if name == "mtp_read_slot" else j
+                raise ValueError(f"request {inputs.request_ids[req]!r}: {name}={int(slots[j]) * limit // bound}: {pool}")
+        if limit == 1 and next_drafts is not None and any(next_drafts):
+            raise ValueError(f"next_drafts: given but {pool}, nothing to write them into")
+        if limit == 1 and not isinstance(draft_tokens, np.ndarray):
+            # Without a pool, a decode's drafts come from draft_tokens or from nowhere: a claimed
+            # draft not given would verify the padding token.
+            for i in np.flatnonzero(drafts_per_req > 0):
+                if draft_tokens is None or draft_tokens[i] is None:
+                    raise ValueError(f"request {inputs.request_ids[i]!r}: seqlen_q={int(drafts_per_req[i]) + 1} claims "
+                                     f"{int(drafts_per_req[i])} drafts but draft_tokens gives none; {pool}")
+        if isinstance(draft_tokens, np.ndarray):
+            # The hot path: [n, >= k] array, row i's first drafts_per_req[i] entries used.
+            rows_with = layout.draft_rows
+            if len(rows_with) and draft_tokens.dtype.kind not in "iu":
+                i = int(layout.draft_req[0])
+                raise ValueError(f"request {inputs.request_ids[i]!r}: draft_tokens: an array of dtype "
+                                 f"{draft_tokens.dtype} ({draft_tokens[i].tolist()}), expected integer token ids")
+            values = draft_tokens[layout.draft_req, layout.draft_step]
+            if len(values) and (values.min() < 0 or values.max() >= self.vocab_size):
+                bad = int(np.flatnonzero((values < 0) | (values >= self.vocab_size))[0])
+                i = int(inputs.row_to_req[rows_with[bad]])
+                raise ValueError(f"request {inputs.request_ids[i]!r}: draft_tokens={draft_tokens[i].tolist()}: "
+                                 f"outside [0, {self.vocab_size})")
+            arrays.row_drafts[rows_with] = values
+            draft_tokens = None
+        for i in range(n if draft_tokens is not None else 0):
+            drafts = draft_tokens[i]
+            if drafts is None:
+                continue
+            lo = int(inputs.sample_offsets[i])
+            arrays.row_drafts[lo : lo + int(drafts_per_req[i])] = self._checked_tokens(
+                inputs.request_ids[i], "draft_tokens", drafts, int(drafts_per_req[i]))
+        if draft_logprobs is not None and any(q is not None for q in draft_logprobs):
+            if self.config.verify_mode != "rejection":
+                raise ValueError("draft_logprobs: only used by EngineConfig(verify_mode='rejection')")
+            arrays.has_draft_probs = np.zeros(rows, dtype=bool)
+            arrays.draft_probs = {}
+            for i, q in enumerate(draft_logprobs):
+                if q is None:
+                    continue
+                probs = self._checked_draft_logprobs(inputs.request_ids[i], q, int(drafts_per_req[i]))
+                lo = int(inputs.sample_offsets[i])
+                arrays.has_draft_probs[lo : lo + len(probs)] = True
+                arrays.draft_probs[lo] = probs
+        if next_drafts is not None:
+            arrays.next_draft_tokens = np.full((n, k), -1, dtype=np.int64)
+            arrays.next_draft_logprobs = np.zeros((n, k), dtype=np.float32)
+            for i, proposal in enumerate(next_drafts):
+                if not proposal:
+                    continue
+                if len(proposal) > k:
+                    raise ValueError(f"request {inputs.request_ids[i]!r}: next_drafts has {len(proposal)} tokens, "
+                                     f"max_draft_tokens={k}")
+                arrays.next_draft_tokens[i, : len(proposal)] = self._checked_tokens(
+                    inputs.request_ids[i], "next_drafts", proposal, len(proposal))
+                if next_draft_logprobs is not None and next_draft_logprobs[i] is not None:
+                    values = np.asarray(next_draft_logprobs[i], np.float32)
+                    if values.shape != (len(proposal),) or np.isnan(values).any() or np.isposinf(values).any():
+                        raise ValueError(f"request {inputs.request_ids[i]!r}: next_draft_logprobs={values.tolist()}: "
+                                         f"expected {len(proposal)} log-probabilities (finite or -inf), one per proposal")
+                    arrays.next_draft_logprobs[i, : len(proposal)] = values
+        return arrays
+
+    def _layout(self, inputs: SamplerInputs) -> _DraftLayout:
+        """Which rows verify a draft, and of which request and step; reused
+        while the ledger hands out the same row layout (steady-state decode
+        shares its arrays from step to step)."""
+        cached = self._last_layout
+        if cached is not None and cached.row_to_req is inputs.row_to_req and cached.sample_offsets is inputs.sample_offsets:
+            return cached
+        # Every row verifies a draft (by default from the pool) except each
+        # request's last row, which has none.
+        row_drafts = np.full(inputs.num_sample_rows, READ_FROM_POOL, dtype=np.int64)
+        row_drafts[inputs.sample_offsets + inputs.sample_counts - 1] = -1
+        draft_rows = np.flatnonzero(row_drafts == READ_FROM_POOL)
+        layout = _DraftLayout(inputs.row_to_req, inputs.sample_offsets, row_drafts, draft_rows,
+                              inputs.row_to_req[draft_rows], inputs.local_step[draft_rows])
+        self._last_layout = layout
+        return layout
+
+    def _checked_draft_logprobs(self, request_id: Hashable, q: np.ndarray | torch.Tensor, count: int) -> torch.Tensor:
+        """The draft distributions [count, V] f32 (probabilities) of a request's
+        `draft_logprobs`, checked: float, the right shape, no NaN or +inf,
+        each row's probabilities summing to 1."""
+        if isinstance(q, (list, tuple)):
+            q = np.asarray(q)
+        floating = ((isinstance(q, torch.Tensor) and q.is_floating_point())
+                    or (isinstance(q, np.ndarray) and q.dtype.kind == "f"))
+        if not floating:
+            raise ValueError(f"request {request_id!r}: draft_logprobs: a {type_name(q)} of dtype "
+                             f"{getattr(q, 'dtype', None)}, expected a float tensor [{count}, {self.vocab_size}]")
+        q = torch.as_tensor(q).to(torch.float32)
+        if tuple(q.shape) != (count, self.vocab_size):
+            raise ValueError(f"request {request_id!r}: draft_logprobs: shape {tuple(q.shape)}, "
+                             f"expected [{count}, {self.vocab_size}] (one log-distribution per draft)")
+        probs = q.exp()
+        mass = probs.sum(-1, dtype=torch.float64)  # [count]: NaN or inf when a logprob is NaN or +inf
+        if not bool(torch.isfinite(mass).all()):
+            bad = "nan" if bool(torch.isnan(q).any()) else "inf"
+            raise ValueError(f"request {request_id!r}: draft_logprobs holds {bad}: log-probabilities are finite or -inf")
+        off = torch.nonzero((mass - 1).abs() > DRAFT_MASS_TOLERANCE).flatten()
+        if len(off):
+            j = int(off[0])
+            raise ValueError(f"request {request_id!r}: draft_logprobs[{j}]: the probabilities sum to "
+                             f"{float(mass[j]):.6g}, not 1 (pass log-probabilities, e.g. log_softmax)")
+        return probs
+
+    def _checked_tokens(self, request_id: Hashable, name: str, tokens: Sequence[int], count: int) -> np.ndarray:
+        tokens = list(tokens)
+        for token in tokens:
+            # operator.index takes ints, numpy and 0-d integer torch scalars;
+            # a float or a string is a caller's bug, never truncated.
+            try:
+                if isinstance(token, (bool, np.bool_)):
+                    raise TypeError
+                operator.index(token)
+            except TypeError:
+                raise ValueError(f"request {request_id!r}: {name}={tokens!r}: {token!r} is not an int token id") from None
+        values = np.asarray([operator.index(t) for t in tokens], dtype=np.int64)
+        if len(values) != count:
+            raise ValueError(f"request {request_id!r}: {name} has {len(values)} tokens but the request "
+                             f"verifies {count} this step (seqlen_q - 1 for a decode)")
+        if count and (values.min() < 0 or values.max() >= self.vocab_size):
+            raise ValueError(f"request {request_id!r}: {name}={values.tolist()}: outside [0, {self.vocab_size})")
+        return values

@@ -2,7 +2,7 @@
 
     step(hidden, seqs, drafts)
       -> ledger         which rows, positions, parameters (host, numpy)     engine.host.ledger
-      -> drafts         checked and laid out on the rows                    drafts.py
+      -> drafts         checked and laid out on the rows                    staging.py
       -> validate       everything, before any buffer is touched            validation.py
       -> stage + copy   one packed host-to-device copy into the static buffers
       -> replay         the bucket's captured graph: gather -> LM head      body.py, lm_head.py
@@ -47,17 +47,15 @@ from engine.host.step_fields import STEP_FIELDS
 from engine.host.stop_ids import StopIds
 from engine.ops import upload
 from engine.sampling.token_bitmask import bitmask_words
-from engine.step.checkpoint import EngineCheckpoint, copy_counters, restore_counters
 from engine.step.collect import CollectedRows, collect
-from engine.step.engine_config import EngineConfig, EngineStats
+from engine.step.engine_config import EngineCheckpoint, EngineConfig, EngineStats, copy_counters, restore_counters
 from engine.step.control_state import ControlWrites, SamplingControls
-from engine.step.drafts import StepDrafts
 from engine.step.kernel_head import local_head
 from engine.step.lm_head import LMHead
 from engine.step.step_output import StepOutput, assemble, row_errors
 from engine.step.prompt_logprobs import PromptLogprobAccumulator, PromptLogprobUpdate
 from engine.step.seq_front import SeqMetaFront
-from engine.step.staging import StepArrays
+from engine.step.staging import StepArrays, StepDrafts
 from engine.step.static_buffers import StepBuffers
 from engine.step.validation import check_hidden_states, check_ledger, check_token_bitmask, is_same_view
 from engine.trace import stage
@@ -188,7 +186,7 @@ class StepEngine:
         `prompt_logprobs=False` leaves the accumulators out (`run`'s own mark: a step
         commits them only once it has succeeded)."""
         return EngineCheckpoint(
-            partial_prompt_logprobs={table: store.snapshot() for table, store in self._prompt_stores.items()}
+            partial_prompt_logprobs={table: dict(store.partial) for table, store in self._prompt_stores.items()}
             if prompt_logprobs else {},
             stats=copy_counters(self.stats),
             head_stats=None if self.head.stats is None else copy_counters(self.head.stats),
@@ -269,7 +267,8 @@ class StepEngine:
         check_hidden_states(hidden_states, inputs, hidden_size=self.hidden_size, device=self.device,
                             source=self.buffers.source)
         check_ledger(inputs, vocab_size=self.vocab_size, max_logprobs=self.config.sampler.max_logprobs)
-        self._prompt_store(inputs).check(inputs)
+        if inputs.is_prompt.any():  # only prompt chunks continue or start accumulated values
+            self._prompt_store(inputs).check(inputs)
 
     @torch.no_grad()  # hidden states that require grad must not make the static buffers record autograd
     def run(

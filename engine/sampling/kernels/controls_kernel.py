@@ -2,7 +2,7 @@
 `SamplingControls.apply` plus the sampler's token bitmask and EOS/stop suppression.
 
 Per sample row, vLLM V1's order as the torch path runs it (docs/contract.md §2,
-`engine.sampling.pipeline`): allowed tokens -> token bitmask (structured output, bad
+`engine.sampling.sampler`): allowed tokens -> token bitmask (structured output, bad
 words) -> EOS/stop suppression under min_tokens -> logit bias -> penalties (repetition
 over prompt + output, frequency and presence over the output; row j of a request counts
 the drafts of its rows 0..j-1 as generated). The kernel computes the masks last: a

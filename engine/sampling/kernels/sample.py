@@ -14,7 +14,7 @@ from torch.library import triton_op, wrap_triton
 from engine.sampling.errors import RowError
 from engine.sampling.kernels import FP_FUSION, interpreting
 from engine.sampling.kernels.kept_set import HIST_BINS
-from engine.sampling.normaliser import BLOCK, mass_bits
+from engine.sampling.thresholds import BLOCK, mass_bits
 from engine.sampling.row_params import RowParams
 from engine.sampling.sample_output import SampleOutput
 from engine.sampling.kernels.sample_kernel import (GPU_CHUNK, LOGPROBS_MODES, MAX_PROGRAMS, NUM_WARPS, PHASES, STATE_COLS,
