@@ -34,7 +34,7 @@ def test_dry_run_passes_and_reports_ops_per_bucket(capsys: pytest.CaptureFixture
                       "shard heads tp=2", "model decode (eager)"):
         line = next(line for line in out.splitlines() if line.strip().startswith(graph_set + " "))
         counts = [int(ops) for ops in re.findall(r"\b\d+:(\d+)", line)]
-        assert counts and min(counts) > 50, line  # every bucket ran a real step under the check
+        assert counts and min(counts) > 30, line  # every bucket ran a real step under the check
     assert re.search(r"^  engine +1:\d+  2:\d+$", out, re.M), out  # both buckets of max_num_reqs=2
     # The output copy after each replay is counted, not hidden: one read a graph step.
     assert re.search(r"engine/step/transfer.py:\d+", out)

@@ -266,7 +266,8 @@ class StepEngine:
         """Every check of a step that needs no device work: after it, nothing may raise but a bug."""
         check_hidden_states(hidden_states, inputs, hidden_size=self.hidden_size, device=self.device,
                             source=self.buffers.source)
-        check_ledger(inputs, vocab_size=self.vocab_size, max_logprobs=self.config.sampler.max_logprobs)
+        if inputs.prepared is None:  # a persistent batch checked its requests where they entered (`add`)
+            check_ledger(inputs, vocab_size=self.vocab_size, max_logprobs=self.config.sampler.max_logprobs)
         if inputs.is_prompt.any():  # only prompt chunks continue or start accumulated values
             self._prompt_store(inputs).check(inputs)
 
