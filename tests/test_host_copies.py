@@ -164,7 +164,7 @@ def test_residual_draws_carry_their_own_raw_logprob_and_rank(monkeypatch: pytest
     logprob and rank, read back in one copy; every emitted token is checked against a float64
     log-softmax of its row's logits (rank: 1 + the tokens with a larger logit). 6 seeds x 4
     requests x 3 drafts of a uniform draft distribution, so most drafts are rejected."""
-    import engine.step.collect as collect_module
+    import engine.step.step_output as collect_module
 
     rescored = []
     original = collect_module._rescore

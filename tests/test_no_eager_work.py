@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import engine.step.collect as collect_module
+import engine.step.step_output as collect_module
 import engine.sampling.exact as exact_module
 from engine import EngineConfig, PersistentBatch, SamplingParams, StepEngine
 from engine.sampling.exact import kept_sets

@@ -7,7 +7,7 @@
       -> stage + copy   one packed host-to-device copy into the static buffers
       -> replay         the bucket's captured graph: gather -> LM head      body.py, lm_head.py
                         -> sample -> verify drafts -> draft-pool writes
-      -> collect        exact rows, output copy, rescoring                  collect.py
+      -> collect        output copy, rescoring                              step_output.py
       -> prompt logprobs  chunked, eager, outside the graph                 lm_head.py
       -> StepOutput                                                         step_output.py
 
@@ -47,12 +47,11 @@ from engine.host.step_fields import STEP_FIELDS
 from engine.host.stop_ids import StopIds
 from engine.ops import upload
 from engine.sampling.token_bitmask import bitmask_words
-from engine.step.collect import CollectedRows, collect
+from engine.step.step_output import CollectedRows, StepOutput, assemble, collect, row_errors
 from engine.step.engine_config import EngineCheckpoint, EngineConfig, EngineStats, copy_counters, restore_counters
 from engine.step.control_state import ControlWrites, SamplingControls
 from engine.step.kernel_head import local_head
 from engine.step.lm_head import LMHead
-from engine.step.step_output import StepOutput, assemble, row_errors
 from engine.step.prompt_logprobs import PromptLogprobAccumulator, PromptLogprobUpdate
 from engine.step.seq_front import SeqMetaFront
 from engine.step.staging import StepArrays, StepDrafts
