@@ -42,7 +42,7 @@ class Batch:
         return self.row_to_req.shape[0]
 
     def resolved_drafts(self) -> torch.Tensor:
-        """[rows] int64: what `engine.step.body.resolve_drafts` computes."""
+        """[rows] int64: what `engine.step.lm_head.resolve_drafts` computes."""
         return torch.where(self.row_drafts == READ_FROM_POOL, self.pool_tokens[self.read_rows], self.row_drafts)
 
 

@@ -21,7 +21,7 @@ import pytest
 from engine import EngineConfig, SamplingParams
 from engine.loop.loop_config import LoopConfig
 from engine.loop.decode_loop import DecodeLoop
-from engine.step.body import StepKind
+from engine.step.lm_head import StepKind
 from tests.test_decode_loop import CONFIG, tiny_model
 
 VOCAB = CONFIG.vocab_size

@@ -1,7 +1,7 @@
 """The verification kernels (engine/sampling/kernels/verify_kernel.py) against the torch path, under
 Triton's interpreter on CPU tensors.
 
-References: `engine.step.body.verify_and_store_drafts` (strict mode, top-k space, the
+References: `engine.step.lm_head.verify_and_store_drafts` (strict mode, top-k space, the
 draft pool), `engine.sampling.verify.verify_rejection` (rejection mode, from the same
 kept weights and mass total the kernel reads) and `SamplingControls.count` (the counts
 and `counted_index`). Random batches (tests/kernel_batches.py): 0..K drafts per request,
@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from engine.sampling.sampler import SamplerConfig
 from engine.sampling.verify import verify_rejection
-from engine.step.body import verify_and_store_drafts
+from engine.step.lm_head import verify_and_store_drafts
 from engine.step.engine_config import EngineConfig
 from engine.step.control_state import SamplingControls
 from engine.sampling.row_params import RowParams

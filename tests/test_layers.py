@@ -184,7 +184,7 @@ def test_every_module_has_a_layer():
     ("graphs/buckets.py", "from engine.host.params import SamplingParams"),
     ("engine/sampling/rng.py", "from engine.step.engine_config import EngineConfig"),
     ("engine/models/protocol.py", "from engine.loop.loop_config import LoopConfig"),
-    ("engine/step/body.py", "from profiling.bench import _timing"),
+    ("engine/step/lm_head.py", "from profiling.bench import _timing"),
     ("engine/host/columns.py", "from engine import StepEngine"),
 ])
 def test_a_planted_upward_import_is_found(source: str, line: str, tmp_path: Path):

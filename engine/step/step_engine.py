@@ -3,9 +3,9 @@
     step(hidden, seqs, drafts)
       -> ledger         which rows, positions, parameters (host, numpy)     engine.host.ledger
       -> drafts         checked and laid out on the rows                    staging.py
-      -> validate       everything, before any buffer is touched            validation.py
+      -> validate       everything, before any buffer is touched            staging.py
       -> stage + copy   one packed host-to-device copy into the static buffers
-      -> replay         the bucket's captured graph: gather -> LM head      body.py, lm_head.py
+      -> replay         the bucket's captured graph: gather -> LM head      lm_head.py
                         -> sample -> verify drafts -> draft-pool writes
       -> collect        output copy, rescoring                              step_output.py
       -> prompt logprobs  chunked, eager, outside the graph                 lm_head.py
@@ -54,9 +54,8 @@ from engine.step.kernel_head import local_head
 from engine.step.lm_head import LMHead
 from engine.step.prompt_logprobs import PromptLogprobAccumulator, PromptLogprobUpdate
 from engine.step.seq_front import SeqMetaFront
-from engine.step.staging import StepArrays, StepDrafts
+from engine.step.staging import StepArrays, StepDrafts, check_hidden_states, check_ledger, check_token_bitmask, is_same_view
 from engine.step.static_buffers import StepBuffers
-from engine.step.validation import check_hidden_states, check_ledger, check_token_bitmask, is_same_view
 from engine.trace import stage
 from graphs.buckets import BucketTable
 from graphs.replay import CaptureProgress, CaptureReport, GraphReplayer, show_capture_progress

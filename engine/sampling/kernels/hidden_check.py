@@ -1,5 +1,5 @@
 """Rows whose hidden state is not finite fail, as one Triton kernel: `engine::fail_non_finite_hidden`,
-the CUDA twin of `engine.step.body.fail_non_finite_hidden` (`errors.fail_rows` with
+the CUDA twin of `engine.step.lm_head.fail_non_finite_hidden` (`errors.fail_rows` with
 `RowError.HIDDEN_NOT_FINITE`).
 
 One program per sample row reads the row's hidden state [H] once, gathered from the source

@@ -1,4 +1,4 @@
-"""Draft verification as Triton kernels, the CUDA twin of `engine/step/body.py`'s
+"""Draft verification as Triton kernels, the CUDA twin of `engine/step/lm_head.py`'s
 `verify_drafts`, the draft-pool writes of `verify_and_store_drafts` and
 `SamplingControls.count` (docs/contract.md §1.3, §2.1).
 
