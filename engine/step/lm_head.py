@@ -30,7 +30,6 @@ import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -61,15 +60,6 @@ class StepKind:
     masked: bool
 
 
-class StepKindSource(Protocol):
-    """The head whose step this is: `kind` says what the step runs."""
-
-    kind: StepKind
-
-    def logits_and_sample(self, bucket: int) -> None:
-        """From `buffers.hidden` to the sampler's `buffers.out`."""
-
-
 @dataclass(frozen=True)
 class StepBody:
     """The torch head's step, called with the bucket (`GraphReplayer`'s step function).
@@ -82,7 +72,7 @@ class StepBody:
 
     buffers: StepBuffers
     config: EngineConfig
-    head: StepKindSource
+    head: LocalHead
     controls: SamplingControls | None = None
 
     def __call__(self, bucket: int) -> None:
@@ -113,8 +103,7 @@ def resolve_drafts(buffers: StepBuffers, bucket: int) -> None:
     rows = b.rows_for(bucket)
     staged = f.row_drafts[:rows]
     # Read before this step's writes: a request that reads and writes the
-    # same slot verifies last step's proposals. Resolved into a static
-    # buffer so a later eager re-verification reads the same drafts.
+    # same slot verifies last step's proposals.
     from_pool = b.pool_tokens[f.mtp_info_read_rows[:rows]]
     torch.where(staged == READ_FROM_POOL, from_pool, staged, out=b.resolved_drafts[:rows])
 
@@ -141,7 +130,7 @@ def verify_drafts(buffers: StepBuffers, config: EngineConfig, bucket: int,
     """num_accepted (and, in rejection mode, the emitted token per row) from
     the rows' draws and their resolved drafts, against the distributions the
     rows drew from (masked by `token_bitmask` [max_rows, W] int32 when
-    given). Also run eagerly after the exact rows changed some draws."""
+    given)."""
     b = buffers
     rows = b.rows_for(bucket)
     mask = None if token_bitmask is None else token_bitmask[:rows]

@@ -54,7 +54,8 @@ from engine.step.kernel_head import local_head
 from engine.step.lm_head import LMHead
 from engine.step.prompt_logprobs import PromptLogprobAccumulator, PromptLogprobUpdate
 from engine.step.seq_front import SeqMetaFront
-from engine.step.staging import StepArrays, StepDrafts, check_hidden_states, check_ledger, check_token_bitmask, is_same_view
+from engine.step.staging import (StepArrays, StepDrafts, check_hidden_states, check_ledger, check_token_bitmask,
+                                 is_same_view)
 from engine.step.static_buffers import StepBuffers
 from engine.trace import stage
 from graphs.buckets import BucketTable
