@@ -115,7 +115,7 @@ def device_programs(device: torch.device) -> int:
 
 
 @triton_op("engine::sample_rows", mutates_args={"hist", "block_mass", "tokens", "logprob", "rank", "top_ids",
-                                                "top_logprobs", "needs_exact", "error", "kept_weights",
+                                                "top_logprobs", "needs_exact", "error", "out_kept_weights",
                                                 "mass_total", "one_hot_tokens", "state_i", "state_f", "level",
                                                 "part_i", "part_f", "part_top", "row_top", "arrivals"})
 def _sample_rows_op(scores: torch.Tensor, logits: torch.Tensor | None, temperatures: torch.Tensor,
@@ -127,11 +127,13 @@ def _sample_rows_op(scores: torch.Tensor, logits: torch.Tensor | None, temperatu
                     error: torch.Tensor, logprobs_mode: int, state_i: torch.Tensor, state_f: torch.Tensor,
                     level: torch.Tensor, part_i: torch.Tensor, part_f: torch.Tensor, part_top: torch.Tensor,
                     row_top: torch.Tensor, arrivals: torch.Tensor, programs: int,
-                    row_controlled: torch.Tensor | None = None, kept_weights: torch.Tensor | None = None,
+                    row_controlled: torch.Tensor | None = None, out_kept_weights: torch.Tensor | None = None,
                     mass_total: torch.Tensor | None = None, one_hot_tokens: torch.Tensor | None = None) -> None:
     rows, vocab = scores.shape
     if rows == 0:
         return
+    # `out_kept_weights` (its name tells the cost model): written where a row is drawn, never read.
+    kept_weights = out_kept_weights
     plain = scores if logits is None else logits
     write_kept = kept_weights is not None
     constants = _launch_constants(vocab, stop_ids.shape[1], top_ids.shape[1], logprobs_mode, logits is not None,
