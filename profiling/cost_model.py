@@ -42,7 +42,9 @@ is a kernel argument, not a memory read):
   log2(n) + 1 elements of its sorted rows per query;
 - a custom op that gathers rows (`ROW_GATHERS`: `engine.lm_head_logits` and
   `engine.fail_non_finite_hidden` read the sample rows of `hidden`) reads as
-  many rows of that argument as its index has elements;
+  many rows of that argument as its index has elements; one that reads (and
+  updates) only part of an argument (`PARTIAL_READS`: the verification kernels)
+  moves the elements its rule names;
 - the passes rule (`KernelCounter(passes=...)`, `with_passes`): a custom op
   that streams over its first argument n times (the sampling kernel's passes
   over a row, by row kind) reads it n times; n = 0 (every row of the mix skips
@@ -75,7 +77,6 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -116,6 +117,28 @@ _GATHER_SOURCE = {"index": "self", "gather": "self", "index_select": "self", "ta
 _SCATTER_SOURCE = {"scatter_": "src", "scatter_add_": "src", "scatter_reduce_": "src", "put_": "source"}
 # Custom ops that read only the rows of an argument an index names: op -> (argument, index).
 ROW_GATHERS = {"lm_head_logits": ("hidden", "row_index"), "fail_non_finite_hidden": ("hidden", "row_index")}
+# Custom ops that move only part of a [rows, V] argument: op -> {argument: elements, from the
+# bound arguments}; a mutated one is read and written there (atomic adds). Verification reads
+# each row's draft entry and, per request, its rejected row's chunk (`verify_step`, the
+# residual draw: one of `split`) or whole row (`verify_residual_chunks`), and adds one count
+# per emitted token (engine/sampling/kernels/verify_kernel.py).
+def _draft_entries(bound: dict[str, Any]) -> int:
+    return bound["drafts"].numel()
+
+
+def _rejected_rows(bound: dict[str, Any]) -> int:
+    return bound["residual_sums"].shape[0] * bound["weights"].shape[1] + _draft_entries(bound)
+
+
+def _rejected_chunks(bound: dict[str, Any]) -> int:
+    reqs, split, _ = bound["residual_sums"].shape
+    return reqs * -(-bound["weights"].shape[1] // split) + _draft_entries(bound)
+
+
+PARTIAL_READS = {
+    "verify_residual_chunks": {"weights": _rejected_rows, "draft_probs": _rejected_rows},
+    "verify_step": {"weights": _rejected_chunks, "draft_probs": _rejected_chunks, "counts": _draft_entries},
+}
 
 
 # Op namespaces of torch.distributed's collectives (a fake process group's too): what such
@@ -281,6 +304,9 @@ def kernel_bytes(func: Any, args: Sequence[Any], kwargs: dict[str, Any], result:
                 produced = sum(touched_elements(t) for t in _tensors(result) if _on_device(t))
                 for t in tensors:
                     read(t, produced * t.element_size())
+            elif op.custom and arg_name in PARTIAL_READS.get(name, {}):
+                for t in tensors:
+                    read(t, PARTIAL_READS[name][arg_name](bound) * t.element_size())
             elif op.custom and ROW_GATHERS.get(name, ("",))[0] == arg_name:
                 rows = bound[ROW_GATHERS[name][1]].numel()
                 for t in tensors:
@@ -298,6 +324,11 @@ def kernel_bytes(func: Any, args: Sequence[Any], kwargs: dict[str, Any], result:
                     read(t)
             continue
         for t in tensors:
+            if op.custom and arg_name in PARTIAL_READS.get(name, {}):
+                nbytes = min(PARTIAL_READS[name][arg_name](bound) * t.element_size(), touched_bytes(t))
+                written += nbytes
+                read(t, nbytes)
+                continue
             if name in _SCATTERS and arg_name == "self":
                 nbytes = _indexed_elements(name, bound) * t.element_size()
                 written += nbytes
@@ -458,54 +489,3 @@ def table_lines(costs: Sequence[GraphCost], node_us: float = NODE_US, bandwidth_
             for op, n, programs, nbytes, us in by_op(c.kernels, node_us, bandwidth_tbs, sms, sm_bandwidth_gbs)[:8]:
                 grid = f"{programs:>6} programs" if programs is not None else f"{'?':>6} programs"
                 yield f"{'':<18}   {op:<40} {n:>4} kernels {grid} {nbytes / 1e6:>9.1f} MB {us:>9.1f} us"
-
-
-def calibration(costs: Sequence[GraphCost], node_us: float = NODE_US, bandwidth_tbs: float = BANDWIDTH_TBS,
-                sms: int = SMS, sm_bandwidth_gbs: float = SM_BANDWIDTH_GBS) -> dict[str, float] | None:
-    """From the graphs with a measured replay: the median, min and max of measured / modelled,
-    and a least-squares fit measured ≈ kernels * node_us + bytes / bandwidth (one line through
-    every graph: a rough calibration, since the model takes a max per kernel). None: no graph
-    was timed."""
-    timed = [c for c in costs if c.measured_us is not None]
-    if not timed:
-        return None
-    ratios = sorted(c.measured_us / c.modelled_us(node_us, bandwidth_tbs, sms, sm_bandwidth_gbs) for c in timed)
-    out = {"graphs_timed": len(timed), "median_ratio": ratios[len(ratios) // 2], "min_ratio": ratios[0],
-           "max_ratio": ratios[-1]}
-    if len(timed) >= 2:
-        terms = np.array([[len(c.kernels), c.bytes / 1e6] for c in timed], dtype=np.float64)  # kernels, MB
-        measured = np.array([c.measured_us for c in timed], dtype=np.float64)
-        (per_kernel, per_mb), *_ = np.linalg.lstsq(terms, measured, rcond=None)
-        out["fit_node_us"] = float(per_kernel)
-        if per_mb > 0:
-            out["fit_bandwidth_tbs"] = float(1.0 / per_mb)  # MB per µs = TB/s
-    return out
-
-
-def calibration_lines(calibrated: dict[str, float] | None) -> Iterator[str]:
-    if calibrated is None:
-        return
-    yield (f"measured / modelled over {calibrated['graphs_timed']} graphs: median {calibrated['median_ratio']:.2f}x "
-           f"(min {calibrated['min_ratio']:.2f}x, max {calibrated['max_ratio']:.2f}x)")
-    if "fit_node_us" in calibrated:
-        bandwidth = calibrated.get("fit_bandwidth_tbs")
-        yield (f"least-squares fit: measured us = kernels x {calibrated['fit_node_us']:.2f} us + bytes / "
-               + (f"{bandwidth:.2f} TB/s" if bandwidth else "(no positive bandwidth term)"))
-
-
-def replay_us(replayer: Any, bucket: int, replays: int, runs: int = 3) -> float:
-    """A captured CUDA graph's replay time in µs: the median over `runs` runs of
-    `replays` back-to-back replays, timed by CUDA events (after 3 warm replays)."""
-    for _ in range(3):
-        replayer.replay(bucket)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            replayer.replay(bucket)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / replays)  # ms -> µs per replay
-    return sorted(times)[len(times) // 2]

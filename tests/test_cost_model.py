@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 from torch.library import custom_op, triton_op, wrap_triton
 
-from profiling.cost_model import (GraphCost, Kernel, KernelCounter, calibration, calibration_lines, table_lines,
-                                  touched_bytes)
+from profiling.cost_calibration import calibration, calibration_lines
+from profiling.cost_model import GraphCost, Kernel, KernelCounter, table_lines, touched_bytes
 from profiling.cuda_dry_run import main
 from profiling.fake_cuda import FakeCuda
 
@@ -144,6 +144,42 @@ def test_the_grid_of_a_triton_op_is_read_from_its_launch() -> None:
     assert [(launch.kernel, launch.grid) for launch in cuda.launches] == [("_scale_kernel", (8,))]
 
 
+def test_verification_is_charged_what_it_reads() -> None:
+    """`PARTIAL_READS`, by hand: 2 requests of 4 rows, V = 4096, split 4. The chunk kernel reads
+    each request's rejected row of the kept weights and of q (2 x 4096) and every row's draft
+    entry (8); `verify_step` one chunk of 1024 per request and the draft entries, and adds one
+    count per row (read and written), not the whole [slots, V] counts."""
+    from engine.sampling.kernels.verify_kernel import verify_residual_chunks, verify_step
+
+    vocab = 4096
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        with FakeCuda() as cuda:
+            def vec(n: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+                return torch.empty(n, dtype=dtype, device="cuda")
+
+            weights, q = torch.empty(8, vocab, device="cuda"), torch.empty(8, vocab, device="cuda")
+            probs = (weights, vec(8, torch.float64), vec(8), q, vec(8, torch.bool), vec(2), vec(2))
+            sums, counts = torch.empty(2, 4, 2, dtype=torch.int64, device="cuda"), vec(3 * vocab, torch.int32)
+            counter = KernelCounter(launches=cuda.launches)
+            with counter:
+                verify_residual_chunks(vec(8), vec(8), vec(8), *probs, sums)
+                verify_step(vec(8), vec(8), vec(8), vec(8), vec(8), vec(2), vec(8), *probs, sums, None, None,
+                            None, None, None, None, None, vec(2), counts.view(3, vocab), vec(8),
+                            mode="rejection", max_drafts=3, rows_per_req=4)
+    # Besides the [rows, V] operands: drafts, row_to_req, local_step, the total (f64), one-hot,
+    # has q (bool), seeds, positions.
+    vectors = 3 * 64 + 64 + 64 + 8 + 16 + 16
+    residual, step = counter.kernels
+    # The sums, a mutated argument not named out: read and written by the general rule.
+    assert (residual.read, residual.written) == (2 * (2 * vocab + 8) * 4 + vectors + 128, 128)
+    # verify_step also reads tokens and errors, the sums, the control slots; it updates
+    # num_accepted, emitted and counted_index (read and written) and 8 counts.
+    step_vectors = vectors + 2 * 64 + 128 + 16 + 16 + 64 + 64
+    assert step.read == 2 * (2 * 1024 + 8) * 4 + 8 * 4 + step_vectors
+    assert step.written == 16 + 64 + 64 + 8 * 4
+
+
 # (bytes, programs, µs) at node 1 µs, HBM 100 TB/s (1e8 B/µs), 10 SMs at 1 GB/s (1e3 B/µs) each,
 # worked out by hand: max(node, bytes / HBM, bytes / programs x ceil(programs / SMs) / per SM).
 OCCUPANCY_HAND_COUNT = [
@@ -231,7 +267,8 @@ def test_cli_json_has_every_graph_and_field(capsys: pytest.CaptureFixture[str], 
 def test_the_kernel_heads_graphs_are_a_dozen_kernels_at_most(capsys: pytest.CaptureFixture[str]) -> None:
     """The default engines on CUDA: one graph per bucket, priced per row mix, each graph at
     most 12 kernels reading the weight once (drafts included); the passes rule charges the
-    sampling kernel 9 row reads for the full sampler, 3 plain, 2 greedy."""
+    sampling kernel 5 row reads for the full sampler (its cuts' kept lists fit), 3 plain,
+    2 greedy."""
     argv = ["--cost", "--json", "--cost-detail", "--hidden", "64", "--vocab", "2048", "--max-num-reqs", "4",
             "--drafts", "3", "--node-us", "0", "--bandwidth-tbs", "1e-6"]
     assert main(argv) == 0
@@ -252,7 +289,7 @@ def test_the_kernel_heads_graphs_are_a_dozen_kernels_at_most(capsys: pytest.Capt
     row = 4 * 2048 * 4  # one read of the bucket's [4, V] f32 rows
     sample = {name: next(op["bytes"] for op in g["ops"] if op["op"] == "engine.sample_rows.default")
               for name, g in engine.items()}
-    assert sample["kernels (full sampler)"] - sample["kernels (greedy)"] == 7 * row
+    assert sample["kernels (full sampler)"] - sample["kernels (greedy)"] == 3 * row
     assert sample["kernels (plain)"] - sample["kernels (greedy)"] == row
     # The grids are the launches': the LM head's persistent grid, min(tiles, 2 per SM) with
     # cdiv(4, 64) x cdiv(2048, 128) = 16 tiles; the sampler splits each of the 4 rows into
@@ -282,7 +319,7 @@ def test_cli_refuses_cost_flags_without_cost(capsys: pytest.CaptureFixture[str])
 def test_replay_timing_reports_the_median_per_replay(monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU path's arithmetic, with CUDA events stood in for: 3 runs of 10 replays that
     take 2, 5 and 3 ms give 300 µs per replay."""
-    from profiling import cost_model
+    from profiling import cost_calibration
 
     elapsed = iter([2.0, 5.0, 3.0])
 
@@ -306,9 +343,9 @@ def test_replay_timing_reports_the_median_per_replay(monkeypatch: pytest.MonkeyP
             assert bucket == 8
             Replayer.replays += 1
 
-    monkeypatch.setattr(cost_model.torch.cuda, "Event", Event)
-    monkeypatch.setattr(cost_model.torch.cuda, "synchronize", lambda: None)
-    assert cost_model.replay_us(Replayer(), 8, replays=10) == pytest.approx(300.0)
+    monkeypatch.setattr(cost_calibration.torch.cuda, "Event", Event)
+    monkeypatch.setattr(cost_calibration.torch.cuda, "synchronize", lambda: None)
+    assert cost_calibration.replay_us(Replayer(), 8, replays=10) == pytest.approx(300.0)
     assert Replayer.replays == 3 + 3 * 10
 
 

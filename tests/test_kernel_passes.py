@@ -2,11 +2,14 @@
 of engine/sampling/kernels/sample.py, counted under Triton's interpreter.
 
 Every load the interpreter executes is counted by address: the elements of the score row
-it reads, divided by V, is the number of full passes; the draw reads one more block.
+it reads, divided by V, is the number of full passes; the draw reads one more block. The
+loads made where a merge settles a row from its kept list (engine/sampling/kernels/
+kept_list.py: the listed ids' scores, at most twice the list) are counted apart.
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
+import sys
 from contextlib import contextmanager
 
 import numpy as np
@@ -16,6 +19,7 @@ import torch
 pytest.importorskip("triton")
 
 from engine.sampling.kernels import sample as kernel_module
+from engine.sampling.kernels.kept_set import LIST_CAP
 from engine.sampling.kernels.sample import SampleScratch, sample_rows
 from engine.sampling.thresholds import BLOCK
 from engine.sampling.row_params import RowParams
@@ -25,9 +29,20 @@ from tests.kernel_interpreter import torch_math
 VOCAB = 3000  # three draw blocks: the last one short
 
 
+def _from_kept_list() -> bool:
+    """Whether the load being made comes from `kept_list` (a frame of that file on the stack)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith("kept_list.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 @contextmanager
-def reads_of(tensor: torch.Tensor) -> Iterator[list[int]]:
-    """Counts the elements of `tensor` the interpreter loads (one entry per load)."""
+def reads_of(tensor: torch.Tensor) -> Iterator[tuple[list[int], list[int]]]:
+    """Counts the elements of `tensor` the interpreter loads (one entry per load): those of
+    the passes, and those of the kept list's merge."""
     from triton.runtime import interpreter
 
     builder = getattr(interpreter, "InterpreterBuilder", None)
@@ -36,16 +51,18 @@ def reads_of(tensor: torch.Tensor) -> Iterator[list[int]]:
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
     counts: list[int] = []
+    listed: list[int] = []
     saved = builder.create_masked_load
 
     def counting_load(self, ptrs, mask, other, cache_policy, is_volatile):  # noqa: ANN001, ANN202
         addresses = ptrs.data.astype(np.uint64)
-        counts.append(int(((addresses >= start) & (addresses < end) & mask.data).sum()))
+        read = int(((addresses >= start) & (addresses < end) & mask.data).sum())
+        (listed if read and _from_kept_list() else counts).append(read)
         return saved(self, ptrs, mask, other, cache_policy, is_volatile)
 
     builder.create_masked_load = counting_load
     try:
-        yield counts
+        yield counts, listed
     finally:
         builder.create_masked_load = saved
 
@@ -62,40 +79,46 @@ def _row(temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 
     return scores, params
 
 
-# (row controls, logprobs mode, full passes, plus the draw's block)
+# (row controls, logprobs mode, full passes, plus the draw's block, settled from the kept list)
 KINDS = [
-    (dict(temperature=0.0), None, 1, False),
-    (dict(temperature=0.0), "raw", 2, False),
-    (dict(temperature=0.0), "processed", 2, False),
-    (dict(temperature=1.0, forced=17), None, 1, False),
-    (dict(temperature=1.0, forced=17), "raw", 2, False),
-    (dict(temperature=1.0, forced=17), "processed", 2, False),
-    (dict(temperature=1.0), None, 2, True),
-    (dict(temperature=1.0, min_p=0.1), None, 2, True),
-    (dict(temperature=1.0), "raw", 3, True),
-    (dict(temperature=1.0), "processed", 3, True),
-    (dict(temperature=1.0, top_k=50), None, 5, True),
-    (dict(temperature=1.0, top_p=0.9), None, 5, True),
-    (dict(temperature=0.0, top_k=50, top_p=0.9), "processed", 2, False),  # a greedy request has no filters
-    (dict(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01), "raw", 9, True),
-    (dict(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01), "processed", 9, True),
+    (dict(temperature=0.0), None, 1, False, False),
+    (dict(temperature=0.0), "raw", 2, False, False),
+    (dict(temperature=0.0), "processed", 2, False, False),
+    (dict(temperature=1.0, forced=17), None, 1, False, False),
+    (dict(temperature=1.0, forced=17), "raw", 2, False, False),
+    (dict(temperature=1.0, forced=17), "processed", 2, False, False),
+    (dict(temperature=1.0), None, 2, True, False),
+    (dict(temperature=1.0, min_p=0.1), None, 2, True, False),
+    (dict(temperature=1.0), "raw", 3, True, False),
+    (dict(temperature=1.0), "processed", 3, True, False),
+    (dict(temperature=1.0, top_k=50), None, 4, False, True),
+    (dict(temperature=1.0, top_p=0.9), None, 4, False, True),
+    (dict(temperature=0.0, top_k=50, top_p=0.9), "processed", 2, False, False),  # a greedy request has no filters
+    (dict(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01), "raw", 5, False, True),
+    (dict(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01), "processed", 4, False, True),
+    # Top-k's list overflows (2000 ids): top-p makes its passes and settles from its own list.
+    (dict(temperature=1.0, top_k=2000, top_p=0.9), None, 7, False, True),
+    # Both overflow (a flat row keeps thousands): every pass, as without the list.
+    (dict(temperature=100.0, top_k=2000, top_p=0.9999), "processed", 9, True, False),
 ]
 
 
 @pytest.mark.parametrize("programs", [1, 3], ids=["one program", "split in 3"])
-@pytest.mark.parametrize("controls, mode, passes, draws", KINDS,
-                         ids=[f"{'-'.join(f'{k}={v}' for k, v in c.items())}-{m}" for c, m, _, _ in KINDS])
-def test_passes_over_the_row_per_row_kind(controls, mode, passes, draws, programs, monkeypatch):
+@pytest.mark.parametrize("controls, mode, passes, draws, listed", KINDS,
+                         ids=[f"{'-'.join(f'{k}={v}' for k, v in c.items())}-{m}" for c, m, *_ in KINDS])
+def test_passes_over_the_row_per_row_kind(controls, mode, passes, draws, listed, programs, monkeypatch):
     """Split in 3 (chunks of 1024, one launch per phase), each part reads its third of the
     row per pass: the same passes, the draw's block read once (by the merge)."""
     scores, params = _row(**controls)
     out, scratch = SampleOutput.allocate(1, 4), SampleScratch.allocate(1, VOCAB, "cpu", num_top=4)
     if programs > 1:
         monkeypatch.setattr(kernel_module, "_chunk", lambda vocab, device: BLOCK)
-    with torch_math(), reads_of(scores) as counts:
+    with torch_math(), reads_of(scores) as (counts, listed_reads):
         sample_rows(scores, params, out, scratch, logprobs=mode, programs=programs)
     assert out.error.tolist() == [0]
     # The draw reads the block its token lies in (the last one holds VOCAB % BLOCK tokens).
     block = min(BLOCK, VOCAB - int(out.tokens[0]) // BLOCK * BLOCK) if draws else 0
     scalar_reads = sum(c for c in counts if c == 1)  # a known token's score, read on its own
     assert sum(counts) - scalar_reads == passes * VOCAB + block, f"{sum(counts) - scalar_reads} elements read"
+    # The merge reads the listed ids' scores (top-p over the list reads the survivors again).
+    assert (0 < sum(listed_reads) <= 2 * int(LIST_CAP)) if listed else sum(listed_reads) == 0, listed_reads

@@ -5,7 +5,7 @@ the exact cuts (min-p, top-k, top-p), as `@triton.jit` functions the sampling ke
 - `chunk_values`: one chunk of a row's masked scores (suppressed stop ids at -inf,
   `engine.sampling.thresholds.suppress_in_place`), z = (score - M) / T with IEEE division,
   the weight exp(z), the order key (`thresholds.order_keys`) and the mass
-  (`normaliser.token_masses`);
+  (`thresholds.token_masses`);
 - `chunk_survivors`: the tokens min-p and top-k leave (vLLM's order: min-p first; both cuts
   are prefixes of the key order, so top-k counts every token and the two masks intersect);
 - `digit_histogram` and `digit_select`: one digit of `thresholds.radix_threshold`, the
@@ -31,6 +31,7 @@ from triton.language.extra import libdevice
 KEY_BITS: tl.constexpr = tl.constexpr(31)  # order keys are nonnegative int32 values (thresholds.KEY_BITS)
 KEY_MAX: tl.constexpr = tl.constexpr((1 << 31) - 1)  # "keep every token" (thresholds.KEY_MAX)
 HIST_BINS: tl.constexpr = tl.constexpr(2048)  # bins of the widest digit (11 bits)
+LIST_CAP: tl.constexpr = tl.constexpr(1024)  # ids a row's kept list holds (`kept_list`): top-k to ~1000
 
 
 @triton.jit
@@ -96,15 +97,31 @@ def chunk_survivors(masked, weight, key, min_p, top_k_cut):
 
 
 @triton.jit
+def gather_chunk(list_row, count_ptr, offs, take, LIST: tl.constexpr):
+    """Appends the ids `offs` [CHUNK] where `take` to the row's list (LIST slots): one
+    atomic add of the chunk's count reserves its places; past LIST only the count grows."""
+    n = tl.sum(take.to(tl.int32), 0)
+    if n > 0:
+        base = tl.atomic_add(count_ptr, n.to(tl.int64), sem="relaxed")
+        place = base + tl.cumsum(take.to(tl.int64), 0) - 1
+        tl.store(list_row + place, offs.to(tl.int32), mask=take & (place < LIST))
+
+
+@triton.jit
 def digit_histogram(lo, score_row_ptr, start, stop, stop_ptr, active, shift, temperature, min_p, top_k_cut,
-                    hist_ptr, COUNT: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr, FIRST: tl.constexpr,
-                    CHUNK: tl.constexpr, NUM_STOP: tl.constexpr, MASS_SCALE: tl.constexpr, ACCURATE: tl.constexpr):
+                    hist_ptr, gather, list_row, count_ptr, kept_row,
+                    COUNT: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr, FIRST: tl.constexpr,
+                    CHUNK: tl.constexpr, NUM_STOP: tl.constexpr, MASS_SCALE: tl.constexpr, ACCURATE: tl.constexpr,
+                    GATHER: tl.constexpr, WRITE_KEPT: tl.constexpr, LIST: tl.constexpr):
     """Adds the tokens [start, stop) of a row (one program's part; `start` a multiple of
     CHUNK) to the row's histogram of the digit of BITS bits above SHIFT, over the keys
     clamped into the window [lo, lo + 2**(SHIFT + BITS)) (no clamp on the FIRST, most
     significant, digit). COUNT: each token weighs 1 (top-k); else the mass of the tokens
     `chunk_survivors(min_p, top_k_cut)` keeps (top-p). Integer atomics: the histogram is
-    the same whatever the parts and the order they add in."""
+    the same whatever the parts and the order they add in. GATHER (the last digit) and
+    `gather`: also list the tokens the cut may keep (`gather_chunk`: min-p's and top-k's
+    survivors at or below the window's top) and, with WRITE_KEPT, zero the row's kept weights
+    (the merge writes the kept ones, `kept_list.settle`)."""
     one = tl.full((), 1, tl.int32)  # shifts of a tensor: the interpreter's constexpr has no `1 << c`
     for base in range(start, stop, CHUNK):
         offs = base + tl.arange(0, CHUNK)
@@ -121,6 +138,13 @@ def digit_histogram(lo, score_row_ptr, start, stop, stop_ptr, active, shift, tem
             window = tl.minimum(tl.maximum(key, lo), lo + ((one << (SHIFT + BITS)) - 1))
             bin_of = (window - lo) >> SHIFT
         tl.atomic_add(hist_ptr + bin_of, add, mask=in_row & (add > 0), sem="relaxed")
+        if GATHER:
+            if gather:
+                top = lo + ((one << (SHIFT + BITS)) - 1)
+                gather_chunk(list_row, count_ptr, offs,
+                             in_row & chunk_survivors(masked, weight, key, min_p, tl.minimum(top_k_cut, top)), LIST)
+                if WRITE_KEPT:
+                    tl.store(kept_row + offs, tl.zeros((CHUNK,), dtype=tl.float32), mask=in_row)
 
 
 @triton.jit

@@ -13,7 +13,7 @@ from torch.library import triton_op, wrap_triton
 
 from engine.sampling.errors import RowError
 from engine.sampling.kernels import FP_FUSION, interpreting
-from engine.sampling.kernels.kept_set import HIST_BINS
+from engine.sampling.kernels.kept_set import HIST_BINS, LIST_CAP
 from engine.sampling.thresholds import BLOCK, mass_bits
 from engine.sampling.row_params import RowParams
 from engine.sampling.sample_output import SampleOutput
@@ -36,6 +36,7 @@ class SampleScratch:
     part_top: torch.Tensor  # [slots, top] int64: each program's top-N rank keys
     row_top: torch.Tensor  # [rows, top] int64: the row's merged top-N rank keys
     arrivals: torch.Tensor  # [rows] int32: the programs of the row done with the phase (0 between phases)
+    kept_list: torch.Tensor  # [rows, LIST_CAP] int32: the ids a cut may keep (`kept_list`; its count in the state)
 
     @classmethod
     def allocate(cls, rows: int, vocab: int, device: torch.device | str, num_top: int = 0) -> SampleScratch:
@@ -49,7 +50,8 @@ class SampleScratch:
                    level=torch.zeros(rows, dtype=torch.float64, device=device), part_i=torch.zeros(slots, 4, **i64),
                    part_f=torch.zeros(slots, 2, dtype=torch.float32, device=device),
                    part_top=torch.zeros(slots, top, **i64), row_top=torch.zeros(rows, top, **i64),
-                   arrivals=torch.zeros(rows, dtype=torch.int32, device=device))
+                   arrivals=torch.zeros(rows, dtype=torch.int32, device=device),
+                   kept_list=torch.zeros(rows, int(LIST_CAP), dtype=torch.int32, device=device))
 
 
 @dataclass
@@ -115,9 +117,9 @@ def device_programs(device: torch.device) -> int:
 
 
 @triton_op("engine::sample_rows", mutates_args={"hist", "block_mass", "tokens", "logprob", "rank", "top_ids",
-                                                "top_logprobs", "needs_exact", "error", "kept_weights",
+                                                "top_logprobs", "needs_exact", "error", "out_kept_weights",
                                                 "mass_total", "one_hot_tokens", "state_i", "state_f", "level",
-                                                "part_i", "part_f", "part_top", "row_top", "arrivals"})
+                                                "part_i", "part_f", "part_top", "row_top", "arrivals", "kept_list"})
 def _sample_rows_op(scores: torch.Tensor, logits: torch.Tensor | None, temperatures: torch.Tensor,
                     top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor, row_to_req: torch.Tensor,
                     stop_ids: torch.Tensor, eos_suppression_rows: torch.Tensor, forced_tokens: torch.Tensor,
@@ -126,12 +128,14 @@ def _sample_rows_op(scores: torch.Tensor, logits: torch.Tensor | None, temperatu
                     top_ids: torch.Tensor, top_logprobs: torch.Tensor, needs_exact: torch.Tensor,
                     error: torch.Tensor, logprobs_mode: int, state_i: torch.Tensor, state_f: torch.Tensor,
                     level: torch.Tensor, part_i: torch.Tensor, part_f: torch.Tensor, part_top: torch.Tensor,
-                    row_top: torch.Tensor, arrivals: torch.Tensor, programs: int,
-                    row_controlled: torch.Tensor | None = None, kept_weights: torch.Tensor | None = None,
+                    row_top: torch.Tensor, arrivals: torch.Tensor, kept_list: torch.Tensor, programs: int,
+                    row_controlled: torch.Tensor | None = None, out_kept_weights: torch.Tensor | None = None,
                     mass_total: torch.Tensor | None = None, one_hot_tokens: torch.Tensor | None = None) -> None:
     rows, vocab = scores.shape
     if rows == 0:
         return
+    # `out_kept_weights` (its name tells the cost model): written where a row is drawn, never read.
+    kept_weights = out_kept_weights
     plain = scores if logits is None else logits
     write_kept = kept_weights is not None
     constants = _launch_constants(vocab, stop_ids.shape[1], top_ids.shape[1], logprobs_mode, logits is not None,
@@ -152,7 +156,7 @@ def _sample_rows_op(scores: torch.Tensor, logits: torch.Tensor | None, temperatu
             eos_suppression_rows if row_controlled is None else row_controlled,  # never read without the flags
             kept_weights if write_kept else scores, mass_total if write_kept else logprob,
             one_hot_tokens if write_kept else tokens, kept_weights.stride(0) if write_kept else 0,
-            state_i, state_f, level, part_i, part_f, part_top, row_top, arrivals, part_top.stride(0),
+            state_i, state_f, level, part_i, part_f, part_top, row_top, arrivals, kept_list, part_top.stride(0),
             row_top.stride(0), span, parts,
             **constants, FIRST_PHASE=first, LAST_PHASE=last, PARTS_PAD=_parts_pad(vocab, constants["CHUNK"], parts),
             num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION,
@@ -232,7 +236,8 @@ def sample_rows(scores: torch.Tensor, params: RowParams, out: SampleOutput, scra
         params.stop_ids, params.eos_suppression_rows, params.forced_tokens, params.draw_uniforms, nothing_allowed,
         scratch.hist, scratch.block_mass, out.tokens, out.logprob, out.rank, out.top_ids, out.top_logprobs,
         out.needs_exact, out.error, LOGPROBS_MODES[logprobs], scratch.state_i, scratch.state_f, scratch.level,
-        scratch.part_i, scratch.part_f, scratch.part_top, scratch.row_top, scratch.arrivals, programs, row_controlled,
+        scratch.part_i, scratch.part_f, scratch.part_top, scratch.row_top, scratch.arrivals, scratch.kept_list, programs,
+        row_controlled,
         None if kept is None else kept.weights[:rows], None if kept is None else kept.mass_total[:rows],
         None if kept is None else kept.one_hot_tokens[:rows])
     return out
@@ -248,7 +253,7 @@ def _aot_signature() -> dict[str, str]:
                     error_ptr="*i64", row_controlled_ptr="*i1", kept_weights_ptr="*fp32", mass_total_ptr="*fp64",
                     one_hot_ptr="*i64", state_i_ptr="*i64", state_f_ptr="*fp32", level_ptr="*fp64",
                     part_i_ptr="*i64", part_f_ptr="*fp32", part_top_ptr="*i64", row_top_ptr="*i64",
-                    arrivals_ptr="*i32")
+                    arrivals_ptr="*i32", list_ptr="*i32")
     strides = ("stride_scores", "stride_logits", "stride_stop", "stride_hist", "stride_blocks", "stride_top",
                "stride_weights", "stride_part_top", "stride_row_top")
     signature = {name: pointers.get(name, "i64" if name in strides else "i32" if name in ("span", "parts")

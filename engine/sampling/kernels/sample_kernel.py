@@ -12,40 +12,39 @@ Design
   nothing, where the row's kind skips it) followed by a merge: pass 1 (0), three radix
   digits of top-k (1-3), three of top-p (4-6), the draw's pass (7), the logprob pass and
   the outputs (8). Each phase needs the merged result of the one before (the next digit's
-  window, the cut, the drawn token).
+  window, the cut, the drawn token). A cut's last digit (3, or 6 without top-k) also lists
+  the ids it may keep; where the list fits (`kept_list`, 1024 ids) its merge settles top-p,
+  the draw and the processed logprobs, and the row skips phases 4-7 and the processed pass.
 - Split rows. A launch is (rows, parts): program (r, c) streams one span of whole chunks of
   row r (`split`), writes its partials (maxima, first indices, top-N keys, integer masses
-  and counts, histogram adds, block masses) and arrives on the row's counter; the last to
-  arrive merges them in part order into the row's state (`SampleScratch`) and resets the
-  counter. One part per row runs all nine phases in one launch; more parts make one launch
-  per phase, a barrier across programs without a cooperative launch: nine launches at 1.3 us
-  of graph node each buy every SM at B = 1, where one program per row streams the row 9
-  times through one SM of 132.
+  and counts, histogram adds, block masses, listed ids) and arrives on the row's counter;
+  the last to arrive merges them into the row's state (`SampleScratch`) and resets the
+  counter. One part per row runs all nine phases in one launch; more parts (rows fewer than
+  the SMs) make one launch per phase: a barrier across programs without a cooperative launch.
 - Passes over the row, by row kind (V tokens read per pass; the draw also reads the one
-  block of 1024 tokens it lands in), whatever the row's values (tests/test_kernel_passes.py
-  counts the interpreter's loads of the row and holds the kernel to this table):
+  block of 1024 tokens it lands in), whatever the row's values but the lists' fit
+  (tests/test_kernel_passes.py counts the interpreter's loads and holds the kernel to it):
     greedy or forced, no logprobs ...................... 1 (pass 1 finds the token; nothing else runs)
     greedy or forced + raw logprobs .................... 2
     greedy + processed logprobs ........................ 2 (no cuts: a greedy request has no filters, as vLLM)
-    forced + processed logprobs ........................ 2 (+ the cuts of its request)
+    forced + processed logprobs ........................ 2 (+ 3 for its request's cuts)
     sampled, no cut or min-p only ...................... 2, 3 with logprobs
-    each of top-k and top-p ............................ +3 (radix passes of 11, 10 and 10 bits)
-    worst: sampled, top-k and top-p, logprobs .......... 9
-  Greedy costs one pass: the cuts, the draw and the logprob passes sit behind per-row branches
-  (`needs_distribution`, the logprobs mode) that a greedy row without logprobs never enters.
-  More than 4 with both cuts: each exact cut is a selection over 31-bit keys, top-p's needs
-  top-k's first, and no program holds a 129280-token row or a wide histogram on chip.
-  Grid: (rows, parts), 8 warps, 1024 tokens per step of a pass (4 per thread; no spills
-  for sm_90, `python -m profiling.kernel_build`).
+    top-k and/or top-p, the list fits .................. 4, 5 with raw logprobs (pass 1, 3 radix passes)
+    top-k's list overflows, top-p's fits ............... 7, 8 with raw logprobs
+    worst: both overflow (thousands kept), logprobs .... 9
+  Greedy costs one pass: the later phases sit behind per-row branches it never enters.
+  Each exact cut is a selection over 31-bit keys (top-p's after top-k's), and no program
+  holds a 129280-token row or a wide histogram on chip: three radix passes find the cut.
+  Grid: (rows, parts), 8 warps, 1024 tokens per step of a pass (no spills for sm_90).
   Pass 1: the row maximum M of the masked scores and its first index (the greedy token), the
   finite check of the logits, their maximum and their top-N (raw logprobs). The cuts:
   `kept_set.digit_histogram` and `digit_select`. The draw's pass: each kept token's mass,
   summed per block of 1024 into scratch, and the processed top-N; its merge totals the
   blocks and draws: the block where the running mass passes u * total, and the token inside
   it. The logprob pass: the raw normaliser and the rank.
-- Scratch (`SampleScratch`, preallocated, fixed shapes): per row one int64 histogram of 2048
-  bins (zero between digits), a row of int64 block masses, the row's state and merged
-  top-N and its arrival counter (zero between phases); per program slot its partials.
+- Scratch (`SampleScratch`, fixed shapes): per row a histogram of 2048 bins and the kept
+  list (clear between cuts), block masses, the state, top-N and arrival counter; per
+  program slot its partials.
 - Exact: counts and masses are integers, so every sum is the torch path's whatever the order
   of addition; the kernel compiles without FMA contraction and divides with IEEE rounding.
   What may differ is `exp` by an ulp between implementations (docs/contract.md §2): on CUDA
@@ -57,8 +56,9 @@ import triton
 import triton.language as tl
 
 from engine.sampling.errors import PLACEHOLDER_TOKEN, RowError
+from engine.sampling.kernels.kept_list import settle
 from engine.sampling.kernels.kept_set import (
-    KEY_MAX, chunk_survivors, chunk_values, digit_histogram, digit_select, exp_f32, log_f64, masked_scores,
+    KEY_MAX, LIST_CAP, chunk_survivors, chunk_values, digit_histogram, digit_select, exp_f32, log_f64, masked_scores,
 )
 from engine.sampling.kernels.top_n import ABSENT, key_ids, key_values, merge_top, rank_keys, top_of_lists
 
@@ -85,6 +85,8 @@ _TOTAL: tl.constexpr = tl.constexpr(5)  # the radix select's total weight
 _KEPT_TOTAL: tl.constexpr = tl.constexpr(6)  # the kept masses' total
 _DRAWN: tl.constexpr = tl.constexpr(7)  # the drawn token
 _ABOVE: tl.constexpr = tl.constexpr(8)  # kept tokens above a known token (processed rank)
+_SETTLED: tl.constexpr = tl.constexpr(9)  # the kept list settled the row (`kept_list.settle`)
+_LISTED: tl.constexpr = tl.constexpr(10)  # ids on the row's kept list (0 between cuts)
 _BEST: tl.constexpr = tl.constexpr(0)  # state_f: M, the masked maximum
 _RAW_MAX: tl.constexpr = tl.constexpr(1)  # state_f: the logits' maximum
 # Per program partials (`part_i` [slots, 4] int64, `part_f` [slots, 2] f32, `part_top` [slots, TOP]).
@@ -97,9 +99,8 @@ PHASES = 9  # pass 1, three top-k digits, three top-p digits, the draw's pass, t
 
 @triton.jit
 def _arrive(arrivals_ptr, row, parts):
-    """Whether this program is the last of its row's `parts` to finish the phase; that one
-    resets the row's counter (zero between phases) and merges. The barrier before the
-    atomic orders this program's stores (partials, histogram adds) before its arrival."""
+    """Whether this program is the last of its row's `parts` to finish the phase (it resets the
+    counter and merges); the barrier orders this program's stores before its arrival."""
     tl.debug_barrier()
     arrived = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel")
     last = arrived == parts - 1
@@ -118,21 +119,25 @@ def _part_slots(row, parts, PARTS_PAD: tl.constexpr):
 
 @triton.jit
 def _cut_digit(row, parts, start, stop, score_row, stop_row, active, temperature, min_p_floor, top_p,
-               state_i, state_f, level_ptr, hist_row, arrivals_ptr, do_cut,
+               state_i, state_f, level_ptr, hist_row, arrivals_ptr, do_cut, gather, list_row, kept_row,
                COUNT: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr, FIRST: tl.constexpr,
                LAST: tl.constexpr, CHUNK: tl.constexpr, NUM_STOP: tl.constexpr, MASS_SCALE: tl.constexpr,
-               ACCURATE: tl.constexpr):
+               ACCURATE: tl.constexpr, WRITE_KEPT: tl.constexpr):
     """One digit of a cut (COUNT: top-k; else top-p over what min-p and top-k leave): this
-    program's part of the histogram, then the last arrival selects the digit; the LAST
-    digit writes the cut (top-k's cut also as the kept set's, until top-p narrows it)."""
+    program's part of the histogram, then the last arrival selects the digit; the LAST digit
+    writes the cut (top-k's also as the kept set's, until top-p narrows it) and, `gather`,
+    lists the ids the cut may keep. Returns whether this program merged (settles the list)."""
+    merged = tl.zeros((), dtype=tl.int1)
     if do_cut:
         best = tl.load(state_f + _BEST, cache_modifier=".cg")
         shift = tl.where(best > -float("inf"), best, 0.0)
         lo = tl.load(state_i + _LO, cache_modifier=".cg").to(tl.int32)
         cut_k = tl.load(state_i + _CUT_K, cache_modifier=".cg").to(tl.int32)
         digit_histogram(lo, score_row, start, stop, stop_row, active, shift, temperature, min_p_floor, cut_k,
-                        hist_row, COUNT, SHIFT, BITS, FIRST, CHUNK, NUM_STOP, MASS_SCALE, ACCURATE)
-        if _arrive(arrivals_ptr, row, parts):
+                        hist_row, gather, list_row, state_i + _LISTED, kept_row, COUNT, SHIFT, BITS, FIRST, CHUNK,
+                        NUM_STOP, MASS_SCALE, ACCURATE, LAST, WRITE_KEPT, LIST_CAP)
+        merged = _arrive(arrivals_ptr, row, parts)
+        if merged:
             total = tl.load(state_i + _TOTAL, cache_modifier=".cg")
             level = tl.load(level_ptr + row, cache_modifier=".cg")
             cut_k = tl.load(state_i + _CUT_K, cache_modifier=".cg").to(tl.int32)
@@ -149,6 +154,7 @@ def _cut_digit(row, parts, start, stop, score_row, stop_row, active, temperature
                 tl.store(state_i + _LO, lo.to(tl.int64))
                 tl.store(state_i + _TOTAL, total)
                 tl.store(level_ptr + row, level)
+    return merged
 
 
 @triton.jit
@@ -159,7 +165,7 @@ def sample_kernel(
     hist_ptr, block_mass_ptr, stride_hist, stride_blocks,
     tokens_ptr, logprob_ptr, rank_ptr, top_ids_ptr, top_logprobs_ptr, needs_exact_ptr, error_ptr, stride_top,
     row_controlled_ptr, kept_weights_ptr, mass_total_ptr, one_hot_ptr, stride_weights,
-    state_i_ptr, state_f_ptr, level_ptr, part_i_ptr, part_f_ptr, part_top_ptr, row_top_ptr, arrivals_ptr,
+    state_i_ptr, state_f_ptr, level_ptr, part_i_ptr, part_f_ptr, part_top_ptr, row_top_ptr, arrivals_ptr, list_ptr,
     stride_part_top, stride_row_top, span, parts,
     V: tl.constexpr, NUM_STOP: tl.constexpr, NUM_TOP: tl.constexpr, TOP_PAD: tl.constexpr,
     LOGPROBS: tl.constexpr, SEPARATE_LOGITS: tl.constexpr, HAS_NOTHING_ALLOWED: tl.constexpr,
@@ -266,6 +272,8 @@ def sample_kernel(
             tl.store(state_i + _TOTAL, tl.zeros((), dtype=tl.int64))
             tl.store(state_i + _KEPT_TOTAL, tl.zeros((), dtype=tl.int64))
             tl.store(state_i + _ABOVE, tl.zeros((), dtype=tl.int64))
+            tl.store(state_i + _SETTLED, tl.zeros((), dtype=tl.int64))
+            tl.store(state_i + _LISTED, tl.zeros((), dtype=tl.int64))
             tl.store(level_ptr + row, top_k.to(tl.float64))  # top-k's level; top-p counts its own
             if (LOGPROBS == 1) and (NUM_TOP > 0):
                 tl.store(row_top + lane, raw_top)
@@ -282,46 +290,42 @@ def sample_kernel(
     top_p64 = top_p.to(tl.float64)
 
     # Phases 1-6, the cuts in vLLM's order: min-p (elementwise), top-k over every token,
-    # top-p over what both leave; three radix digits each.
-    if (FIRST_PHASE <= 1) and (LAST_PHASE >= 1):
-        _cut_digit(row, parts, start, stop, score_row, stop_row, active, temperature, min_p_floor, top_p64, state_i,
-                   state_f, level_ptr, hist_row, arrivals_ptr, do_k, True, 20, 11, True, False, CHUNK, NUM_STOP,
-                   MASS_SCALE, ACCURATE)
-        tl.debug_barrier()
-    if (FIRST_PHASE <= 2) and (LAST_PHASE >= 2):
-        _cut_digit(row, parts, start, stop, score_row, stop_row, active, temperature, min_p_floor, top_p64, state_i,
-                   state_f, level_ptr, hist_row, arrivals_ptr, do_k, True, 10, 10, False, False, CHUNK, NUM_STOP,
-                   MASS_SCALE, ACCURATE)
-        tl.debug_barrier()
-    if (FIRST_PHASE <= 3) and (LAST_PHASE >= 3):
-        _cut_digit(row, parts, start, stop, score_row, stop_row, active, temperature, min_p_floor, top_p64, state_i,
-                   state_f, level_ptr, hist_row, arrivals_ptr, do_k, True, 0, 10, False, True, CHUNK, NUM_STOP,
-                   MASS_SCALE, ACCURATE)
-        tl.debug_barrier()
-    if (FIRST_PHASE <= 4) and (LAST_PHASE >= 4):
-        _cut_digit(row, parts, start, stop, score_row, stop_row, active, temperature, min_p_floor, top_p64, state_i,
-                   state_f, level_ptr, hist_row, arrivals_ptr, do_p, False, 20, 11, True, False, CHUNK, NUM_STOP,
-                   MASS_SCALE, ACCURATE)
-        tl.debug_barrier()
-    if (FIRST_PHASE <= 5) and (LAST_PHASE >= 5):
-        _cut_digit(row, parts, start, stop, score_row, stop_row, active, temperature, min_p_floor, top_p64, state_i,
-                   state_f, level_ptr, hist_row, arrivals_ptr, do_p, False, 10, 10, False, False, CHUNK, NUM_STOP,
-                   MASS_SCALE, ACCURATE)
-        tl.debug_barrier()
-    if (FIRST_PHASE <= 6) and (LAST_PHASE >= 6):
-        _cut_digit(row, parts, start, stop, score_row, stop_row, active, temperature, min_p_floor, top_p64, state_i,
-                   state_f, level_ptr, hist_row, arrivals_ptr, do_p, False, 0, 10, False, True, CHUNK, NUM_STOP,
-                   MASS_SCALE, ACCURATE)
-        tl.debug_barrier()
-
+    # top-p over what both leave; three radix digits each. A cut's last digit also lists the
+    # tokens it may keep; the merge settles the row from a list that fits (`kept_list`), and
+    # a settled row skips the later cuts and the draw's pass.
+    known_token = tl.where(forced >= 0, forced, best_id)
     best = tl.load(state_f + _BEST, cache_modifier=".cg")
     shift = tl.where(best > -float("inf"), best, 0.0)
-    known_token = tl.where(forced >= 0, forced, best_id)
+    list_row = list_ptr + row * LIST_CAP
+    kept_row = kept_weights_ptr + row.to(tl.int64) * stride_weights
+    for d in tl.static_range(6):
+        if (FIRST_PHASE <= d + 1) and (LAST_PHASE >= d + 1):
+            settled = tl.load(state_i + _SETTLED, cache_modifier=".cg") != 0
+            do_cut = do_k if d < 3 else do_p & ~settled
+            merged = _cut_digit(row, parts, start, stop, score_row, stop_row, active, temperature, min_p_floor,
+                                top_p64, state_i, state_f, level_ptr, hist_row, arrivals_ptr, do_cut, do_cut,
+                                list_row, kept_row, d < 3, (2 - d % 3) * 10, 11 if d % 3 == 0 else 10, d % 3 == 0,
+                                d % 3 == 2, CHUNK, NUM_STOP, MASS_SCALE, ACCURATE, WRITE_KEPT)
+            if d % 3 == 2:
+                tl.debug_barrier()
+                if merged:
+                    cut = tl.load(state_i + _CUT, cache_modifier=".cg").to(tl.int32)
+                    settled = settle(list_row, tl.load(state_i + _LISTED, cache_modifier=".cg"), score_row, stop_row,
+                                     active, shift, temperature, min_p_floor, cut, top_p64, do_p & (d < 3),
+                                     token_known, known_token, tl.load(uniforms_ptr + row), state_i, row_top, kept_row,
+                                     _CUT, _KEPT_TOTAL, _DRAWN, _ABOVE, LOGPROBS, NUM_TOP, TOP_PAD, V, NUM_BLOCKS,
+                                     BLOCK_TOKENS, NUM_STOP, MASS_SCALE, ACCURATE, ID_BITS, ID_MASK, WRITE_KEPT,
+                                     LIST_CAP)
+                    tl.store(state_i + _SETTLED, settled.to(tl.int64))
+                    tl.store(state_i + _LISTED, tl.zeros((), dtype=tl.int64))
+            tl.debug_barrier()
+
+    settled = tl.load(state_i + _SETTLED, cache_modifier=".cg") != 0
 
     # Phase 7, the draw's pass over the part: kept masses per block, the processed top-N and
     # a known token's rank; the last arrival totals the blocks, draws, merges the top-N.
     if (FIRST_PHASE <= 7) and (LAST_PHASE >= 7):
-        if needs_distribution:
+        if needs_distribution & ~settled:
             cut = tl.load(state_i + _CUT, cache_modifier=".cg").to(tl.int32)
             above = tl.zeros((), dtype=tl.int64)  # kept tokens of larger z than the known token
             kept_top = tl.full((TOP_PAD,), ABSENT, dtype=tl.int64)
@@ -419,7 +423,7 @@ def sample_kernel(
                 tl.store(part_i_ptr + slot * 4 + _P_MASS, raw_mass)
                 tl.store(part_i_ptr + slot * 4 + _P_ABOVE, above)
         if LOGPROBS == 2:
-            if needs_distribution & ~token_known:
+            if needs_distribution & ~token_known & ~settled:
                 token_offs = token + tl.zeros((1,), dtype=tl.int64)
                 t_masked, t_z, t_weight, t_key, t_mass = chunk_values(score_row, token_offs, token_offs < V, stop_row,
                                                                       active, shift, temperature, NUM_STOP,
@@ -458,7 +462,7 @@ def sample_kernel(
                 top_logprobs = key_values(raw_top, ID_BITS).to(tl.float64) - lse
             if LOGPROBS == 2:
                 above = tl.load(state_i + _ABOVE, cache_modifier=".cg")
-                if needs_distribution & ~token_known:
+                if needs_distribution & ~token_known & ~settled:
                     above = tl.sum(tl.load(part_i_ptr + part_slots * 4 + _P_ABOVE, mask=my_parts, other=0,
                                            cache_modifier=".cg"), 0)
                 token_offs = token + tl.zeros((1,), dtype=tl.int64)

@@ -28,7 +28,7 @@ Three custom ops; a step launches one, or two of them:
 
 The target distribution p is read from the sampler's kept weights w [rows, V] f32
 (exp(z) on the kept set, 0 elsewhere) and the kept mass total T [rows] f64:
-p(t) = floor(w(t) * 2**S) / T (S = `normaliser.mass_bits(V)`, the sampler's masses;
+p(t) = floor(w(t) * 2**S) / T (S = `thresholds.mass_bits(V)`, the sampler's masses;
 T = 1 where it is 0), or one-hot at `one_hot_tokens` for greedy and forced rows. No
 [rows, V] f64 p exists: at B = 64 x 4 rows x V = 129280 it would be 265 MB, and w is
 a quarter of that. The residual max(p - q, 0) enters the draw as integer masses
