@@ -26,7 +26,7 @@ from typing import ContextManager, Iterator
 import torch
 
 DOMAIN = "step-engine"
-STAGES = ("schedule", "ledger", "staging copy", "replay", "eager step", "exact rows",
+STAGES = ("schedule", "ledger", "staging copy", "replay", "eager step",
           "output copy", "prompt logprobs", "model forward")
 STEP = "step"  # the parent range of a loop step's stages (`step_range`)
 

@@ -415,7 +415,7 @@ def test_a_step_that_raises_after_its_replay_leaves_the_counts_as_they_were(monk
 
         def failing(*args, **kwargs):
             original(*args, **kwargs)
-            raise KeyboardInterrupt("after the exact rows")
+            raise KeyboardInterrupt("after the output copy")
 
         monkeypatch.setattr(step_engine_module, "collect", failing)
     else:

@@ -21,17 +21,8 @@ pytest.importorskip("triton")
 from engine.sampling.errors import RowError
 from engine.sampling.kernels.kept_set import LIST_CAP
 from engine.sampling.row_params import RowParams
-from tests.test_kernel_sample import LONG, assert_agree, chunk_of, reference, reference_with_kept_set, run_kernel
-from tests.kernel_interpreter import torch_math
-
-pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
-              pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def interpreter_math():
-    with torch_math():
-        yield
+from tests.test_kernel_sample import (LONG, assert_agree, chunk_of, interpreter_math, pytestmark, reference,  # noqa: F401
+                                      reference_with_kept_set, run_kernel)
 
 
 @st.composite

@@ -14,6 +14,14 @@ import torch
 from engine.sampling.row_params import RowParams
 
 
+def _common_control(name: str, doc: str) -> cached_property:
+    """A control of `SamplingRows._common`, as a cached property named `name`."""
+    def get(rows: SamplingRows) -> torch.Tensor | None:
+        return rows._common()[name]
+    get.__doc__ = doc
+    return cached_property(get)
+
+
 class SamplingRows:
     """Per-row controls, all [rows] (or [rows, S]) tensors on the logits' device.
 
@@ -37,40 +45,23 @@ class SamplingRows:
         greedy = raw == 0
         stop = params.stop_ids[self._req]
         common = {
-            "greedy": greedy,  # [rows] bool: temperature 0
-            "temperature": torch.where(greedy, 1.0, raw),  # [rows] f32, 1 for greedy rows
-            "stop_ids": stop.clamp(min=0),  # [rows, S] int64, clamped to >= 0
-            "stop_active": params.eos_suppression_rows[:, None] & (stop >= 0),  # [rows, S] bool: suppressed here
-            "forced": params.forced_tokens,  # [rows] int64, -1 = none
-            "uniform": params.draw_uniforms,  # [rows] f64: the draw's uniform, hashed on the host (None: not staged)
+            "greedy": greedy,
+            "temperature": torch.where(greedy, 1.0, raw),
+            "stop_ids": stop.clamp(min=0),
+            "stop_active": params.eos_suppression_rows[:, None] & (stop >= 0),
+            "forced": params.forced_tokens,
+            "uniform": params.draw_uniforms,
         }
         for name, value in common.items():
             self.__dict__.setdefault(name, value)  # a control `replace` put in stays
         return common
 
-    @cached_property
-    def greedy(self) -> torch.Tensor:
-        return self._common()["greedy"]
-
-    @cached_property
-    def temperature(self) -> torch.Tensor:
-        return self._common()["temperature"]
-
-    @cached_property
-    def stop_ids(self) -> torch.Tensor:
-        return self._common()["stop_ids"]
-
-    @cached_property
-    def stop_active(self) -> torch.Tensor:
-        return self._common()["stop_active"]
-
-    @cached_property
-    def forced(self) -> torch.Tensor:
-        return self._common()["forced"]
-
-    @cached_property
-    def uniform(self) -> torch.Tensor | None:
-        return self._common()["uniform"]
+    greedy = _common_control("greedy", "[rows] bool: temperature 0")
+    temperature = _common_control("temperature", "[rows] f32, 1 for greedy rows")
+    stop_ids = _common_control("stop_ids", "[rows, S] int64, clamped to >= 0")
+    stop_active = _common_control("stop_active", "[rows, S] bool: this id is suppressed on this row")
+    forced = _common_control("forced", "[rows] int64, -1 = none")
+    uniform = _common_control("uniform", "[rows] f64: the draw's uniform, hashed on the host (None: not staged)")
 
     def replace(self, **controls: torch.Tensor) -> SamplingRows:
         """The same rows with the given controls in place of their own (tests plant bugs this way)."""

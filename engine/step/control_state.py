@@ -18,8 +18,8 @@ Inside the captured step (`rows`, `count`): each sample row's controls,
 gathered from its request's slot, go to the sampler
 (`engine.sampling.sampler.ControlRows`), which keeps a copy of the
 unprocessed logits and applies them to `buffers.logits` in place, in vLLM's
-order, so every path that reads the logits afterwards (the exact rows, draft
-verification) sees the processed ones; then the tokens the step emits are
+order, so what reads the logits afterwards (draft verification, the rescoring
+of residual draws) sees the processed ones; then the tokens the step emits are
 added to the counts, on the device. What each replay counted comes back to
 the host with the step's outputs, in their one copy (`counted_index` lives in
 `StepBuffers.output_area`), so that `StepEngine.rollback` can take back the
@@ -337,7 +337,7 @@ class SamplingControls:
         self._uncollected = rows
 
     def collected(self, counted_index: np.ndarray) -> None:
-        """After the part's exact rows: what it counted, per sample row (-1 none), as the
+        """After the part's output copy: what it counted, per sample row (-1 none), as the
         step's output copy brought it."""
         self._parts.append(counted_index[counted_index >= 0])
         self._uncollected = 0
