@@ -58,7 +58,8 @@ class PreparedRows:
         """ValueError naming the first request whose row changed since the step was prepared
         (or, `ran`, since this step ran); changes nothing."""
         table, rows = self.table, self.rows
-        changed = (table.generation[rows] != self.generations) | (table.version[rows] != (self.token if ran else self.versions))
+        expected = self.token if ran else self.versions
+        changed = (table.generation[rows] != self.generations) | (table.version[rows] != expected)
         if changed.any():
             table.refuse_stale(self, int(np.flatnonzero(changed)[0]), ran=ran)
 

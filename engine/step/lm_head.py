@@ -13,12 +13,13 @@ step (`plan`), and the prompt logprobs.
 The torch head's step of a bucket (`StepBody`), a function of the static buffers alone:
 
     gather       the sample rows of the hidden-state source    -> buffers.hidden
+    bitmask      unrestricted rows' words reset to all ones (steps that apply it)
     drafts       each row's draft (the caller's or the pool's)  -> buffers.resolved_drafts
     LM head      logits and the sampler's stages (engine.sampling.sampler) -> buffers.out
     hidden check rows whose hidden state is not finite fail
     verify       the rows' draws against their drafts           -> buffers.num_accepted
     draft pool   next step's proposals into the write slots
-    counts       controls graphs: the emitted tokens into the penalty counts
+    counts       steps with controls: the emitted tokens into the penalty counts
 
 It reads its inputs from `buffers.inputs.<field>` (staged by the host before
 the replay) and writes only static tensors, so a CUDA graph can capture it and
