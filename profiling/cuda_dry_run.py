@@ -97,13 +97,12 @@ from profiling.fake_cuda import FakeCuda, project_path
 # always computed; the controls kernel skips a row without controls). The cost run prices
 # the graph once per row mix: (name, passes of engine::sample_rows, of engine::apply_controls).
 # engine::sample_rows reads its `logits` operand once by the operand rule; its passes over
-# `scores` are the row reads beyond that one: 5 row reads with top-k, top-p and raw logprobs
-# (a cut's kept list that fits settles the rest: tests/test_kernel_passes.py), 3 for a plain
-# draw, 2 for a greedy row (a row without controls reads its logits as its scores); with
-# controls, pass 1 and the logprob pass read the logits too (5 + 1).
+# `scores` are the row reads beyond that one: 4 with top-k, top-p and raw logprobs (kept lists
+# that fit: tests/test_kernel_passes.py), 3 plain, 2 greedy (a row without controls reads its
+# logits as its scores); with controls, pass 1 and the logprob pass read the logits too (4 + 2).
 ROW_MIXES = {
-    "engine": (("full sampler", 4, 0), ("plain", 2, 0), ("greedy", 1, 0)),
-    "drafts": (("full sampler", 4, 0), ("greedy", 1, 0), ("controls", 5, 1)),
+    "engine": (("full sampler", 3, 0), ("plain", 2, 0), ("greedy", 1, 0)),
+    "drafts": (("full sampler", 3, 0), ("greedy", 1, 0), ("controls", 5, 1)),
 }
 
 

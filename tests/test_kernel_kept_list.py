@@ -1,7 +1,8 @@
 """The sampling kernel's kept list (engine/sampling/kernels/kept_list.py) against the torch path.
 
 A row whose cut keeps few tokens is settled from the ids its cut's last pass listed: top-p
-over the list (after top-k), the draw, the kept total, processed top-N and ranks. These
+over the list (after top-k), the draw, the kept total, processed top-N and ranks, and the
+raw rank where the scores are the logits (their masses summed in the cut's first pass). These
 cases aim at it: top-k from 1 to past the list's 1024 ids, top-p from a single token to
 nearly all, ties, min-p, rows split over programs; tokens, ranks and top-N ids identical to
 the reference (`tests.test_kernel_sample.reference`, the torch stages in vLLM's order),
@@ -106,3 +107,22 @@ def test_top_p_over_a_list_whose_keys_pass_two(top_p, min_p):
     want, kept = reference_with_kept_set(scores, params, 64, "processed")
     assert int(kept.sum()) > 10 or top_p < 0.99  # the reference keeps tokens past |z| = 2
     assert_agree(got, want, "top-p past |z| = 2")
+
+
+@pytest.mark.parametrize("stops", [[7, 7], [7, -1], [-1, -1], [7, 64]], ids=["twice", "once", "none", "past V"])
+def test_the_raw_rank_from_the_list_counts_a_suppressed_stop_id_once(stops):
+    """Raw logprobs of a drawn row: the rank counts the logits above the token's over the
+    whole row, a suppressed stop id (at -inf in the scores, so off the kept list) included,
+    once however often it is listed."""
+    rng = np.random.default_rng(5)
+    scores = torch.from_numpy((rng.standard_normal((1, 64)) * 3).astype(np.float32))
+    scores[0, 7] = 50.0  # the largest logit: every drawn token ranks below it
+    params = RowParams.from_numpy(
+        temperatures=np.array([1.0], np.float32), top_ks=np.array([5], np.int32), top_ps=np.array([1.0], np.float32),
+        min_ps=np.array([0.0], np.float32), seeds=np.zeros(1, np.uint64), sample_positions=np.zeros(1, np.int64),
+        row_to_req=np.zeros(1, np.int64), local_step=np.zeros(1, np.int64), stop_ids=np.array([stops]),
+        eos_suppression_rows=np.array([True]), forced_tokens=np.array([-1]), draw_uniforms=np.array([0.6]))
+    got = run_kernel(scores, params, 3, "raw")
+    want = reference(scores, params, 3, "raw")
+    assert int(want.rank[0]) >= 2 or stops == [-1, -1]  # the token ranks below the stop id's logit
+    assert_agree(got, want, "raw rank past a suppressed stop id")

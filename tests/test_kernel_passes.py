@@ -94,10 +94,13 @@ KINDS = [
     (dict(temperature=1.0, top_k=50), None, 4, False, True),
     (dict(temperature=1.0, top_p=0.9), None, 4, False, True),
     (dict(temperature=0.0, top_k=50, top_p=0.9), "processed", 2, False, False),  # a greedy request has no filters
-    (dict(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01), "raw", 5, False, True),
+    (dict(temperature=1.0, top_k=50), "raw", 4, False, True),  # raw masses in pass 2, the rank from the list
+    (dict(temperature=1.0, top_p=0.9), "raw", 4, False, True),
+    (dict(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01), "raw", 4, False, True),
     (dict(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01), "processed", 4, False, True),
     # Top-k's list overflows (2000 ids): top-p makes its passes and settles from its own list.
     (dict(temperature=1.0, top_k=2000, top_p=0.9), None, 7, False, True),
+    (dict(temperature=1.0, top_k=2000, top_p=0.9), "raw", 7, False, True),
     # Both overflow (a flat row keeps thousands): every pass, as without the list.
     (dict(temperature=100.0, top_k=2000, top_p=0.9999), "processed", 9, True, False),
 ]

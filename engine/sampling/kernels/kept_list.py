@@ -10,8 +10,9 @@ the list, not from more passes over the row (`engine.sampling.kernels.sample_ker
   (the smallest key whose running mass in key order reaches top-p's level), the draw (the
   first token whose running kept mass in id order exceeds u * total), the kept total, the
   processed top-N (past the kept tokens, the smallest other ids at -inf, as vLLM lists
-  them) and the token's processed rank. A row it settles skips the later cut passes and the
-  draw's pass; one whose list overflowed makes them as before.
+  them) and the token's processed rank, or its raw rank where the scores are the logits (the
+  first cut pass summed the raw masses). A row it settles skips the later cut passes, the
+  draw's pass and the logprob pass; one whose list overflowed makes them as before.
 
 Exact: every kept token is on the list (each cut keeps a prefix of the key order, and the
 window's top is at or above the cut), the masses are integers and every comparison is the
@@ -31,15 +32,31 @@ _NO_PAIR: tl.constexpr = tl.constexpr(1 << 62)  # above every (key, id) pair pac
 
 
 @triton.jit
+def _stops_above(stop_row, active, score_row, token_raw, V: tl.constexpr, NUM_STOP: tl.constexpr):
+    """How many of the row's suppressed stop ids (each id once) have a logit above `token_raw`:
+    the tokens above it that the kept list cannot hold."""
+    above = tl.zeros((), dtype=tl.int64)
+    for j in tl.static_range(NUM_STOP):
+        stop = tl.load(stop_row + j)
+        first = (stop >= 0) & (stop < V) & active
+        for i in tl.static_range(j):
+            first = first & (tl.load(stop_row + i) != stop)
+        if first:
+            above += (tl.load(score_row + stop) > token_raw).to(tl.int64)
+    return above
+
+
+@triton.jit
 def settle(list_row, count, score_row, stop_row, active, shift, temperature, min_p, cut, top_p, do_p,
-           token_known, known_token, uniform, state_i, row_top, kept_row,
+           token_known, known_token, uniform, rank_raw, state_i, row_top, kept_row,
            CUT: tl.constexpr, KEPT_TOTAL: tl.constexpr, DRAWN: tl.constexpr, ABOVE: tl.constexpr,
            LOGPROBS: tl.constexpr, NUM_TOP: tl.constexpr, TOP_PAD: tl.constexpr, V: tl.constexpr,
            NUM_BLOCKS: tl.constexpr, BLOCK_TOKENS: tl.constexpr, NUM_STOP: tl.constexpr, MASS_SCALE: tl.constexpr,
            ACCURATE: tl.constexpr, ID_BITS: tl.constexpr, ID_MASK: tl.constexpr, WRITE_KEPT: tl.constexpr,
            LIST: tl.constexpr):
     """Settles the row from its list of `count` ids (module doc) where it can, storing the
-    state columns CUT, KEPT_TOTAL, DRAWN and ABOVE (the token's processed rank count), the
+    state columns CUT, KEPT_TOTAL, DRAWN and ABOVE (the token's processed rank count; with
+    `rank_raw`, a drawn row whose scores are its logits, its raw rank count), the
     processed top-N (`row_top`) and, with WRITE_KEPT, the kept weights at the listed ids (the
     pass zeroed the row). `cut`: the cut so far (int32); `do_p`: top-p is still to cut.
     Returns whether it settled the row. LIST: LIST_CAP."""
@@ -79,6 +96,14 @@ def settle(list_row, count, score_row, stop_row, active, shift, temperature, min
         tl.store(state_i + CUT, cut.to(tl.int64))
         tl.store(state_i + KEPT_TOTAL, total)
         tl.store(state_i + DRAWN, drawn)
+        if LOGPROBS == 1:
+            if rank_raw:
+                # Every token of a larger logit than the drawn one is kept (each cut keeps a prefix
+                # of the order), so on the list, but for a suppressed stop id.
+                token_raw = tl.load(score_row + drawn)
+                above = tl.sum((valid & (masked > token_raw)).to(tl.int64), 0)
+                above += _stops_above(stop_row, active, score_row, token_raw, V, NUM_STOP)
+                tl.store(state_i + ABOVE, above)
         if LOGPROBS == 2:
             kept_z = tl.where(kept, z, -float("inf"))
             token_z = tl.max(tl.where(kept & (ids == drawn), z, -float("inf")), 0)

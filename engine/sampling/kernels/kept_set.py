@@ -77,6 +77,12 @@ def chunk_values(score_row_ptr, offs, in_row, stop_ptr, active, shift, temperatu
     scalars. z = (score - M) / T rounds twice, as the torch ops do: IEEE subtraction, then
     IEEE division (`div_rn`; Triton's `/` is an approximate division on CUDA)."""
     _, masked = masked_scores(score_row_ptr, offs, in_row, stop_ptr, active, NUM_STOP)
+    return processed_values(masked, shift, temperature, MASS_SCALE, ACCURATE)
+
+
+@triton.jit
+def processed_values(masked, shift, temperature, MASS_SCALE: tl.constexpr, ACCURATE: tl.constexpr):
+    """`chunk_values` of masked scores already loaded."""
     z = tl.math.div_rn(masked - shift, temperature)
     if ACCURATE:
         weight = libdevice.exp(z)
@@ -108,8 +114,23 @@ def gather_chunk(list_row, count_ptr, offs, take, LIST: tl.constexpr):
 
 
 @triton.jit
+def raw_partials(plain_row_ptr, start, stop, raw_max, token_raw, CHUNK: tl.constexpr, MASS_SCALE: tl.constexpr,
+                 ACCURATE: tl.constexpr):
+    """Raw logprobs over the tokens [start, stop) of a row of unprocessed logits: (the sum of
+    the masses floor(exp(x - raw_max) * 2**S), the count of logits above `token_raw`)."""
+    raw_mass = tl.zeros((), dtype=tl.int64)
+    above = tl.zeros((), dtype=tl.int64)
+    for base in range(start, stop, CHUNK):
+        offs = base + tl.arange(0, CHUNK)
+        plain = tl.load(plain_row_ptr + offs, mask=offs < stop, other=-float("inf"))
+        raw_mass += tl.sum((exp_f32(plain - raw_max, ACCURATE) * MASS_SCALE).to(tl.int64), 0)
+        above += tl.sum((plain > token_raw).to(tl.int64), 0)
+    return raw_mass, above
+
+
+@triton.jit
 def digit_histogram(lo, score_row_ptr, start, stop, stop_ptr, active, shift, temperature, min_p, top_k_cut,
-                    hist_ptr, gather, list_row, count_ptr, kept_row,
+                    hist_ptr, gather, list_row, count_ptr, kept_row, raw, raw_max,
                     COUNT: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr, FIRST: tl.constexpr,
                     CHUNK: tl.constexpr, NUM_STOP: tl.constexpr, MASS_SCALE: tl.constexpr, ACCURATE: tl.constexpr,
                     GATHER: tl.constexpr, WRITE_KEPT: tl.constexpr, LIST: tl.constexpr):
@@ -121,13 +142,18 @@ def digit_histogram(lo, score_row_ptr, start, stop, stop_ptr, active, shift, tem
     the same whatever the parts and the order they add in. GATHER (the last digit) and
     `gather`: also list the tokens the cut may keep (`gather_chunk`: min-p's and top-k's
     survivors at or below the window's top) and, with WRITE_KEPT, zero the row's kept weights
-    (the merge writes the kept ones, `kept_list.settle`)."""
+    (the merge writes the kept ones, `kept_list.settle`). FIRST and `raw` (the scores are the
+    row's logits): also the raw masses' sum (`raw_partials`), returned (else 0)."""
     one = tl.full((), 1, tl.int32)  # shifts of a tensor: the interpreter's constexpr has no `1 << c`
+    raw_mass = tl.zeros((), dtype=tl.int64)
     for base in range(start, stop, CHUNK):
         offs = base + tl.arange(0, CHUNK)
         in_row = offs < stop
-        masked, z, weight, key, mass = chunk_values(score_row_ptr, offs, in_row, stop_ptr, active, shift,
-                                                    temperature, NUM_STOP, MASS_SCALE, ACCURATE)
+        score, masked = masked_scores(score_row_ptr, offs, in_row, stop_ptr, active, NUM_STOP)
+        masked, z, weight, key, mass = processed_values(masked, shift, temperature, MASS_SCALE, ACCURATE)
+        if FIRST:
+            if raw:
+                raw_mass += tl.sum((exp_f32(score - raw_max, ACCURATE) * MASS_SCALE).to(tl.int64), 0)
         if COUNT:
             add = in_row.to(tl.int64)
         else:
@@ -145,6 +171,7 @@ def digit_histogram(lo, score_row_ptr, start, stop, stop_ptr, active, shift, tem
                              in_row & chunk_survivors(masked, weight, key, min_p, tl.minimum(top_k_cut, top)), LIST)
                 if WRITE_KEPT:
                     tl.store(kept_row + offs, tl.zeros((CHUNK,), dtype=tl.float32), mask=in_row)
+    return raw_mass
 
 
 @triton.jit

@@ -14,7 +14,8 @@ Design
   the outputs (8). Each phase needs the merged result of the one before (the next digit's
   window, the cut, the drawn token). A cut's last digit (3, or 6 without top-k) also lists
   the ids it may keep; where the list fits (`kept_list`, 1024 ids) its merge settles top-p,
-  the draw and the processed logprobs, and the row skips phases 4-7 and the processed pass.
+  the draw and the logprobs' ranks (the raw masses sum in the cut's first pass where the
+  scores are the logits): the row skips phases 4-7 and the logprob pass.
 - Split rows. A launch is (rows, parts): program (r, c) streams one span of whole chunks of
   row r (`split`), writes its partials (maxima, first indices, top-N keys, integer masses
   and counts, histogram adds, block masses, listed ids) and arrives on the row's counter;
@@ -29,22 +30,20 @@ Design
     greedy + processed logprobs ........................ 2 (no cuts: a greedy request has no filters, as vLLM)
     forced + processed logprobs ........................ 2 (+ 3 for its request's cuts)
     sampled, no cut or min-p only ...................... 2, 3 with logprobs
-    top-k and/or top-p, the list fits .................. 4, 5 with raw logprobs (pass 1, 3 radix passes)
-    top-k's list overflows, top-p's fits ............... 7, 8 with raw logprobs
+    top-k and/or top-p, the list fits .................. 4 (pass 1, 3 radix passes; raw logprobs with controls: 5)
+    top-k's list overflows, top-p's fits ............... 7
     worst: both overflow (thousands kept), logprobs .... 9
   Greedy costs one pass: the later phases sit behind per-row branches it never enters.
   Each exact cut is a selection over 31-bit keys (top-p's after top-k's), and no program
   holds a 129280-token row or a wide histogram on chip: three radix passes find the cut.
   Grid: (rows, parts), 8 warps, 1024 tokens per step of a pass (no spills for sm_90).
   Pass 1: the row maximum M of the masked scores and its first index (the greedy token), the
-  finite check of the logits, their maximum and their top-N (raw logprobs). The cuts:
-  `kept_set.digit_histogram` and `digit_select`. The draw's pass: each kept token's mass,
-  summed per block of 1024 into scratch, and the processed top-N; its merge totals the
-  blocks and draws: the block where the running mass passes u * total, and the token inside
-  it. The logprob pass: the raw normaliser and the rank.
-- Scratch (`SampleScratch`, fixed shapes): per row a histogram of 2048 bins and the kept
-  list (clear between cuts), block masses, the state, top-N and arrival counter; per
-  program slot its partials.
+  logits' finite check, maximum and top-N. The cuts: `kept_set.digit_histogram`, `digit_select`.
+  The draw's pass: the kept masses per block of 1024, the processed top-N; its merge draws
+  (the block where the running mass passes u * total, the token in it). The logprob pass:
+  the raw normaliser and the rank.
+- Scratch (`SampleScratch`, fixed shapes): per row a histogram, the kept list, block masses,
+  the state, top-N and arrival counter; per program slot its partials.
 - Exact: counts and masses are integers, so every sum is the torch path's whatever the order
   of addition; the kernel compiles without FMA contraction and divides with IEEE rounding.
   What may differ is `exp` by an ulp between implementations (docs/contract.md §2): on CUDA
@@ -59,6 +58,7 @@ from engine.sampling.errors import PLACEHOLDER_TOKEN, RowError
 from engine.sampling.kernels.kept_list import settle
 from engine.sampling.kernels.kept_set import (
     KEY_MAX, LIST_CAP, chunk_survivors, chunk_values, digit_histogram, digit_select, exp_f32, log_f64, masked_scores,
+    raw_partials,
 )
 from engine.sampling.kernels.top_n import ABSENT, key_ids, key_values, merge_top, rank_keys, top_of_lists
 
@@ -111,31 +111,35 @@ def _arrive(arrivals_ptr, row, parts):
 
 @triton.jit
 def _part_slots(row, parts, PARTS_PAD: tl.constexpr):
-    """The partial slots of the row's parts [PARTS_PAD] and which of them exist. Made where
-    a merge reads them: kept alive across a pass, 128 of them cost sm_90 a spill."""
+    """The row's parts' partial slots [PARTS_PAD], which exist (made at the merge: alive across a pass, a spill)."""
     part = tl.arange(0, PARTS_PAD)
     return row * parts + part, part < parts
 
 
 @triton.jit
 def _cut_digit(row, parts, start, stop, score_row, stop_row, active, temperature, min_p_floor, top_p,
-               state_i, state_f, level_ptr, hist_row, arrivals_ptr, do_cut, gather, list_row, kept_row,
+               state_i, state_f, level_ptr, hist_row, arrivals_ptr, do_cut, gather, list_row, kept_row, raw, mass_ptr,
                COUNT: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr, FIRST: tl.constexpr,
                LAST: tl.constexpr, CHUNK: tl.constexpr, NUM_STOP: tl.constexpr, MASS_SCALE: tl.constexpr,
                ACCURATE: tl.constexpr, WRITE_KEPT: tl.constexpr):
     """One digit of a cut (COUNT: top-k; else top-p over what min-p and top-k leave): this
     program's part of the histogram, then the last arrival selects the digit; the LAST digit
     writes the cut (top-k's also as the kept set's, until top-p narrows it) and, `gather`,
-    lists the ids the cut may keep. Returns whether this program merged (settles the list)."""
+    lists the ids the cut may keep; the FIRST, `raw`, sums this part's raw masses into `mass_ptr`.
+    Returns whether this program merged (and settles the list)."""
     merged = tl.zeros((), dtype=tl.int1)
     if do_cut:
         best = tl.load(state_f + _BEST, cache_modifier=".cg")
         shift = tl.where(best > -float("inf"), best, 0.0)
         lo = tl.load(state_i + _LO, cache_modifier=".cg").to(tl.int32)
         cut_k = tl.load(state_i + _CUT_K, cache_modifier=".cg").to(tl.int32)
-        digit_histogram(lo, score_row, start, stop, stop_row, active, shift, temperature, min_p_floor, cut_k,
-                        hist_row, gather, list_row, state_i + _LISTED, kept_row, COUNT, SHIFT, BITS, FIRST, CHUNK,
-                        NUM_STOP, MASS_SCALE, ACCURATE, LAST, WRITE_KEPT, LIST_CAP)
+        raw_mass = digit_histogram(lo, score_row, start, stop, stop_row, active, shift, temperature, min_p_floor,
+                                   cut_k, hist_row, gather, list_row, state_i + _LISTED, kept_row, raw,
+                                   tl.load(state_f + _RAW_MAX, cache_modifier=".cg"), COUNT, SHIFT, BITS, FIRST,
+                                   CHUNK, NUM_STOP, MASS_SCALE, ACCURATE, LAST, WRITE_KEPT, LIST_CAP)
+        if FIRST:
+            if raw:
+                tl.store(mass_ptr, raw_mass)
         merged = _arrive(arrivals_ptr, row, parts)
         if merged:
             total = tl.load(state_i + _TOTAL, cache_modifier=".cg")
@@ -294,6 +298,9 @@ def sample_kernel(
     # tokens it may keep; the merge settles the row from a list that fits (`kept_list`), and
     # a settled row skips the later cuts and the draw's pass.
     known_token = tl.where(forced >= 0, forced, best_id)
+    raw_early = (LOGPROBS == 1) & ~token_known & (do_k | do_p)  # raw logprobs from the cuts' passes
+    if SEPARATE_LOGITS:
+        raw_early = raw_early & HAS_ROW_CONTROLLED & (tl.load(row_controlled_ptr + row) == 0)
     best = tl.load(state_f + _BEST, cache_modifier=".cg")
     shift = tl.where(best > -float("inf"), best, 0.0)
     list_row = list_ptr + row * LIST_CAP
@@ -304,7 +311,8 @@ def sample_kernel(
             do_cut = do_k if d < 3 else do_p & ~settled
             merged = _cut_digit(row, parts, start, stop, score_row, stop_row, active, temperature, min_p_floor,
                                 top_p64, state_i, state_f, level_ptr, hist_row, arrivals_ptr, do_cut, do_cut,
-                                list_row, kept_row, d < 3, (2 - d % 3) * 10, 11 if d % 3 == 0 else 10, d % 3 == 0,
+                                list_row, kept_row, raw_early & (do_k == (d == 0)), part_i_ptr + slot * 4 + _P_MASS,
+                                d < 3, (2 - d % 3) * 10, 11 if d % 3 == 0 else 10, d % 3 == 0,
                                 d % 3 == 2, CHUNK, NUM_STOP, MASS_SCALE, ACCURATE, WRITE_KEPT)
             if d % 3 == 2:
                 tl.debug_barrier()
@@ -312,10 +320,10 @@ def sample_kernel(
                     cut = tl.load(state_i + _CUT, cache_modifier=".cg").to(tl.int32)
                     settled = settle(list_row, tl.load(state_i + _LISTED, cache_modifier=".cg"), score_row, stop_row,
                                      active, shift, temperature, min_p_floor, cut, top_p64, do_p & (d < 3),
-                                     token_known, known_token, tl.load(uniforms_ptr + row), state_i, row_top, kept_row,
-                                     _CUT, _KEPT_TOTAL, _DRAWN, _ABOVE, LOGPROBS, NUM_TOP, TOP_PAD, V, NUM_BLOCKS,
-                                     BLOCK_TOKENS, NUM_STOP, MASS_SCALE, ACCURATE, ID_BITS, ID_MASK, WRITE_KEPT,
-                                     LIST_CAP)
+                                     token_known, known_token, tl.load(uniforms_ptr + row), raw_early, state_i,
+                                     row_top, kept_row, _CUT, _KEPT_TOTAL, _DRAWN, _ABOVE, LOGPROBS, NUM_TOP, TOP_PAD,
+                                     V, NUM_BLOCKS, BLOCK_TOKENS, NUM_STOP, MASS_SCALE, ACCURATE, ID_BITS, ID_MASK,
+                                     WRITE_KEPT, LIST_CAP)
                     tl.store(state_i + _SETTLED, settled.to(tl.int64))
                     tl.store(state_i + _LISTED, tl.zeros((), dtype=tl.int64))
             tl.debug_barrier()
@@ -407,19 +415,9 @@ def sample_kernel(
                 token_raw = tl.load(logit_row + token)
             else:
                 token_raw = tl.load(score_row + token)
-            if ~failed:
-                raw_mass = tl.zeros((), dtype=tl.int64)
-                above = tl.zeros((), dtype=tl.int64)
-                for base in range(start, stop, CHUNK):
-                    offs = base + tl.arange(0, CHUNK)
-                    in_row = offs < stop
-                    if SEPARATE_LOGITS:
-                        plain = tl.load(logit_row + offs, mask=in_row, other=-float("inf"))
-                    else:
-                        plain = tl.load(score_row + offs, mask=in_row, other=-float("inf"))
-                    raw_weight = exp_f32(plain - raw_max, ACCURATE)
-                    raw_mass += tl.sum((raw_weight * MASS_SCALE).to(tl.int64), 0)
-                    above += tl.sum((plain > token_raw).to(tl.int64), 0)
+            if ~failed & ~(raw_early & settled):  # else the first cut pass and the kept list did
+                raw_mass, above = raw_partials(logit_row if SEPARATE_LOGITS else score_row, start, stop, raw_max,
+                                               token_raw, CHUNK, MASS_SCALE, ACCURATE)
                 tl.store(part_i_ptr + slot * 4 + _P_MASS, raw_mass)
                 tl.store(part_i_ptr + slot * 4 + _P_ABOVE, above)
         if LOGPROBS == 2:
@@ -454,6 +452,8 @@ def sample_kernel(
                                               cache_modifier=".cg"), 0)
                     above = tl.sum(tl.load(part_i_ptr + part_slots * 4 + _P_ABOVE, mask=my_parts, other=0,
                                            cache_modifier=".cg"), 0)
+                    if raw_early & settled:
+                        above = tl.load(state_i + _ABOVE, cache_modifier=".cg")
                 lse = raw_max.to(tl.float64) + log_f64(raw_mass.to(tl.float64) * (1.0 / MASS_SCALE), ACCURATE)
                 logprob = token_raw.to(tl.float64) - lse
                 rank = above + 1
