@@ -1,4 +1,4 @@
-"""How much project code a steady decode step walks (issue 34's measure, `../shared/tools/footprint.py`).
+"""How much project code a steady decode step walks (issue 34's measure, repeated here).
 
 `LLM("tiny")` decodes 8 sampled requests (T = 0.8, top-p 0.9, ignore_eos) at one thread; a step's
 calls are those of a 12-token generate less those of a 2-token one, over the 10 steps between,
