@@ -62,7 +62,7 @@ def short_kept_sets(draw, vocabs=(64, 1500, 3000)):
                 programs=draw(st.sampled_from([1, 3])) * rows_n)
 
 
-@settings(max_examples=200 if LONG else 16, deadline=None,
+@settings(max_examples=200 if LONG else 6, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(short_kept_sets())
 def test_rows_settled_from_the_kept_list_match_the_torch_stages(batch):
@@ -74,7 +74,7 @@ def test_rows_settled_from_the_kept_list_match_the_torch_stages(batch):
     assert_agree(got, reference(scores, params, num_top, mode), "kept list vs reference", logprobs=mode is not None)
 
 
-@settings(max_examples=60 if LONG else 8, deadline=None,
+@settings(max_examples=60 if LONG else 4, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(short_kept_sets(vocabs=(64,)))
 def test_the_kept_lists_sets_are_the_references(batch):
