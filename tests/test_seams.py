@@ -86,7 +86,8 @@ def test_a_residual_draw_in_processed_mode_reports_its_processed_logprob(kernels
     engine = _rejection_engine("processed", kernels)
     banned = 7
     params = SamplingParams(temperature=1.5, top_k=8, seed=5, logprobs=8, max_tokens=8, bad_words=[[banned]])
-    for _, emitted in _residual_steps(engine, params, banned, steps=8):
+    # Three steps in Triton's interpreter (each a residual draw, about 8 s there), eight on torch.
+    for _, emitted in _residual_steps(engine, params, banned, steps=8 if kernels == "torch" else 3):
         top = dict(emitted.top)
         assert emitted.token in top, emitted
         assert emitted.logprob == top[emitted.token], emitted
