@@ -4,7 +4,7 @@ Generic machinery: a step function over static tensors is captured once per
 batch-size bucket and replayed per step (CUDA graphs on a GPU; on CPU the
 same function re-run over the same buffers after a capture-time safety check).
 """
-from graphs.buckets import BucketTable, default_buckets
+from graphs.replay import BucketTable, default_buckets
 from graphs.capture_safety import (
     BufferAddress,
     CaptureSafetyError,

@@ -84,9 +84,8 @@ from engine.step.engine_config import EngineConfig
 from engine.step.kernel_head import KERNELS
 from engine.step.staging import StepArrays
 from engine.step.step_engine import StepEngine
-from graphs.buckets import BucketTable
 from graphs.capture_safety import CaptureSafetyError, capture_safety_check
-from graphs.replay import CaptureReport, GraphReplayer, simulated_cuda_capture
+from graphs.replay import BucketTable, CaptureReport, GraphReplayer, simulated_cuda_capture
 from profiling.cost_calibration import calibration, calibration_lines, replay_us
 from profiling.cost_model import BANDWIDTH_TBS, NODE_US, SM_BANDWIDTH_GBS, SMS, GraphCost, KernelCounter, table_lines
 from profiling.fake_cuda import FakeCuda, project_path

@@ -3,7 +3,7 @@ for the vectorised ledger. Deliberately naive: cursors, appends, no numpy
 tricks."""
 from __future__ import annotations
 
-from engine.host.columns import derive_seed
+from engine.host.param_records import derive_seed
 from engine.host.params import SeqMeta
 
 

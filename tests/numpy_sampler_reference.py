@@ -1,5 +1,5 @@
 """An independent per-row sampler in numpy, written from the contract
-(docs/contract.md §2) and the documented definitions in engine/sampling/rng.py and
+(docs/contract.md §2) and the documented definitions in engine/sampling/draw.py and
 engine/sampling/sampler.py. It imports nothing from `engine`: it is the oracle the
 fused sampler and the engine are checked against.
 
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# --- the counter-based hash (engine/sampling/rng.py's documented definition) ----------
+# --- the counter-based hash (engine/sampling/draw.py's documented definition) ----------
 # 32-bit words; each absorbed word is xor-ed into the state, avalanched with
 # the "lowbias32" mix (multipliers 0x7FEB352D and MurmurHash2's 0x5BD1E995,
 # shifts 16, 15, 16) and offset by the golden-ratio constant. Words in order:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphs.buckets import BucketTable, default_buckets
+from graphs.replay import BucketTable, default_buckets
 
 
 def reference_bucket(buckets: tuple[int, ...], num_reqs: int) -> int | None:

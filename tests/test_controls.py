@@ -239,7 +239,7 @@ def _step(batch: PersistentBatch, ids, seed: int = 0):
     q, k = [], []
     for rid in ids:
         row = table.row(rid)
-        generated, prompt_len = int(table.cols.num_generated[row]), int(table.cols.prompt_len[row])
+        generated, prompt_len = int(table.cols["num_generated"][row]), int(table.cols["prompt_len"][row])
         q.append(prompt_len if generated == 0 else 1)
         k.append(prompt_len + generated)
     hidden = torch.from_numpy(np.random.default_rng(seed).standard_normal((sum(q), HIDDEN)).astype(np.float32))
@@ -388,7 +388,7 @@ def test_verification_sees_the_controlled_distribution(mode):
     _step(batch, ["r"])
     rng = np.random.default_rng(0)
     for s in range(6):
-        generated = int(batch.table.cols.num_generated[batch.table.row("r")])
+        generated = int(batch.table.cols["num_generated"][batch.table.row("r")])
         drafts = [[int(rng.choice(allowed)), 300 % VOCAB]]  # the second is never allowed
         hidden = torch.from_numpy(rng.standard_normal((3, HIDDEN)).astype(np.float32))
         step = batch.prepare(["r"], [3], [2 + generated + 2], draft_tokens=drafts)

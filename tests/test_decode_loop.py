@@ -279,7 +279,7 @@ def loop_state(loop: DecodeLoop) -> dict:
         known=set(loop._known),
         retained=[(slot, held.tolist()) for slot, held in loop.retained.items()],
         free_kv_slots=list(loop.model.kv.slots.free),
-        table=(dict(loop.batch.table.row_of), loop.batch.table.cols.num_generated.tolist(), list(loop.batch.table._free)),
+        table=(dict(loop.batch.table.row_of), loop.batch.table.cols["num_generated"].tolist(), list(loop.batch.table._free)),
         stop_ids=loop.batch.table.stop_ids.tolist(),
         stats=counters(loop.stats),
         engine=(loop.engine.stats.steps, loop.engine.stats.replays, dict(loop.engine.stats.bucket_histogram),

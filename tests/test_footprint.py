@@ -17,7 +17,7 @@ from engine import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 SKIP = ("engine/models/", "engine/ops.py")
-MAX_CALLS, MAX_FILES = 150, 22
+MAX_CALLS, MAX_FILES = 150, 15
 
 
 def _calls(llm: LLM, prompts: list[str], tokens: int) -> collections.Counter[str]:

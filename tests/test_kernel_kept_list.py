@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
-from engine.sampling.errors import RowError
+from engine.sampling.sampler import RowError
 from engine.sampling.kernels.kept_set import LIST_CAP
 from engine.sampling.row_params import RowParams
 from tests.test_kernel_sample import (LONG, assert_agree, chunk_of, interpreter_math, pytestmark, reference,  # noqa: F401

@@ -22,9 +22,8 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
-from engine.host.draw_uniforms import staged_draw_uniforms
+from engine.sampling.draw import staged_draw_uniforms
 from engine.sampling.draw import drawn_token, inverse_cdf_draw
-from engine.sampling.errors import PLACEHOLDER_TOKEN, RowError, row_errors, write_placeholders
 from engine.sampling.kernels import interpreting
 from engine.sampling.kernels import sample as kernel_module
 from engine.sampling.kernels.sample import SampleScratch, sample_rows
@@ -33,8 +32,8 @@ from engine.sampling.thresholds import (
     BLOCK, KEY_MAX, RowDistribution, block_sums, first_max, order_keys, processed_scores, radix_threshold, token_masses,
 )
 from engine.sampling.rows import expand_rows
-from engine.sampling.sampler import SamplerConfig, sample
-from engine.sampling.suppression import suppressed_scores
+from engine.sampling.sampler import PLACEHOLDER_TOKEN, RowError, SamplerConfig, row_errors, sample, write_placeholders
+from engine.sampling.rows import suppressed_scores
 from graphs.capture_safety import capture_safety_check
 from engine.sampling.row_params import RowParams
 from engine.sampling.sample_output import SampleOutput

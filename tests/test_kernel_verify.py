@@ -322,9 +322,9 @@ def _uniform_kernel(seed_ptr, position_ptr, out_ptr, STREAM: triton.language.con
     triton.language.store(out_ptr + lanes, uniform_at(seed, position, STREAM))
 
 
-def test_the_kernels_hash_gives_the_uniforms_of_engine_sampling_rng():
+def test_the_kernels_hash_gives_the_uniforms_of_engine_sampling_draw():
     """Extreme seeds (negative int64 = seeds >= 2**63) and positions, both streams: the same f64 bits."""
-    from engine.sampling import rng
+    from engine.sampling import draw as rng
 
     gen = torch.Generator().manual_seed(3)
     seed = torch.randint(-(2**63), 2**63 - 1, (64,), generator=gen, dtype=torch.int64)

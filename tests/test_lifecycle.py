@@ -209,7 +209,7 @@ def test_5_a_stale_prepared_step_is_refused_and_a_step_is_recorded_once():
     batch.record(prepared, out)
     with pytest.raises(ValueError, match=r"request 'c': stale step: record\(step, out\) takes the step"):
         batch.record(prepared, out)
-    assert batch.table.cols.num_generated[batch.table.row("c")] == 4
+    assert batch.table.cols["num_generated"][batch.table.row("c")] == 4
 
 
 # -- 6. remove mid-prefill frees the partial prompt logprobs ------------------------------------------

@@ -72,13 +72,13 @@ def drive(seed: int, *, pool: bool, steps: int = 14) -> int:
             if r["generated"] == 0:
                 chunk = int(rng.integers(1, len(r["prompt"]) - r["prefilled"] + 1))
                 seqs.append(SeqMeta(rid, True, chunk, r["prefilled"] + chunk, len(r["prompt"]), r["prompt"], 0,
-                                    r["params"], 0, int(batch.table.cols.mtp_write_slot[row])))
+                                    r["params"], 0, int(batch.table.cols["mtp_write_slot"][row])))
                 drafts.append(None)
             else:
                 k = int(rng.integers(0, K + 1))
                 seqs.append(SeqMeta(rid, False, 1 + k, len(r["prompt"]) + r["generated"] + k, len(r["prompt"]),
                                     r["prompt"], r["generated"], r["params"], 0,
-                                    int(batch.table.cols.mtp_write_slot[row])))
+                                    int(batch.table.cols["mtp_write_slot"][row])))
                 drafts.append(None if pool and rng.random() < 0.5 else rng.integers(2, V, k).tolist())
             next_drafts.append(rng.integers(2, V, int(rng.integers(0, K + 1))).tolist() if pool else None)
         step = batch.prepare(ids, [s.seqlen_q for s in seqs], [s.seqlen_k for s in seqs], draft_tokens=drafts,
@@ -192,12 +192,12 @@ def engine_run(batch: PersistentBatch, step):
 def test_pool_slots_are_held_per_request_and_read_once_after_each_write():
     batch = PersistentBatch(engine(max_num_reqs=2))  # pool of max_num_reqs + 1 slots
     a = batch.add("a", [5, 6, 7, 8], SamplingParams(temperature=0.0))
-    slot_a = int(batch.table.cols.mtp_write_slot[a])
+    slot_a = int(batch.table.cols["mtp_write_slot"][a])
     batch.add("b", [5], SamplingParams())
     with pytest.raises(RuntimeError, match="full"):
         batch.add("c", [5], SamplingParams())
     batch.remove("b")
-    assert int(batch.table.cols.mtp_write_slot[batch.add("c", [5], SamplingParams())]) != slot_a
+    assert int(batch.table.cols["mtp_write_slot"][batch.add("c", [5], SamplingParams())]) != slot_a
     batch.remove("c")
     chunk = batch.prepare(["a"], [2], [2])  # a non-last chunk writes no draft info
     assert chunk.inputs.mtp_info_write_slots.tolist() == [0]

@@ -14,9 +14,8 @@ import torch
 
 from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine
 from engine.sampling.sampler import SamplerConfig
-from graphs.buckets import BucketTable
 from graphs.capture_safety import CaptureSafetyError
-from graphs.replay import GraphReplayer
+from graphs.replay import BucketTable, GraphReplayer
 from tests import numpy_sampler_reference as ref
 
 MAX_REQS, HIDDEN, VOCAB = 20, 16, 48

@@ -9,9 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.host.draw_uniforms import draw_uniforms, staged_draw_uniforms
-from engine.sampling import rng
-from engine.host.counter_hash import INVERSE_CDF_COUNTER
+from engine.sampling import draw as rng
+from engine.sampling.draw import INVERSE_CDF_COUNTER, draw_uniforms, staged_draw_uniforms
 
 
 def _ks_statistic(u: np.ndarray) -> float:
@@ -126,7 +125,7 @@ _PINNED = [4201230912, 1348133266, 1503725625]
 @given(seeds=st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=40),
        positions=st.lists(st.integers(0, 2**62), min_size=40, max_size=40))
 def test_the_hosts_draw_uniforms_are_the_devices_bits(seeds, positions):
-    """The numpy twin (`engine.host.draw_uniforms`) against `rng.uniform` on the draw's
+    """The numpy twin (`engine.sampling.draw.draw_uniforms`) against `rng.uniform` on the draw's
     stream and counter: every uint64 seed (high bit included), positions past 2**32."""
     seed = np.array(seeds, dtype=np.uint64)
     position = np.array(positions[: len(seeds)], dtype=np.int64)

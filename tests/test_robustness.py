@@ -28,11 +28,10 @@ import engine.step.lm_head as lm_head_module
 import tests.test_parallel as parallel
 from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine
 from engine.parallel import sharded_head, vocab_shards
-from engine.sampling.errors import PLACEHOLDER_TOKEN, RowError
 from engine.sampling.exact import sample_exact, sample_reference
 from engine.sampling.row_params import RowParams
 from engine.sampling.sample_output import SampleOutput
-from engine.sampling.sampler import SamplerConfig, sample
+from engine.sampling.sampler import PLACEHOLDER_TOKEN, RowError, SamplerConfig, sample
 
 VOCAB, HIDDEN, MAX_REQS, MAX_DRAFTS = 300, 24, 8, 2
 EOS = VOCAB - 1

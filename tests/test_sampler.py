@@ -11,16 +11,17 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from engine.sampling import exact as exact_module
-from engine.sampling import filters, rng, suppression, thresholds
+from engine.sampling import draw as rng
+from engine.sampling import filters, thresholds
+from engine.sampling import rows as suppression
 from engine.sampling import sampler as sampler_module
 from engine.sampling import verify as verify_module
 from engine.sampling.exact import EXACT_CHUNK_ROWS, kept_sets, sample_exact, sample_reference
-from engine.sampling.errors import PLACEHOLDER_TOKEN, RowError
 from engine.sampling.logprobs import token_logprobs
 from engine.sampling.row_params import RowParams
 from engine.sampling.rows import expand_rows
 from engine.sampling.sample_output import SampleOutput
-from engine.sampling.sampler import SamplerConfig, TorchStages, sample
+from engine.sampling.sampler import PLACEHOLDER_TOKEN, RowError, SamplerConfig, TorchStages, sample
 from engine.sampling.verify import target_probs
 from graphs.capture_safety import capture_safety_check
 from tests import numpy_sampler_reference as ref

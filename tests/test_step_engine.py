@@ -13,7 +13,7 @@ import torch
 
 import engine.step.lm_head as lm_head_module
 from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine
-from graphs.buckets import BucketTable
+from graphs.replay import BucketTable
 from graphs.capture_safety import CaptureSafetyError
 
 VOCAB, HIDDEN, MAX_REQS = 384, 32, 16

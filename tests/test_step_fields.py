@@ -16,7 +16,8 @@ import torch
 
 from engine import EngineConfig, SamplingParams, SeqMeta, StepEngine, prepare_sampler_inputs
 from engine.cli.explain import explain
-from engine.host.columns import REQUEST_COLUMNS, ColumnViews, Columns, RecordColumns, derive_seed
+from engine.host.param_records import SEQ_RECORD, derive_seed
+from engine.host.request_table import RequestTable
 from engine.host.ledger import SamplerInputs
 from engine.host.step_fields import PARAM_FIELDS, STEP_FIELDS, StepField
 from engine.sampling.row_params import RowParams
@@ -112,17 +113,19 @@ def test_every_field_has_the_contract_name_and_a_full_declaration():
     assert {f.name for f in STEP_FIELDS if f.stage == "sample"} == {f.name for f in dataclasses.fields(RowParams)}
 
 
-def test_request_columns_and_ledger_parameter_arrays_come_from_the_declaration():
+def test_request_records_and_ledger_parameter_arrays_come_from_the_declaration():
     seqs = [_decode("a", params=SamplingParams(temperature=0.5, top_k=3, top_p=0.8, min_p=0.1, seed=9)),
             _decode("b", params=SamplingParams())]
-    cols, inputs, empty = Columns.from_seqs(seqs, 4), prepare_sampler_inputs(seqs, seed_base=4), Columns.empty(3)
+    table, empty = RequestTable(3, seed_base=4), RequestTable(3).cols
+    rows = np.array([table.add(s.request_id, s.params, [1] * s.prompt_len) for s in seqs])
+    cols, inputs = table.cols[rows], prepare_sampler_inputs(seqs, seed_base=4)
     for f in PARAM_FIELDS:
         want = [derive_seed(s.request_id, 4) if getattr(s.params, f.param) is None else getattr(s.params, f.param)
                 for s in seqs]
-        for got in (getattr(cols, f.name), getattr(inputs, f.name)):
+        for got in (cols[f.name], getattr(inputs, f.name)):
             assert got.dtype == np.dtype(f.dtype), f.name
             np.testing.assert_array_equal(got, np.asarray(want, dtype=f.dtype), err_msg=f.name)
-        assert (getattr(empty, f.name) == f.padding).all(), f.name  # padding requests
+        assert (empty[f.name] == f.padding).all(), f.name  # empty table rows
     assert {f.name for f in PARAM_FIELDS} <= {f.name for f in dataclasses.fields(SamplerInputs)}
     assert [f.name for f in dataclasses.fields(StepArrays)] == [f.name for f in STEP_FIELDS] + ["draft_probs", "token_bitmask"]
 
@@ -130,13 +133,11 @@ def test_request_columns_and_ledger_parameter_arrays_come_from_the_declaration()
 def test_the_written_out_types_hold_the_declared_fields():
     """The types a declared field reaches are written out as classes (go-to-definition
     finds `inputs.temperatures`); each holds exactly the declaration's fields, in its
-    order: the ledger's parameter arrays, the request columns' views, the staged host
+    order: the ledger's parameter arrays, the request records' fields, the staged host
     arrays and the device views."""
     params = [f.name for f in PARAM_FIELDS]
     assert [f.name for f in dataclasses.fields(SamplerInputs)][: len(params)] == params
-    views = [name for name, value in vars(ColumnViews).items() if isinstance(value, property)]
-    assert views == [c.name for c in REQUEST_COLUMNS]
-    assert issubclass(Columns, ColumnViews) and issubclass(RecordColumns, ColumnViews)
+    assert set(params) <= set(SEQ_RECORD.names)  # the records the ledger reads
     names = [f.name for f in STEP_FIELDS]
     assert [f.name for f in dataclasses.fields(StepArrays)][: len(names)] == names
     assert [f.name for f in dataclasses.fields(StepInputs)] == names

@@ -13,10 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import EngineConfig, SamplingParams, StepEngine
-from engine.sampling.errors import RowError
 from engine.sampling.exact import sample_exact, sample_reference
 from engine.sampling.row_params import RowParams
-from engine.sampling.sampler import SamplerConfig, sample
+from engine.sampling.sampler import RowError, SamplerConfig, sample
 from engine.sampling.token_bitmask import unpack_token_bitmask
 from engine.step.batch import PersistentBatch
 

@@ -21,7 +21,7 @@ from typing import Hashable, Protocol, Sequence
 
 import numpy as np
 
-from engine.host.columns import ColumnViews, Columns, RecordColumns
+from engine.host.param_records import derive_seeds
 from engine.host.params import SEQ_RECORD, SeqMeta
 from engine.host.step_fields import PARAM_FIELDS
 
@@ -177,7 +177,7 @@ class SamplerInputs:
 
 def validate_batch(
     schedule: StepSchedule,
-    cols: ColumnViews,
+    cols: np.ndarray,
     *,
     max_draft_tokens: int,
     compaction_keep_tokens: int | None,
@@ -205,10 +205,10 @@ def validate_batch(
     too_many_drafts = schedule.seqlen_q > max_draft_tokens + 1
     needs_write_slot = max_draft_tokens > 0 and draft_pool
     if needs_write_slot:
-        too_many_drafts |= cols.mtp_write_slot == 0
+        too_many_drafts |= cols["mtp_write_slot"] == 0
     bad = decode & too_many_drafts
     if compaction_keep_tokens is not None:
-        bad |= schedule.is_prompt & (cols.num_prompt_logprobs >= 0)
+        bad |= schedule.is_prompt & (cols["num_prompt_logprobs"] >= 0)
     if not bad.any():
         return
     checks = [
@@ -219,15 +219,15 @@ def validate_batch(
             f"verifies {{d}} drafts but max_draft_tokens={max_draft_tokens}",
         ),
         (
-            decode & needs_write_slot & (cols.mtp_write_slot == 0),
+            decode & needs_write_slot & (cols["mtp_write_slot"] == 0),
             "mtp_write_slot",
-            cols.mtp_write_slot,
+            cols["mtp_write_slot"],
             "a running request's draft-info write slot is never 0 (slot 0 is padding)",
         ),
         (
-            schedule.is_prompt & (cols.num_prompt_logprobs >= 0) & (compaction_keep_tokens is not None),
+            schedule.is_prompt & (cols["num_prompt_logprobs"] >= 0) & (compaction_keep_tokens is not None),
             "params.prompt_logprobs",
-            cols.num_prompt_logprobs,
+            cols["num_prompt_logprobs"],
             "prompt logprobs are not available under prefill compaction (its rows are not produced)",
         ),
     ]
@@ -274,13 +274,13 @@ def draft_read_rows(
 
 def build_ledger(
     schedule: StepSchedule,
-    cols: ColumnViews,
+    cols: np.ndarray,
     *,
     max_draft_tokens: int = 0,
     compaction_keep_tokens: int | None = None,
 ) -> SamplerInputs:
-    """The vectorised walk. `cols` holds the batch's per-request columns in
-    batch order. Call `validate_batch` first (prepare_sampler_inputs does).
+    """The vectorised walk. `cols` holds the batch's requests' records (`SEQ_RECORD`, in
+    batch order; their request columns are read: lengths, counts, parameters). Call `validate_batch` first (prepare_sampler_inputs does).
 
     Every numpy call costs about a microsecond whatever the batch size, so
     the all-decode step (the steady state) skips the prefill-only work."""
@@ -289,14 +289,14 @@ def build_ledger(
     seqlen_q = schedule.seqlen_q
     seqlen_k = schedule.seqlen_k
     any_prompt = bool(is_prompt.any())
-    is_last_chunk = is_prompt & (seqlen_k == cols.prompt_len)
+    is_last_chunk = is_prompt & (seqlen_k == cols["prompt_len"])
 
     # §1.4: under compaction a prefill chunk only gets rows for the tail of
     # its sequence; at least one row survives so the sample row exists.
     out_lens = seqlen_q
     if compaction_keep_tokens is not None and any_prompt:
         q_start = seqlen_k - seqlen_q
-        clip = np.clip(cols.prompt_len - compaction_keep_tokens - q_start, 0, seqlen_q - 1)
+        clip = np.clip(cols["prompt_len"] - compaction_keep_tokens - q_start, 0, seqlen_q - 1)
         out_lens = np.where(is_prompt, seqlen_q - clip, seqlen_q).astype(np.int32)
     out_offsets, out_ends = exclusive_cumsum(out_lens)
     query_offsets = out_offsets if out_lens is seqlen_q else exclusive_cumsum(seqlen_q)[0]
@@ -320,7 +320,7 @@ def build_ledger(
     local_step = _arange(num_sample_rows) - sample_offsets[row_to_req]
     selected_token_indices = first_sample_row[row_to_req] + local_step
 
-    tokens_short = cols.min_tokens - cols.num_generated
+    tokens_short = cols["min_tokens"] - cols["num_generated"]
     if any_prompt:
         # A non-last chunk's sample row produces no token (it is discarded), so
         # it never counts towards min_tokens and needs no suppression.
@@ -339,7 +339,7 @@ def build_ledger(
     if max_draft_tokens > 0:
         mtp_first = first_sample_row
         mtp_seqlens = sample_counts
-        mtp_write = cols.mtp_write_slot
+        mtp_write = cols["mtp_write_slot"]
         read_slot = schedule.mtp_read_slot
         if any_prompt:
             # Non-last prefill chunks never produce draft info: slot 0 means "no write".
@@ -353,7 +353,7 @@ def build_ledger(
         forced_tokens[sample_offsets] = schedule.forced_tokens
 
     inputs = SamplerInputs(
-        **{f.name: getattr(cols, f.name) for f in PARAM_FIELDS},
+        **{f.name: cols[f.name] for f in PARAM_FIELDS},
         selected_token_indices=selected_token_indices,
         selected_prompt_indices=selected_prompt_indices,
         prompt_token_targets=prompt_token_targets,
@@ -375,8 +375,8 @@ def build_ledger(
         prompt_row_counts=prompt_row_counts,
         is_prompt=is_prompt,
         is_last_chunk=is_last_chunk,
-        num_logprobs=cols.num_logprobs,
-        num_prompt_logprobs=cols.num_prompt_logprobs,
+        num_logprobs=cols["num_logprobs"],
+        num_prompt_logprobs=cols["num_prompt_logprobs"],
         forced_tokens=forced_tokens,
     )
     planned = int(seqlen_q.sum()) - (int((seqlen_q - 1)[is_prompt].sum()) if any_prompt else 0)
@@ -386,7 +386,7 @@ def build_ledger(
 
 def _prompt_rows(
     schedule: StepSchedule,
-    cols: ColumnViews,
+    cols: np.ndarray,
     out_offsets: np.ndarray,
     is_last_chunk: np.ndarray,
     n: int,
@@ -394,7 +394,7 @@ def _prompt_rows(
     """Prompt-logprob rows (§1.1): a chunk of seqlen_q tokens yields seqlen_q
     logprobs, one short on the last chunk because its last row predicts the
     first *generated* token, not a prompt token. Over all chunks: L - 1."""
-    wants = schedule.is_prompt & (cols.num_prompt_logprobs >= 0)
+    wants = schedule.is_prompt & (cols["num_prompt_logprobs"] >= 0)
     prompt_row_counts = np.where(wants, schedule.seqlen_q - is_last_chunk, 0).astype(np.int32)
     if not wants.any():
         return None, None, prompt_row_counts
@@ -459,7 +459,7 @@ def prepare_sampler_inputs(
         bad = next(seq for seq in seqs if not isinstance(seq, SeqMeta))
         raise TypeError(f"expected SeqMeta, got {type(bad).__name__}: {bad!r}")
     schedule = StepSchedule.from_records(records, request_ids, seqs)
-    cols = RecordColumns(records, request_ids, seed_base)
+    cols = derive_seeds(records, request_ids, seed_base)
     validate_batch(schedule, cols, max_draft_tokens=max_draft_tokens, compaction_keep_tokens=compaction_keep_tokens,
                    draft_pool=draft_pool)
     return build_ledger(

@@ -3,8 +3,9 @@
 numpy record array (engine/host/params.py builds them)."""
 from __future__ import annotations
 
+import hashlib
 import struct
-from typing import Sequence
+from typing import Hashable, Sequence
 
 import numpy as np
 
@@ -29,8 +30,8 @@ def record_layout(fields: Sequence[tuple[str, str]]) -> tuple[np.dtype, struct.S
 
 # `prepare_sampler_inputs` reads a batch of SeqMeta as one numpy record array: each
 # SamplingParams and each SeqMeta packs its record when it is built (after validation),
-# and the batch is the records joined. The fields are named as the ledger and the request
-# columns (engine/host/columns.py) name them; the sampling parameters are the step-field
+# and the batch is the records joined; the request table keeps one record per row. The
+# fields are named as the ledger reads them; the sampling parameters are the step-field
 # declaration's (`PARAM_FIELDS`: temperatures, top_ks, ...), so a parameter declared there
 # is packed with no edit here. `has_seed` says whether `seeds` holds the request's own seed.
 PARAMS_RECORD, PARAMS_PACKER = record_layout((
@@ -52,6 +53,37 @@ SEQ_RECORD = np.dtype({
                 *(SEQ_PART.itemsize + PARAMS_RECORD.fields[n][1] for n in PARAMS_RECORD.names)],
     "itemsize": SEQ_PART.itemsize + PARAMS_RECORD.itemsize,
 }, align=True)
+
+
+def neutral_record() -> np.ndarray:
+    """A `SEQ_RECORD` of no request (an empty table row): no NaN, no inf, no filter, no logprobs."""
+    record = np.zeros((), dtype=SEQ_RECORD)
+    record["prompt_len"] = 1
+    record["num_logprobs"] = record["num_prompt_logprobs"] = record["forced_token"] = -1
+    for f in PARAM_FIELDS:
+        record[f.name] = f.padding
+    return record
+
+
+def derive_seed(request_id: Hashable, seed_base: int = 0) -> int:
+    """The seed the engine gives a request that brought none (docs/contract.md §2).
+
+    A pure function of (engine seed base, request id): replaying a workload
+    with the same ids reproduces every sample, and the output reports it.
+    """
+    digest = hashlib.blake2b(f"{seed_base}:{request_id!r}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def derive_seeds(records: np.ndarray, request_ids: Sequence[Hashable], seed_base: int = 0) -> np.ndarray:
+    """`records` (`SEQ_RECORD`, writable) with `derive_seed` written into the `seeds` of every
+    record whose request brought no seed (`has_seed` False); returns `records`."""
+    unseeded = np.flatnonzero(~records["has_seed"])
+    if len(unseeded):
+        seeds = records["seeds"]
+        for i in unseeded.tolist():
+            seeds[i] = derive_seed(request_ids[i], seed_base)
+    return records
 
 
 def set_state(obj: object, state: tuple[dict, dict | None]) -> None:

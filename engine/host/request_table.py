@@ -15,7 +15,6 @@ from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
-from engine.host.columns import Columns
 from engine.host.control_slots import ControlHook, NoControls, first_control
 from engine.host.ledger import (
     SamplerInputs,
@@ -25,7 +24,8 @@ from engine.host.ledger import (
     suppression_rows,
     validate_batch,
 )
-from engine.host.params import SamplingParams, SeqMeta
+from engine.host.param_records import derive_seeds, neutral_record
+from engine.host.params import SEQ_RECORD, SamplingParams, SeqMeta
 from engine.host.stop_ids import StopIds
 
 class RequestState(enum.Enum):
@@ -73,7 +73,8 @@ class PreparedRows:
 
 
 class RequestTable:
-    """Columns for up to `capacity` live requests, plus their prompt tokens,
+    """A record (`SEQ_RECORD`) for each of up to `capacity` live requests, the form the ledger
+    reads a batch in (its request columns: lengths, counts, parameters), plus their prompt tokens,
     `SamplingParams` and (with a `stop_rule`) stop ids, by table row.
 
     `controls`: what the engine's sampling-control state says when a request
@@ -92,7 +93,8 @@ class RequestTable:
         self.capacity = capacity
         self.seed_base = seed_base
         self.stop_rule = stop_rule
-        self.cols = Columns.empty(capacity)
+        self._neutral = neutral_record()
+        self.cols = np.full(capacity, self._neutral)  # `SEQ_RECORD`s; a request's seed derived when it brought none
         self.prompt_tokens: list[np.ndarray | None] = [None] * capacity
         self.params: list[SamplingParams | None] = [None] * capacity
         width = 0 if stop_rule is None else stop_rule.width
@@ -171,11 +173,11 @@ class RequestTable:
         validated first, nothing is written when that fails."""
         row = self.row(request_id)
         cols = self.cols
-        seq = self._checked(request_id, params, int(cols.prompt_len[row]), int(cols.num_generated[row]),
-                            int(cols.mtp_write_slot[row]))
+        seq = self._checked(request_id, params, int(cols["prompt_len"][row]), int(cols["num_generated"][row]),
+                            int(cols["mtp_write_slot"][row]))
         stop_ids = self._stop_ids(request_id, params)
         slot = int(self.control_slot[row])
-        generated = int(cols.num_generated[row])
+        generated = int(cols["num_generated"][row])
         needs_slot = self.controls.check(request_id, params, self.prompt_tokens[row], generated, slot > 0)
         if needs_slot and params.has_penalties and generated and not self.counts_from_start[row]:
             # A slot taken after generation (for a logit bias, say) counted from then on only.
@@ -206,7 +208,7 @@ class RequestTable:
             self.control_slot[row] = 0
         self.counts_from_start[row] = False
         self.generation[row] = 0
-        self.cols.fill_neutral(np.array([row]))
+        self.cols[row] = self._neutral
         self.prompt_tokens[row] = None
         self.params[row] = None
         self.stop_ids[row] = -1
@@ -242,7 +244,8 @@ class RequestTable:
 
     def _write(self, row: int, seq: SeqMeta, stop_ids: np.ndarray | None) -> None:
         self._steady = None
-        self.cols.write_row(row, seq, self.seed_base)
+        self.cols[row] = np.frombuffer(seq.ledger_record, dtype=SEQ_RECORD)[0]
+        derive_seeds(self.cols[row:row + 1], [seq.request_id], self.seed_base)
         self.params[row] = seq.params
         if stop_ids is not None:
             self.stop_ids[row] = stop_ids
@@ -268,13 +271,13 @@ class RequestTable:
     def record_emitted(self, rows: np.ndarray, counts: np.ndarray, prefilled: np.ndarray | None = None) -> None:
         """Advance num_generated after a step emitted `counts` tokens per row; `prefilled`
         [n] int32: the prompt tokens computed after the step (0 for a decode)."""
-        self.cols.add_at("num_generated", rows, counts)
+        np.add.at(self.cols["num_generated"], rows, counts)
         if prefilled is not None:
             self.prefilled[rows] = np.maximum(self.prefilled[rows], prefilled)
 
     def set_generated(self, rows: np.ndarray, counts: np.ndarray) -> None:
         """Set num_generated (a caller putting back what a failed step changed)."""
-        self.cols.num_generated[rows] = counts
+        self.cols["num_generated"][rows] = counts
         self.version[rows] = self._tick()
 
     def state(self, request_id: Hashable) -> RequestState:
@@ -283,7 +286,7 @@ class RequestTable:
         row = self.row_of.get(request_id)
         if row is None:
             return RequestState.REMOVED
-        if self.cols.num_generated[row]:
+        if self.cols["num_generated"][row]:
             return RequestState.DECODING
         return RequestState.PREFILLING if self.prefilled[row] else RequestState.QUEUED
 
@@ -327,13 +330,13 @@ class RequestTable:
         only enters prefill rows (is the chunk the last one?), so a decode-only
         step need not bring it."""
         cols = self.cols
-        cols.num_generated[rows] = num_generated
+        cols["num_generated"][rows] = num_generated
         if mtp_write_slot is not None:
-            if self._steady is not None and (cols.mtp_write_slot[rows] != mtp_write_slot).any():
+            if self._steady is not None and (cols["mtp_write_slot"][rows] != mtp_write_slot).any():
                 self._steady = None
-            cols.mtp_write_slot[rows] = mtp_write_slot
+            cols["mtp_write_slot"][rows] = mtp_write_slot
         if prompt_len is not None:
-            cols.prompt_len[rows] = prompt_len
+            cols["prompt_len"][rows] = prompt_len
 
     def ledger(
         self,
@@ -378,7 +381,7 @@ class RequestTable:
             prompt_tokens=LazyLookup(self.prompt_tokens.__getitem__, rows) if prompt_tokens is None else prompt_tokens,
             forced_tokens=forced_tokens,
         )
-        cols = self.cols.take(rows)
+        cols = self.cols[rows]
         validate_batch(
             schedule,
             cols,
@@ -387,7 +390,7 @@ class RequestTable:
             check_duplicate_ids=False,
             draft_pool=draft_pool,
         )
-        for i in np.flatnonzero(schedule.is_prompt & (cols.num_prompt_logprobs >= 0)):
+        for i in np.flatnonzero(schedule.is_prompt & (cols["num_prompt_logprobs"] >= 0)):
             if schedule.prompt_tokens[i] is None:
                 raise ValueError(f"request {schedule.request_ids[i]!r}: params.prompt_logprobs: requested but "
                                  "the table holds no prompt_tokens (targets come from the prompt)")
@@ -396,7 +399,7 @@ class RequestTable:
         )
         # A forced token is this step's only: the steady layout is never taken from such a step.
         if compaction_keep_tokens is None and forced_tokens is None and not inputs.is_prompt.any():
-            min_tokens = cols.min_tokens.copy() if cols.min_tokens.any() else None
+            min_tokens = cols["min_tokens"].copy() if cols["min_tokens"].any() else None
             last_rows = inputs.sample_offsets + inputs.sample_counts - 1
             self._steady = _SteadyDecode(rows.tobytes(), schedule.seqlen_q.tobytes(), max_draft_tokens, min_tokens,
                                          last_rows, inputs)
@@ -441,7 +444,7 @@ class RequestTable:
         positions += 1
         inputs.sample_positions = positions
         if steady.min_tokens is not None:
-            tokens_short = steady.min_tokens - self.cols.num_generated[rows]
+            tokens_short = steady.min_tokens - self.cols["num_generated"][rows]
             inputs.eos_suppression_rows = suppression_rows(prev.local_step, prev.row_to_req, tokens_short)
         else:
             inputs.eos_suppression_rows = _NO_ROWS  # no request in the batch has min_tokens

@@ -8,7 +8,8 @@ row, how wide it is, what a padding slot holds, which stage of the step reads
 it, what it means, and where its host value comes from.
 
 Everything else derives from `STEP_FIELDS`: the request columns of the
-sampling parameters (`engine/host/columns.py`), the ledger's parameter arrays
+sampling parameters in the records the ledger reads (`engine/host/param_records.py`), the
+ledger's parameter arrays
 (`SamplerInputs.temperatures`, ...), the staged host arrays (`StepArrays`),
 the packed staging layout, the padding and the typed device views
 (`StepBuffers`, which gets the declaration at allocate time: `graphs/` knows

@@ -1,4 +1,4 @@
-"""The draw (docs/contract.md §2): greedy, inverse CDF over the kept weights.
+"""The draw (docs/contract.md §2) and the counter hash that keys its randomness.
 
 - Greedy (T = 0): the largest raw logit among valid tokens, ties to the
   smallest id. Filters do not change it (the maximum is always kept).
@@ -14,18 +14,112 @@
 - A forced token, when set, replaces whatever the row drew.
 Verification draws from explicit distributions by their integer masses with `inverse_cdf`;
 its top-k-space bonus token races Gumbel noise keyed by token id (`gumbel_race`).
+
+Every uniform is a pure hash of (request seed, absolute position of the produced token,
+stream, counter): no generator state, so a request's draws do not depend on its batch, its
+bucket or other rows, and replaying a step replays its randomness. `hash32` is written once
+for Python ints, numpy arrays and torch tensors (the host hashes the plain draw's uniforms
+while it stages a step, `staged_draw_uniforms`); the Triton kernels' copy
+(`engine/sampling/kernels/hash_rng.py`) imports its constants from here, and
+`tests/test_rng.py` holds the two to the same bits.
 """
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from engine.sampling.thresholds import BLOCK, token_masses
-from engine.host.counter_hash import INVERSE_CDF_COUNTER
-from engine.sampling.rng import TARGET, gumbel, uniform
 from engine.sampling.rows import SamplingRows
 
+# The hash works on 32-bit words held in 64-bit lanes. Every multiplier is odd and below
+# 2**31, so a word times one stays below 2**63 (no int64 overflow): the first is the
+# "lowbias32" integer hash's, the second MurmurHash2's. ROUND is added after each absorbed
+# word so that an all-zero input does not stay at the fixed point 0.
+MASK32 = 0xFFFFFFFF
+MUL_A = 0x7FEB352D
+MUL_B = 0x5BD1E995
+ROUND = 0x9E3779B9
+INV_2_32 = 2.0**-32
+
+# Streams: which draw of a row a uniform belongs to.
+TARGET = 0  # the row's own draw (sampling, strict verification)
+ACCEPT = 1  # acceptance test of rejection-mode verification
+RESIDUAL = 2  # draw from the residual distribution after a rejection
+DRAFT = 3  # draft heads proposing tokens
+
+INVERSE_CDF_COUNTER = 0xFFFFFFFF  # counter of the plain draw's uniform; never a token id
+
+# Up to this many rows the host hashes Python ints (about 3 us a row); beyond it, numpy
+# arrays (about 60 us whatever the count, most of it per-call overhead).
+_PYTHON_ROWS = 16
+
+
+def hash32(seed, position, stream: int, counter):
+    """The 32-bit hash (in [0, 2**32)) of broadcastable coordinates, absorbed one word at a
+    time: seed-lo, seed-hi, position-lo, position-hi, stream, counter.
+
+    The same code runs on Python ints, numpy uint64/int64 arrays and torch int64 tensors
+    (`seed` holds uint64 bits; an int64's arithmetic shift is masked back to the raw high
+    word); `counter` is taken modulo 2**32. Only the last word is mixed over the broadcast
+    shape of `counter`. Capture-safe on tensors."""
+    if not 0 <= stream <= MASK32:
+        raise ValueError(f"stream={stream!r}: must be an int in [0, 2**32)")
+    state = 0
+    for word in (seed & MASK32, (seed >> 32) & MASK32, position & MASK32, (position >> 32) & MASK32, stream,
+                 counter & MASK32):
+        x = state ^ word  # a new value: in place from here on
+        x ^= x >> 16
+        x *= MUL_A
+        x &= MASK32
+        x ^= x >> 15
+        x *= MUL_B
+        x &= MASK32
+        x ^= x >> 16
+        x += ROUND
+        x &= MASK32
+        state = x
+    return state
+
+
+def uniform(seed: torch.Tensor, position: torch.Tensor, stream: int, counter: torch.Tensor) -> torch.Tensor:
+    """Uniforms in the open interval (0, 1), float64, one per broadcast element.
+
+    u = (k + 0.5) * 2**-32 for the 32-bit hash k: exact in float64, smallest
+    2**-33, largest 1 - 2**-33, so log(u) and log(1 - u) are always finite.
+    """
+    k = hash32(seed.to(torch.int64), position.to(torch.int64), stream, counter.to(torch.int64))
+    return (k.to(torch.float64) + 0.5) * INV_2_32
+
+
+def gumbel(seed: torch.Tensor, position: torch.Tensor, stream: int, counter: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise -log(-log(u)), float64, finite for every u."""
+    u = uniform(seed, position, stream, counter)
+    return -torch.log(-torch.log(u))
+
+
+def draw_uniforms(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """[rows] float64 in (0, 1), on the host: the plain draw's uniform (stream TARGET, counter
+    `INVERSE_CDF_COUNTER`) of rows with these request seeds ([rows] uint64, or int64 holding
+    the bits) producing tokens at these absolute positions ([rows] int64, >= 0)."""
+    seed = np.asarray(seeds).astype(np.uint64, copy=False).reshape(-1)
+    position = np.asarray(positions, dtype=np.int64).reshape(-1).view(np.uint64)
+    if len(seed) <= _PYTHON_ROWS:
+        return np.array([(hash32(s, p, TARGET, INVERSE_CDF_COUNTER) + 0.5) * INV_2_32
+                         for s, p in zip(seed.tolist(), position.tolist())], dtype=np.float64)
+    counter = np.uint64(INVERSE_CDF_COUNTER)
+    return (hash32(seed, position, TARGET, counter).astype(np.float64) + 0.5) * INV_2_32
+
+
+def staged_draw_uniforms(seeds: np.ndarray, sample_positions: np.ndarray, row_to_req: np.ndarray,
+                         local_step: np.ndarray) -> np.ndarray:
+    """The per-row field `draw_uniforms` from the ledger's arrays: row r belongs to request
+    `row_to_req[r]` and produces the token at `sample_positions[request] + local_step[r]`.
+    The captured step reads it as one more per-row field: on the device the hash is some 90
+    small integer ops, most of a one-row plain draw's time on a CPU."""
+    positions = np.asarray(sample_positions, dtype=np.int64)[row_to_req] + np.asarray(local_step, dtype=np.int64)
+    return draw_uniforms(np.asarray(seeds)[row_to_req], positions)
 
 
 def _min_id_of_max(score: torch.Tensor, ids: torch.Tensor, fill: int) -> torch.Tensor:
@@ -71,7 +165,7 @@ def gumbel_race(
 
 def plain_uniform(rows: SamplingRows) -> torch.Tensor:
     """[rows] f64: the one uniform of each row's inverse-CDF draw: the staged one where the
-    host hashed it (`engine.host.draw_uniforms`, the same bits), else hashed here. Capture-safe."""
+    host hashed it (`staged_draw_uniforms`, the same bits), else hashed here. Capture-safe."""
     if rows.uniform is not None:
         return rows.uniform
     counter = torch.full((), INVERSE_CDF_COUNTER, device=rows.seed.device)

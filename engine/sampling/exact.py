@@ -21,7 +21,7 @@ from engine.sampling.row_params import RowParams
 from engine.sampling.rows import SamplingRows, expand_rows
 from engine.sampling.sample_output import SampleOutput
 from engine.sampling.sampler import SamplerConfig, TorchStages, sample
-from engine.sampling.suppression import suppressed_scores
+from engine.sampling.rows import suppressed_scores
 
 # Rows sorted at once: a large batch goes in slices (rows are independent,
 # the bits do not depend on the slicing).

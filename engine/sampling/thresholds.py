@@ -26,7 +26,7 @@ the same sets (tested); it stays as the reference path.
 The same module holds what the cuts stand on:
 
 - processed logits (temperature): z = (raw - M) / T, with M the largest raw logit that
-  is not suppressed (`engine.sampling.suppression`) and T the row's temperature (1 for
+  is not suppressed (`engine.sampling.rows`) and T the row's temperature (1 for
   greedy rows); shifting by M before dividing is part of the definition (dividing first
   rounds differently in float32). `processed_logits`.
 - each row's largest value and its first index (`first_max`), in two short passes: the

@@ -6,7 +6,7 @@ and row j of it produces position `sample_position_i + j`. `row_to_req` and
 token row r is asked to predict (the draft at query position j + 1), -1 on a
 request's last row, which has none. Every function here is capture-safe: no
 host syncs, no value-dependent shapes, no generator state; randomness comes
-from `engine.sampling.rng` keyed by (request seed, the row's absolute position, stream).
+from `engine.sampling.draw` keyed by (request seed, the row's absolute position, stream).
 
 Padding rows must point at a padding request (its results are cut off) or
 carry a `local_step` larger than any real row's (e.g. 1 + max_draft_tokens):
@@ -48,12 +48,12 @@ import torch
 
 from engine.sampling.draw import MASS_SCALE, gumbel_race, inverse_cdf, probability_masses
 from engine.sampling.filters import top_k_mask
-from engine.sampling.rng import ACCEPT, RESIDUAL, uniform
+from engine.sampling.draw import ACCEPT, RESIDUAL, uniform
 from engine.sampling.thresholds import first_max, row_distribution
 from engine.sampling.row_params import RowParams
 from engine.sampling.rows import expand_rows
 from engine.sampling.sampler import controlled_scores
-from engine.sampling.suppression import suppressed_scores
+from engine.sampling.rows import suppressed_scores
 
 _NONE = torch.iinfo(torch.int64).max  # scatter-min identity: "no rejection seen"
 

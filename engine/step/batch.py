@@ -198,7 +198,7 @@ class PersistentBatch:
 
     def _free(self, request_id: Hashable, ended: RequestState) -> None:
         row = self.table.row(request_id)
-        slot = int(self.table.cols.mtp_write_slot[row])
+        slot = int(self.table.cols["mtp_write_slot"][row])
         self.table.remove(request_id, ended=ended)
         self.constraints.of.pop(row, None)
         self._constrained[row] = False
@@ -241,14 +241,14 @@ class PersistentBatch:
                 table.check_rows(rows)  # raises naming the row; the ledger checks for duplicates
             self._rows_in_range = rows.tobytes()
         q, k = _counts("seqlen_q", seqlen_q, rows, table), _counts("seqlen_k", seqlen_k, rows, table)
-        prompt_len, generated = table.cols.prompt_len[rows], table.cols.num_generated[rows]
+        prompt_len, generated = table.cols["prompt_len"][rows], table.cols["num_generated"][rows]
         is_prompt = generated == 0
         # The steady state, all decodes: seqlen_k = prompt_len + generated + seqlen_q - 1 is the whole check.
         if is_prompt.any() or q.min(initial=1) < 1 or (k - q != prompt_len + generated - 1).any():
             self._check_lengths(rows, is_prompt, q, k, prompt_len, generated)
         read = None
         if self.draft_slots is not None:
-            read = self.draft_slots.read_slots(table.cols.mtp_write_slot[rows], ~is_prompt)
+            read = self.draft_slots.read_slots(table.cols["mtp_write_slot"][rows], ~is_prompt)
         config = self.engine.config
         inputs = table.ledger(rows, is_prompt, q, k, read, max_draft_tokens=config.max_draft_tokens,
                               compaction_keep_tokens=config.compaction_keep_tokens, draft_pool=config.draft_pool)

@@ -45,8 +45,7 @@ import torch
 from engine.host.control_slots import first_control, uses_controls
 from engine.host.params import SamplingParams
 from engine.ops import upload
-from engine.sampling.errors import RowError
-from engine.sampling.sampler import ControlRows
+from engine.sampling.sampler import ControlRows, RowError
 from engine.sampling.token_bitmask import BITS_PER_WORD, bitmask_words
 from engine.step.engine_config import EngineConfig
 from engine.step.static_buffers import StepBuffers

@@ -2,18 +2,16 @@
 state that spans its steps, for undoing one (`EngineCheckpoint`, `StepEngine.checkpoint`)."""
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Hashable, TypeVar
+from typing import Hashable
 
 import torch
 
 from engine.ops import default_block_rows
 from engine.sampling.sampler import SamplerConfig
 from engine.step.prompt_logprobs import DEFAULT_CHUNK_ROWS, PromptLogprob
-from graphs.buckets import BucketTable
-from graphs.replay import ReplayCounts
+from graphs.replay import BucketTable, ReplayCounts
 
 VERIFY_MODES = ("strict", "rejection")
 # How a local LM head runs its step: "torch" (torch ops: the CPU path, and on CUDA the reference),
@@ -30,7 +28,7 @@ class EngineConfig:
     # come only from the caller (`draft_tokens`), every write slot is 0 and nothing is written.
     draft_pool_slots: int | None = None
     top_k_space_verify: bool = False  # verify in each request's top-k space (requests need top_k > 0)
-    buckets: tuple[int, ...] | None = None  # None: the default rule of graphs/buckets.py
+    buckets: tuple[int, ...] | None = None  # None: the default rule of graphs/replay.py
     device: str = "auto"  # "auto": cuda when available, else cpu
     use_graphs: bool = True  # replay captured graphs (call StepEngine.capture() first); False: run eagerly
     max_source_rows: int = 8192  # rows of the static hidden-state source
@@ -142,8 +140,6 @@ class EngineStats:
     logits_kernel: str = "plain"  # the LM head's verified block GEMM, e.g. "onednn[16]"; "plain": one GEMM
 
 
-Counters = TypeVar("Counters")
-
 
 @dataclass(frozen=True)
 class EngineCheckpoint:
@@ -155,19 +151,3 @@ class EngineCheckpoint:
     head_stats: object | None  # a copy of its LM head's own counters (`LMHead.stats`), if any
     replayer_counts: ReplayCounts  # `StepEngine.replayer`'s
     control_steps: int | None = None  # `SamplingControls.steps`, None without controls
-
-
-def copy_counters(counters: Counters) -> Counters:
-    """A copy of a stats dataclass whose dict fields are copied too (cheap
-    enough for every step, unlike deepcopy)."""
-    out = copy.copy(counters)
-    for name, value in vars(out).items():
-        if isinstance(value, dict):
-            setattr(out, name, dict(value))
-    return out
-
-
-def restore_counters(counters: Counters, saved: Counters) -> None:
-    """Put `saved`'s values back into `counters`, in place: whoever holds
-    `counters` sees them, and `saved` stays as it was for another rollback."""
-    vars(counters).update(vars(copy_counters(saved)))

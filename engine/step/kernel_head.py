@@ -40,7 +40,7 @@ from engine.step.lm_head import LMHead, LocalHead
 from engine.step.lm_head_choice import RowLogits, choose_row_logits
 from engine.step.prompt_logprobs import PromptRowResults, compute_prompt_logprobs
 from engine.step.static_buffers import StepBuffers
-from graphs.buckets import BucketTable
+from graphs.replay import BucketTable
 
 if TYPE_CHECKING:
     from engine.step.kernel_step import KernelState

@@ -30,7 +30,7 @@ from typing import Hashable, Sequence
 import numpy as np
 import torch
 
-from engine.host.draw_uniforms import staged_draw_uniforms
+from engine.sampling.draw import staged_draw_uniforms
 from engine.host.ledger import SamplerInputs
 from engine.host.step_fields import FROM_LEDGER_FIELDS, READ_FROM_POOL, STEP_FIELDS
 from engine.step.engine_config import EngineConfig
@@ -152,7 +152,7 @@ class StepArrays:
     @classmethod
     def from_inputs(cls, inputs: SamplerInputs, stop_ids: np.ndarray) -> StepArrays:
         """The ledger's fields, the stop-id matrix [n, max_stop_ids] the engine built, and
-        each row's draw uniform (`engine.host.draw_uniforms`; padding only when every
+        each row's draw uniform (`engine.sampling.draw.staged_draw_uniforms`; padding only when every
         request is greedy: a greedy row never reads it)."""
         uniforms = None
         if (inputs.temperatures != 0).any():

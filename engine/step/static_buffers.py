@@ -25,7 +25,7 @@ from engine.host.step_fields import StepField
 from engine.sampling.row_params import RowParams
 from engine.sampling.sample_output import SampleOutput
 from engine.step.staging import StepArrays
-from engine.step.transfer import OutputArea, OutputCopy
+from engine.step.step_output import OutputArea, OutputCopy
 
 
 # The stage whose fields make up `RowParams`, the sampler's view.
@@ -130,7 +130,7 @@ class StepBuffers:
     num_accepted: torch.Tensor  # [max_reqs] int64: drafts accepted per request
     emitted: torch.Tensor  # [max_rows] int64: rejection mode's emitted token per row (-1 = none)
     # The three above (and the penalty counts' indices) are views into this one packed buffer,
-    # which one copy a step brings back to the host (engine/step/transfer.py).
+    # which one copy a step brings back to the host (engine/step/step_output.py).
     output_area: OutputArea
     output_copy: OutputCopy
     resolved_drafts: torch.Tensor  # [max_rows] int64: the draft each row verified (staged or from the pool)

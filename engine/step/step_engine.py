@@ -29,12 +29,13 @@ LM head runs in fixed row blocks and the sampler's arithmetic is per row.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import time
 import warnings
 import weakref
-from typing import Hashable, Sequence
+from typing import Hashable, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -48,7 +49,7 @@ from engine.host.stop_ids import StopIds
 from engine.ops import upload
 from engine.sampling.token_bitmask import bitmask_words
 from engine.step.step_output import CollectedRows, StepOutput, assemble, collect, row_errors
-from engine.step.engine_config import EngineCheckpoint, EngineConfig, EngineStats, copy_counters, restore_counters
+from engine.step.engine_config import EngineCheckpoint, EngineConfig, EngineStats
 from engine.step.control_state import ControlWrites, SamplingControls
 from engine.step.kernel_head import local_head
 from engine.step.lm_head import LMHead
@@ -58,8 +59,7 @@ from engine.step.staging import (StepArrays, StepDrafts, check_hidden_states, ch
                                  is_same_view)
 from engine.step.static_buffers import StepBuffers
 from engine.trace import stage
-from graphs.buckets import BucketTable
-from graphs.replay import CaptureProgress, CaptureReport, GraphReplayer, show_capture_progress
+from graphs.replay import BucketTable, CaptureProgress, CaptureReport, GraphReplayer, show_capture_progress
 
 
 def check_vocab_fits_sampler(lm_head: torch.Tensor | LMHead, config: EngineConfig) -> None:
@@ -419,3 +419,22 @@ class StepEngine:
                 self.controls.apply_writes(twins[0])
             if mask is not None:
                 b.token_bitmask[: len(mask)].copy_(twins[-1].view(torch.int32).view(len(mask), -1))
+
+
+Counters = TypeVar("Counters")
+
+
+def copy_counters(counters: Counters) -> Counters:
+    """A copy of a stats dataclass whose dict fields are copied too (cheap
+    enough for every step, unlike deepcopy)."""
+    out = copy.copy(counters)
+    for name, value in vars(out).items():
+        if isinstance(value, dict):
+            setattr(out, name, dict(value))
+    return out
+
+
+def restore_counters(counters: Counters, saved: Counters) -> None:
+    """Put `saved`'s values back into `counters`, in place: whoever holds
+    `counters` sees them, and `saved` stays as it was for another rollback."""
+    vars(counters).update(vars(copy_counters(saved)))

@@ -115,13 +115,13 @@ def _decode_step(n: int, drafts: int, rng: np.random.Generator) -> dict[str, Cal
     for i in range(n):
         params = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, seed=i, min_tokens=int(i % 3) * 100)
         row = batch.add(i, np.arange(prompt_lens[i]) % 256, params)
-        slot = int(batch.table.cols.mtp_write_slot[row])
+        slot = int(batch.table.cols["mtp_write_slot"][row])
         seqs.append(SeqMeta(i, is_prompt=False, seqlen_q=1 + drafts, seqlen_k=int(prompt_lens[i] + generated[i] + drafts),
                             prompt_len=int(prompt_lens[i]), num_generated=int(generated[i]), params=params,
                             mtp_read_slot=slot, mtp_write_slot=slot))
     rows = np.arange(n)
     batch.set_generated(rows, generated.astype(np.int32))
-    batch.draft_slots.mark_written(batch.table.cols.mtp_write_slot[rows])  # last step's draft head wrote every slot
+    batch.draft_slots.mark_written(batch.table.cols["mtp_write_slot"][rows])  # last step's draft head wrote every slot
     seqlen_q = np.full(n, 1 + drafts, np.int32)
     seqlen_k = (prompt_lens + generated + drafts).astype(np.int32)
     engine.run = lambda *args, **kwargs: None  # the step path up to the replay

@@ -51,7 +51,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from engine.host.draw_uniforms import staged_draw_uniforms
+from engine.sampling.draw import staged_draw_uniforms
 from engine.host.params import SamplingParams, SeqMeta
 from engine.sampling.row_params import RowParams
 from engine.sampling.sample_output import SampleOutput
@@ -190,7 +190,7 @@ def our_row_params(case: str, batch: int) -> RowParams:
 
 def stage_uniforms(params: RowParams) -> None:
     """What the engine's staging does for the sampler each step: hash the rows' draw
-    uniforms on the host (`engine.host.draw_uniforms`) and copy them in."""
+    uniforms on the host (`engine.sampling.draw.staged_draw_uniforms`) and copy them in."""
     seeds = params.seeds.numpy().view(np.uint64)
     uniforms = staged_draw_uniforms(seeds, params.sample_positions.numpy(), params.row_to_req.numpy(),
                                     params.local_step.numpy())

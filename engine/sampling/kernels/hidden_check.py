@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from engine.sampling.errors import PLACEHOLDER_TOKEN, RowError
+from engine.sampling.sampler import PLACEHOLDER_TOKEN, RowError
 from engine.sampling.kernels import FP_FUSION
 from engine.sampling.sample_output import SampleOutput
 

@@ -11,7 +11,7 @@ import torch
 import triton
 from torch.library import triton_op, wrap_triton
 
-from engine.sampling.errors import RowError
+from engine.sampling.sampler import RowError
 from engine.sampling.kernels import FP_FUSION, interpreting
 from engine.sampling.kernels.kept_set import HIST_BINS, LIST_CAP
 from engine.sampling.thresholds import BLOCK, mass_bits

@@ -54,7 +54,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from engine.sampling.errors import PLACEHOLDER_TOKEN, RowError
+from engine.sampling.sampler import PLACEHOLDER_TOKEN, RowError
 from engine.sampling.kernels.kept_list import settle
 from engine.sampling.kernels.kept_set import (
     KEY_MAX, LIST_CAP, chunk_survivors, chunk_values, digit_histogram, digit_select, exp_f32, log_f64, masked_scores,

@@ -34,7 +34,7 @@ T = 1 where it is 0), or one-hot at `one_hot_tokens` for greedy and forced rows.
 a quarter of that. The residual max(p - q, 0) enters the draw as integer masses
 floor(r * 2**60) (`engine.sampling.verify.probability_masses`), so its sums are
 exact in any order and the kernel's parallel sums give the torch path's token. The
-uniforms are `engine.sampling.rng`'s hash (`hash_rng.uniform_at`), to the same bits.
+uniforms are `engine.sampling.draw`'s hash (`hash_rng.uniform_at`), to the same bits.
 
 Scratch: `residual_sums` [requests, split, 2] int64 and `rank_counts` [rows, split]
 int32, fully rewritten by every launch. No host syncs, fixed shapes: capture-safe.
@@ -47,6 +47,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from engine.sampling.kernels import FP_FUSION
+from engine.sampling.draw import ACCEPT, RESIDUAL
 from engine.sampling.kernels.hash_rng import uniform_at
 
 BLOCK = 1024  # tokens per iteration (8 warps: 4 per thread)
@@ -55,8 +56,8 @@ PROGRAMS_PER_LAUNCH = 264  # about two programs per SM of an H200 (132 SMs)
 MODES = ("none", "strict", "rejection")  # verify_step: no drafts (counts and pool only), or how drafts are verified
 _NONE: tl.constexpr = tl.constexpr(2**62)  # "no row": above every row index and local step
 _MASS_SCALE: tl.constexpr = tl.constexpr(2.0**60)  # a probability's integer mass, as `probability_masses`
-_ACCEPT: tl.constexpr = tl.constexpr(1)  # engine.sampling.rng.ACCEPT
-_RESIDUAL: tl.constexpr = tl.constexpr(2)  # engine.sampling.rng.RESIDUAL
+_ACCEPT: tl.constexpr = tl.constexpr(ACCEPT)
+_RESIDUAL: tl.constexpr = tl.constexpr(RESIDUAL)
 
 
 @triton.jit
