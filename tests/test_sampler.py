@@ -16,7 +16,7 @@ from engine.sampling import filters, thresholds
 from engine.sampling import rows as suppression
 from engine.sampling import sampler as sampler_module
 from engine.sampling import verify as verify_module
-from engine.sampling.exact import EXACT_CHUNK_ROWS, kept_sets, sample_exact, sample_reference
+from engine.sampling.exact import EXACT_CHUNK_ROWS, kept_sets, sample_reference
 from engine.sampling.logprobs import token_logprobs
 from engine.sampling.row_params import RowParams
 from engine.sampling.rows import expand_rows
@@ -47,12 +47,9 @@ def _params(num_rows: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, se
     )
 
 
-def _fast_then_exact(logits, params, cfg, num_top=None) -> tuple[SampleOutput, torch.Tensor]:
+def _sampled(logits, params, cfg, num_top=None) -> SampleOutput:
     out = SampleOutput.allocate(logits.shape[0], cfg.max_logprobs if num_top is None else num_top)
-    sample(logits, params, cfg, out)
-    flagged = out.needs_exact.clone()
-    sample_exact(logits, params, cfg, flagged, out)
-    return out, flagged
+    return sample(logits, params, cfg, out)
 
 
 def _assert_same(a: SampleOutput, b: SampleOutput, rows=slice(None)) -> None:
@@ -150,12 +147,7 @@ def test_matches_numpy_reference(batch):
     )
     cfg = SamplerConfig(candidate_cap=cap, max_logprobs=num_top, logprobs_mode=mode)
     refs = ref.sample_rows(logits.numpy(), _specs(rp, stop), num_top=num_top, mode=mode)
-    fast = sample(logits, params, cfg)
-    # Rows the fast path did not flag are final and must already be right.
-    _assert_matches_numpy(fast, refs, rows=~fast.needs_exact)
-    combined, _ = _fast_then_exact(logits, params, cfg, num_top)
-    _assert_matches_numpy(combined, refs)
-    assert not bool(combined.needs_exact.any())
+    _assert_matches_numpy(_sampled(logits, params, cfg, num_top), refs)
     _assert_kept_sets_match(logits, params, refs)
 
 
@@ -167,7 +159,7 @@ def test_min_p_one_keeps_exactly_the_tokens_tied_at_the_maximum():
     for cap in (2, 4, 8):
         for temperature in (0.5, 1.0, 2.0):
             params = _params(64, temperature=temperature, min_p=1.0, seed=np.arange(64, dtype=np.uint64) * 977)
-            out, _ = _fast_then_exact(logits, params, SamplerConfig(candidate_cap=cap, max_logprobs=1, logprobs_mode="processed"))
+            out = _sampled(logits, params, SamplerConfig(candidate_cap=cap, max_logprobs=1, logprobs_mode="processed"))
             assert set(out.tokens.tolist()) == set(tied), (cap, temperature, out.tokens.tolist())
             assert bool(torch.isfinite(out.logprob).all())  # each token is in the kept set
             expected = torch.zeros(64, 8, dtype=torch.bool)
@@ -175,7 +167,7 @@ def test_min_p_one_keeps_exactly_the_tokens_tied_at_the_maximum():
             assert torch.equal(kept_sets(logits, params), expected)
     # A single maximum: min_p = 1.0 keeps only it.
     single = torch.tensor([[0.0, 1.0, 3.0, 2.9]])
-    out, _ = _fast_then_exact(single, _params(1, min_p=1.0), SamplerConfig(candidate_cap=2, max_logprobs=0))
+    out = _sampled(single, _params(1, min_p=1.0), SamplerConfig(candidate_cap=2, max_logprobs=0))
     assert out.tokens.tolist() == [2]
 
 
@@ -211,15 +203,15 @@ def test_multi_block_rows_match_numpy_reference():
     for mode in ("raw", "processed"):
         cfg = SamplerConfig(candidate_cap=64, max_logprobs=3, logprobs_mode=mode)
         refs = ref.sample_rows(logits.numpy(), specs, num_top=3, mode=mode)
-        combined, _ = _fast_then_exact(logits, params, cfg)
+        combined = _sampled(logits, params, cfg)
         assert _assert_matches_numpy(combined, refs) >= 22
     _assert_kept_sets_match(logits, params, refs)
 
 
 def test_flat_rows_are_decided_in_the_call():
     """Flat logits: top-p 0.9 keeps about 90% of 500 tokens. Every row is
-    decided by `sample` itself (nothing flagged for a later pass) and equals
-    the numpy reference and the sorting reference path."""
+    decided by `sample` itself and equals the numpy reference and the sorting
+    reference path."""
     torch.manual_seed(1)
     logits = torch.randn(32, 500) * 0.1
     top_k = np.where(np.arange(32) % 2, 0, 300)
@@ -227,7 +219,6 @@ def test_flat_rows_are_decided_in_the_call():
     params = _params(32, top_p=0.9, top_k=top_k, min_p=min_p)
     cfg = SamplerConfig(candidate_cap=16, max_logprobs=3)
     fast = sample(logits, params, cfg)
-    assert not bool(fast.needs_exact.any())
     assert int(kept_sets(logits, params).sum(-1).min()) > 250
     specs = [ref.RowSpec(temperature=1.0, top_k=int(top_k[i]), top_p=0.9, min_p=float(min_p[i]), seed=i, position=i * 3 + 11)
              for i in range(32)]
@@ -284,7 +275,6 @@ def test_draws_follow_filtered_distribution(case):
     needed = max(int((expected > 0).sum()) + 2, case["top_k"] + 1)
     cap = 8 if plain else min(vocab, 2 ** math.ceil(math.log2(needed)))
     out = sample(logits, params, SamplerConfig(candidate_cap=cap, max_logprobs=0), compute_logprobs=False)
-    assert not bool(out.needs_exact.any())
     counts = np.bincount(out.tokens.numpy(), minlength=vocab)
     assert counts[expected == 0].sum() == 0, "draw outside the kept set"
     exp_counts = expected * n
@@ -317,7 +307,7 @@ def test_token_independent_of_batch_layout():
         combo = combos[seed % len(combos)]
         position = 1000 + seed * 13
         alone_params = _params(1, seed=np.uint64(seed * 0x9E3779B97F4A7C15 % 2**64), position=position, **combo)
-        alone, _ = _fast_then_exact(target[None], alone_params, cfg)
+        alone = _sampled(target[None], alone_params, cfg)
         index = seed % 64
         logits = torch.randn(64, vocab) * 3
         logits[index] = target
@@ -328,7 +318,7 @@ def test_token_independent_of_batch_layout():
             batch_kw[name][index] = value
         seeds[index] = np.uint64(seed * 0x9E3779B97F4A7C15 % 2**64)
         positions[index] = position
-        batch, _ = _fast_then_exact(logits, _params(64, seed=seeds, position=positions, **batch_kw), cfg)
+        batch = _sampled(logits, _params(64, seed=seeds, position=positions, **batch_kw), cfg)
         assert int(batch.tokens[index]) == int(alone.tokens[0]), seed
         assert torch.equal(batch.top_ids[index], alone.top_ids[0])
 
@@ -341,7 +331,7 @@ def test_greedy_ties_go_to_smallest_id():
     logits[1, [49, 12]] = 1.0
     logits[2, :] = -1.0
     for cap in (2, 8, 1024):
-        out, _ = _fast_then_exact(logits, _params(3, temperature=0.0), SamplerConfig(candidate_cap=cap, max_logprobs=2))
+        out = _sampled(logits, _params(3, temperature=0.0), SamplerConfig(candidate_cap=cap, max_logprobs=2))
         assert out.tokens.tolist() == [3, 12, 0]
         assert out.rank.tolist() == [1, 1, 1]
         assert out.top_ids.tolist() == [[3, 7], [12, 49], [0, 1]]
@@ -352,7 +342,7 @@ def test_forced_tokens_override_the_draw():
     logits = torch.randn(4, 100)
     forced = np.array([5, -1, 99, 0])
     params = _params(4, temperature=[0.0, 1.0, 0.5, 1.0], top_k=[0, 0, 3, 0], forced_tokens=forced)
-    out, _ = _fast_then_exact(logits, params, SamplerConfig(candidate_cap=16, max_logprobs=1))
+    out = _sampled(logits, params, SamplerConfig(candidate_cap=16, max_logprobs=1))
     assert out.tokens[[0, 2, 3]].tolist() == [5, 99, 0]
     lsm = torch.log_softmax(logits.double(), -1)
     assert torch.allclose(out.logprob.double(), lsm.gather(1, out.tokens[:, None]).squeeze(1), atol=1e-5)
@@ -369,7 +359,7 @@ def test_eos_suppression():
         6, temperature=[0.0, 0.0, 1.0, 1.0, 0.7, 1.0], top_k=[0, 0, 0, 0, 1, 0],
         stop_ids=np.array([[0, 1]] * 6), eos_suppression_rows=suppress,
     )
-    out, _ = _fast_then_exact(logits, params, SamplerConfig(candidate_cap=8, max_logprobs=0))
+    out = _sampled(logits, params, SamplerConfig(candidate_cap=8, max_logprobs=0))
     tokens = out.tokens.tolist()
     assert tokens[0] == 2 and tokens[1] == 0 and tokens[4] == 2
     assert tokens[2] not in (0, 1) and tokens[5] not in (0, 1) and tokens[3] in (0, 1)
@@ -384,7 +374,7 @@ def test_eos_suppression():
 def test_padding_rows_are_finite():
     for mode in ("raw", "processed"):
         cfg = SamplerConfig(candidate_cap=16, max_logprobs=4, logprobs_mode=mode)
-        out, _ = _fast_then_exact(torch.zeros(5, 100), RowParams.neutral(5, 5), cfg)
+        out = _sampled(torch.zeros(5, 100), RowParams.neutral(5, 5), cfg)
         assert bool(((out.tokens >= 0) & (out.tokens < 100)).all())
         assert bool(torch.isfinite(out.logprob).all()) and bool(torch.isfinite(out.top_logprobs).all())
 
@@ -395,7 +385,7 @@ def test_sample_is_capture_safe():
     params = _params(8, temperature=[0, 1, 0.5, 1, 1, 0.9, 1, 2], top_k=[0, 0, 40, 0, 5, 0, 0, 0], top_p=[1, 1, 0.9, 0.8, 1, 1, 1, 1])
     for mode in ("raw", "processed"):
         out = SampleOutput.allocate(8, 5)
-        with capture_safety_check({name: getattr(out, name) for name in (*FIELDS, "needs_exact")}):
+        with capture_safety_check({name: getattr(out, name) for name in FIELDS}):
             sample(logits, params, SamplerConfig(candidate_cap=256, max_logprobs=5, logprobs_mode=mode), out)
 
 
@@ -424,7 +414,6 @@ def test_same_results_on_cuda():
     cuda_params = RowParams(**{name: None if value is None else value.cuda() for name, value in vars(params).items()})
     gpu = sample(logits.cuda(), cuda_params, cfg)
     assert torch.equal(cpu.tokens, gpu.tokens.cpu())
-    assert torch.equal(cpu.needs_exact, gpu.needs_exact.cpu())
 
 
 def test_padding_stop_slot_never_unsuppresses_stop_id_zero():
@@ -524,7 +513,7 @@ def test_token_logprobs_is_the_samplers_raw_logprob():
     params = _params(40, temperature=np.tile([0.0, 1.0, 0.7, 1.3], 10), top_k=np.tile([0, 0, 50, 0], 10),
                      top_p=np.tile([1.0, 1.0, 0.9, 0.8], 10))
     cfg = SamplerConfig(candidate_cap=64, max_logprobs=0)
-    out, _ = _fast_then_exact(logits, params, cfg)
+    out = _sampled(logits, params, cfg)
     logprob, rank = token_logprobs(logits, out.tokens)
     assert logprob.dtype == torch.float64 and rank.dtype == torch.int64
     assert torch.equal(logprob.to(torch.float32), out.logprob) and torch.equal(rank, out.rank)
@@ -600,10 +589,9 @@ def test_results_do_not_depend_on_the_logits_memory_layout():
                      top_p=np.tile([1.0, 1.0, 0.9, 0.7], 4), min_p=np.tile([0.0, 0.0, 0.0, 0.01], 4))
     for mode in ("raw", "processed"):
         cfg = SamplerConfig(candidate_cap=64, max_logprobs=3, logprobs_mode=mode)
-        rows_major, flagged = _fast_then_exact(logits, params, cfg)
-        cols_major, flagged_too = _fast_then_exact(column_major, params, cfg)
+        rows_major = _sampled(logits, params, cfg)
+        cols_major = _sampled(column_major, params, cfg)
         _assert_same(rows_major, cols_major)
-        assert torch.equal(flagged, flagged_too)
     assert torch.equal(target_probs(logits, params), target_probs(column_major, params))
 
 

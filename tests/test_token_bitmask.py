@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import EngineConfig, SamplingParams, StepEngine
-from engine.sampling.exact import sample_exact, sample_reference
+from engine.sampling.exact import sample_reference
 from engine.sampling.row_params import RowParams
 from engine.sampling.sampler import RowError, SamplerConfig, sample
 from engine.sampling.token_bitmask import unpack_token_bitmask
@@ -62,10 +62,8 @@ def random_params(rng: np.random.Generator, rows: int) -> RowParams:
 CFG = SamplerConfig(candidate_cap=16, max_logprobs=4)
 
 
-def fast_then_exact(logits, params, words):
-    out = sample(logits, params, CFG, token_bitmask=words)
-    sample_exact(logits, params, CFG, out.needs_exact.clone(), out, token_bitmask=words)
-    return out
+def sampled(logits, params, words):
+    return sample(logits, params, CFG, token_bitmask=words)
 
 
 @settings(max_examples=25, deadline=None)
@@ -84,7 +82,7 @@ def test_masked_draws_equal_the_sampler_on_logits_with_disallowed_tokens_out_of_
     allowed[np.flatnonzero(~allowed.any(1))] = True  # dead rows are tested below; give them every token
     words = np.stack([random_words(rng, 1, vocab, 1.0)[0] if a.all() else w for a, w in zip(allowed, words)])
     params = random_params(rng, rows)
-    out = fast_then_exact(logits, params, torch.from_numpy(words))
+    out = sampled(logits, params, torch.from_numpy(words))
     pushed = logits.clone()
     for r in range(rows):
         for t in range(vocab):
@@ -111,8 +109,8 @@ def test_a_row_with_nothing_allowed_fails_alone_and_bystanders_are_bit_identical
     words = random_words(rng, rows, vocab, 0.3)
     dead = words.copy()
     dead[2] = 0
-    a = fast_then_exact(logits, params, torch.from_numpy(words))
-    b = fast_then_exact(logits, params, torch.from_numpy(dead))
+    a = sampled(logits, params, torch.from_numpy(words))
+    b = sampled(logits, params, torch.from_numpy(dead))
     assert b.error.tolist()[2] == RowError.NO_TOKEN_ALLOWED and b.tokens[2] == 0
     others = [0, 1, 3, 4, 5]
     for name in ("tokens", "logprob", "rank", "top_ids", "top_logprobs", "error"):

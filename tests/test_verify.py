@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.sampling.exact import sample_exact, sample_reference
+from engine.sampling.exact import sample_reference
 from engine.sampling.filters import top_k_mask
 from engine.sampling.row_params import RowParams
 from engine.sampling.sample_output import SampleOutput
@@ -28,10 +28,9 @@ CFG = SamplerConfig(max_logprobs=0)
 
 
 def _draw(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
-    """The engine's tokens: the fast path, then the exact path for flagged rows."""
+    """The engine's tokens."""
     out = SampleOutput.allocate(logits.shape[0], 0)
     sample(logits, params, CFG, out, compute_logprobs=False)
-    sample_exact(logits, params, CFG, out.needs_exact.clone(), out)
     return out.tokens
 
 

@@ -85,7 +85,7 @@ def sample_exact(
                unprocessed=None if unprocessed is None else unprocessed[part],
                token_bitmask=None if token_bitmask is None else token_bitmask[part],
                stages=REFERENCE_STAGES)
-        names = ("tokens", "error", "needs_exact") + (("logprob", "rank", "top_ids", "top_logprobs") if compute_logprobs else ())
+        names = ("tokens", "error") + (("logprob", "rank", "top_ids", "top_logprobs") if compute_logprobs else ())
         for name in names:
             getattr(out, name)[part] = getattr(sub, name)
     return out

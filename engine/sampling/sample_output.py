@@ -15,7 +15,6 @@ class SampleOutput:
     rank: torch.Tensor  # [rows] int64: 1 + tokens with a strictly larger logit
     top_ids: torch.Tensor  # [rows, N] int64 (-1 where the processed distribution has fewer tokens)
     top_logprobs: torch.Tensor  # [rows, N] f32
-    needs_exact: torch.Tensor  # [rows] bool: rerun the row with `sample_exact` (only the vocab-parallel candidate exchange sets it)
     error: torch.Tensor  # [rows] int64 `RowError`: nonzero rows hold the placeholder, emit nothing
 
     @classmethod
@@ -26,7 +25,6 @@ class SampleOutput:
             rank=torch.zeros(rows, dtype=torch.int64, device=device),
             top_ids=torch.zeros(rows, num_top, dtype=torch.int64, device=device),
             top_logprobs=torch.zeros(rows, num_top, dtype=torch.float32, device=device),
-            needs_exact=torch.zeros(rows, dtype=torch.bool, device=device),
             error=torch.zeros(rows, dtype=torch.int64, device=device),
         )
 

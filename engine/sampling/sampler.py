@@ -133,7 +133,6 @@ def write_placeholders(out: SampleOutput, failed: torch.Tensor) -> None:
     out.rank.masked_fill_(failed, 0)
     out.top_ids.masked_fill_(failed[:, None], -1)
     out.top_logprobs.masked_fill_(failed[:, None], 0.0)
-    out.needs_exact.masked_fill_(failed, False)
 
 
 def fail_rows(out: SampleOutput, failed: torch.Tensor, code: RowError) -> None:
@@ -250,7 +249,6 @@ class TorchStages:
         if mode is not None:
             self.logprobs(mode, d, plain, token, out.top_ids.shape[1]).write(out)  # 14
         out.tokens.copy_(token)
-        out.needs_exact.fill_(False)
         out.error.copy_(error)
         write_placeholders(out, failed)
 
@@ -337,7 +335,6 @@ def _greedy(raw: torch.Tensor, params: RowParams, out: SampleOutput) -> SampleOu
     forced = params.forced_tokens
     out.tokens.copy_(torch.where(error == RowError.OK, torch.where(forced >= 0, forced, token), PLACEHOLDER_TOKEN))
     out.error.copy_(error)
-    out.needs_exact.fill_(False)
     return out
 
 
@@ -373,9 +370,8 @@ def sample(
     rows' allowed tokens (`token_bitmask.py`). `stages`: the implementation
     of each stage group (the reference path passes its sorting walk).
     Returns: `out`: tokens [rows] int64, logprob [rows] f32, rank [rows]
-    int64, top_ids / top_logprobs [rows, N], needs_exact [rows] bool (always
-    False: every row is decided here), error [rows] int64 (`RowError`;
-    nonzero rows hold the placeholder).
+    int64, top_ids / top_logprobs [rows, N], error [rows] int64 (`RowError`;
+    nonzero rows hold the placeholder). Every row is decided here.
     Raises: ValueError when top-N exceeds V, or both `controls` and `unprocessed` are given.
 
     No host syncs, no data-dependent shapes, no generator state, and the same

@@ -29,7 +29,7 @@ _PLACEHOLDER: tl.constexpr = tl.constexpr(PLACEHOLDER_TOKEN)
 
 @triton.jit
 def _fail_non_finite_kernel(hidden_ptr, row_index_ptr, source_rows, stride_hidden, hidden_size, tokens_ptr, error_ptr, logprob_ptr, rank_ptr,
-                            top_ids_ptr, top_logprobs_ptr, needs_exact_ptr, stride_top, num_top,
+                            top_ids_ptr, top_logprobs_ptr, stride_top, num_top,
                             BLOCK: tl.constexpr, TOP_P2: tl.constexpr):
     row = tl.program_id(0)
     source_row = tl.load(row_index_ptr + row).to(tl.int64)
@@ -48,22 +48,20 @@ def _fail_non_finite_kernel(hidden_ptr, row_index_ptr, source_rows, stride_hidde
         tl.store(error_ptr + row, tl.full((), _HIDDEN_NOT_FINITE, tl.int64))
         tl.store(logprob_ptr + row, tl.zeros((), tl.float32))
         tl.store(rank_ptr + row, tl.zeros((), tl.int64))
-        tl.store(needs_exact_ptr + row, tl.zeros((), tl.int1))
         tl.store(top_ids_ptr + row * stride_top + lane, tl.full((TOP_P2,), -1, tl.int64), mask=on_top)
         tl.store(top_logprobs_ptr + row * stride_top + lane, tl.zeros((TOP_P2,), tl.float32), mask=on_top)
 
 
 @triton_op("engine::fail_non_finite_hidden",
-           mutates_args={"tokens", "error", "logprob", "rank", "top_ids", "top_logprobs", "needs_exact"})
+           mutates_args={"tokens", "error", "logprob", "rank", "top_ids", "top_logprobs"})
 def _fail_non_finite_op(hidden: torch.Tensor, row_index: torch.Tensor, tokens: torch.Tensor, error: torch.Tensor, logprob: torch.Tensor,
-                        rank: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor,
-                        needs_exact: torch.Tensor) -> None:
+                        rank: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor) -> None:
     rows, (source_rows, hidden_size) = row_index.shape[0], hidden.shape
     if rows == 0:
         return
     num_top = top_ids.shape[1]
     wrap_triton(_fail_non_finite_kernel)[(rows,)](
-        hidden, row_index, source_rows, hidden.stride(0), hidden_size, tokens, error, logprob, rank, top_ids, top_logprobs, needs_exact,
+        hidden, row_index, source_rows, hidden.stride(0), hidden_size, tokens, error, logprob, rank, top_ids, top_logprobs,
         top_ids.stride(0), num_top, BLOCK=min(BLOCK, triton.next_power_of_2(hidden_size)),
         TOP_P2=triton.next_power_of_2(max(num_top, 1)), num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION)
 
@@ -85,14 +83,14 @@ def fail_non_finite_hidden(hidden: torch.Tensor, row_index: torch.Tensor, out: S
     if row_index.dim() != 1 or row_index.shape[0] != out.tokens.shape[0]:
         raise ValueError(f"rows: row_index {tuple(row_index.shape)}, out {out.tokens.shape[0]}")
     torch.ops.engine.fail_non_finite_hidden(hidden, row_index, out.tokens, out.error, out.logprob, out.rank, out.top_ids,
-                                            out.top_logprobs, out.needs_exact)
+                                            out.top_logprobs)
 
 
 def _aot_builds() -> list[dict[str, object]]:
     """The kernel head's launch at H = 7168 (bf16 hidden states), top-20, for `profiling.kernel_build`."""
     signature = dict(hidden_ptr="*bf16", row_index_ptr="*i64", source_rows="i64", stride_hidden="i64", hidden_size="i32", tokens_ptr="*i64",
                      error_ptr="*i64", logprob_ptr="*fp32", rank_ptr="*i64", top_ids_ptr="*i64",
-                     top_logprobs_ptr="*fp32", needs_exact_ptr="*i1", stride_top="i64", num_top="i32",
+                     top_logprobs_ptr="*fp32", stride_top="i64", num_top="i32",
                      BLOCK="constexpr", TOP_P2="constexpr")
     return [dict(name="fail_non_finite_hidden H=7168 bf16", fn=_fail_non_finite_kernel, signature=signature,
                  constexprs=dict(BLOCK=BLOCK, TOP_P2=32), num_warps=NUM_WARPS)]

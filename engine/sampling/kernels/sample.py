@@ -117,7 +117,7 @@ def device_programs(device: torch.device) -> int:
 
 
 @triton_op("engine::sample_rows", mutates_args={"hist", "block_mass", "tokens", "logprob", "rank", "top_ids",
-                                                "top_logprobs", "needs_exact", "error", "out_kept_weights",
+                                                "top_logprobs", "error", "out_kept_weights",
                                                 "mass_total", "one_hot_tokens", "state_i", "state_f", "level",
                                                 "part_i", "part_f", "part_top", "row_top", "arrivals", "kept_list"})
 def _sample_rows_op(scores: torch.Tensor, logits: torch.Tensor | None, temperatures: torch.Tensor,
@@ -125,8 +125,8 @@ def _sample_rows_op(scores: torch.Tensor, logits: torch.Tensor | None, temperatu
                     stop_ids: torch.Tensor, eos_suppression_rows: torch.Tensor, forced_tokens: torch.Tensor,
                     draw_uniforms: torch.Tensor, nothing_allowed: torch.Tensor | None, hist: torch.Tensor,
                     block_mass: torch.Tensor, tokens: torch.Tensor, logprob: torch.Tensor, rank: torch.Tensor,
-                    top_ids: torch.Tensor, top_logprobs: torch.Tensor, needs_exact: torch.Tensor,
-                    error: torch.Tensor, logprobs_mode: int, state_i: torch.Tensor, state_f: torch.Tensor,
+                    top_ids: torch.Tensor, top_logprobs: torch.Tensor, error: torch.Tensor,
+                    logprobs_mode: int, state_i: torch.Tensor, state_f: torch.Tensor,
                     level: torch.Tensor, part_i: torch.Tensor, part_f: torch.Tensor, part_top: torch.Tensor,
                     row_top: torch.Tensor, arrivals: torch.Tensor, kept_list: torch.Tensor, programs: int,
                     row_controlled: torch.Tensor | None = None, out_kept_weights: torch.Tensor | None = None,
@@ -152,7 +152,7 @@ def _sample_rows_op(scores: torch.Tensor, logits: torch.Tensor | None, temperatu
             eos_suppression_rows, forced_tokens, draw_uniforms,
             eos_suppression_rows if nothing_allowed is None else nothing_allowed,
             hist, block_mass, hist.stride(0), block_mass.stride(0),
-            tokens, logprob, rank, top_ids, top_logprobs, needs_exact, error, top_ids.stride(0),
+            tokens, logprob, rank, top_ids, top_logprobs, error, top_ids.stride(0),
             eos_suppression_rows if row_controlled is None else row_controlled,  # never read without the flags
             kept_weights if write_kept else scores, mass_total if write_kept else logprob,
             one_hot_tokens if write_kept else tokens, kept_weights.stride(0) if write_kept else 0,
@@ -193,7 +193,7 @@ def sample_rows(scores: torch.Tensor, params: RowParams, out: SampleOutput, scra
       (`device_programs`: its SMs on CUDA); 1 keeps one program per row and one launch.
       Fewer rows than programs split each row, at 9 launches (one per phase). The
       results do not depend on it.
-    Returns: `out`, written in place: tokens, error (`RowError`), needs_exact (False), and
+    Returns: `out`, written in place: tokens, error (`RowError`), and
     with logprobs the token's logprob, rank and the top-N; failed rows hold the placeholder.
     Raises: ValueError on a shape, dtype, device or mode that does not fit, a missing
     `draw_uniforms`, or top-N > V.
@@ -235,7 +235,7 @@ def sample_rows(scores: torch.Tensor, params: RowParams, out: SampleOutput, scra
         scores, logits, params.temperatures, params.top_ks, params.top_ps, params.min_ps, params.row_to_req,
         params.stop_ids, params.eos_suppression_rows, params.forced_tokens, params.draw_uniforms, nothing_allowed,
         scratch.hist, scratch.block_mass, out.tokens, out.logprob, out.rank, out.top_ids, out.top_logprobs,
-        out.needs_exact, out.error, LOGPROBS_MODES[logprobs], scratch.state_i, scratch.state_f, scratch.level,
+        out.error, LOGPROBS_MODES[logprobs], scratch.state_i, scratch.state_f, scratch.level,
         scratch.part_i, scratch.part_f, scratch.part_top, scratch.row_top, scratch.arrivals, scratch.kept_list, programs,
         row_controlled,
         None if kept is None else kept.weights[:rows], None if kept is None else kept.mass_total[:rows],
@@ -249,7 +249,7 @@ def _aot_signature() -> dict[str, str]:
                     top_ps_ptr="*fp32", min_ps_ptr="*fp32", row_to_req_ptr="*i64", stop_ids_ptr="*i64",
                     eos_rows_ptr="*i1", forced_ptr="*i64", uniforms_ptr="*fp64", nothing_allowed_ptr="*i1",
                     hist_ptr="*i64", block_mass_ptr="*i64", tokens_ptr="*i64", logprob_ptr="*fp32",
-                    rank_ptr="*i64", top_ids_ptr="*i64", top_logprobs_ptr="*fp32", needs_exact_ptr="*i1",
+                    rank_ptr="*i64", top_ids_ptr="*i64", top_logprobs_ptr="*fp32",
                     error_ptr="*i64", row_controlled_ptr="*i1", kept_weights_ptr="*fp32", mass_total_ptr="*fp64",
                     one_hot_ptr="*i64", state_i_ptr="*i64", state_f_ptr="*fp32", level_ptr="*fp64",
                     part_i_ptr="*i64", part_f_ptr="*fp32", part_top_ptr="*i64", row_top_ptr="*i64",

@@ -167,7 +167,7 @@ def sample_kernel(
     temperatures_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, row_to_req_ptr, stop_ids_ptr, stride_stop,
     eos_rows_ptr, forced_ptr, uniforms_ptr, nothing_allowed_ptr,
     hist_ptr, block_mass_ptr, stride_hist, stride_blocks,
-    tokens_ptr, logprob_ptr, rank_ptr, top_ids_ptr, top_logprobs_ptr, needs_exact_ptr, error_ptr, stride_top,
+    tokens_ptr, logprob_ptr, rank_ptr, top_ids_ptr, top_logprobs_ptr, error_ptr, stride_top,
     row_controlled_ptr, kept_weights_ptr, mass_total_ptr, one_hot_ptr, stride_weights,
     state_i_ptr, state_f_ptr, level_ptr, part_i_ptr, part_f_ptr, part_top_ptr, row_top_ptr, arrivals_ptr, list_ptr,
     stride_part_top, stride_row_top, span, parts,
@@ -486,7 +486,6 @@ def sample_kernel(
                 # row whose distribution is one-hot (greedy or forced; -1: the kept weights).
                 tl.store(mass_total_ptr + row, total.to(tl.float64))
                 tl.store(one_hot_ptr + row, tl.where(forced >= 0, forced, tl.where(greedy, best_id, -1)))
-            tl.store(needs_exact_ptr + row, tl.zeros((), dtype=tl.int1))
             if LOGPROBS != 0:
                 write_logprobs = True
             else:
