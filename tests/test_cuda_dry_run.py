@@ -37,7 +37,7 @@ def test_dry_run_passes_and_reports_ops_per_bucket(capsys: pytest.CaptureFixture
         assert counts and min(counts) > 30, line  # every bucket ran a real step under the check
     assert re.search(r"^  engine +1:\d+  2:\d+$", out, re.M), out  # both buckets of max_num_reqs=2
     # The output copy after each replay is counted, not hidden: one read a graph step.
-    assert re.search(r"engine/step/step_output.py:\d+", out)
+    assert re.search(r"engine/step/static_buffers.py:\d+", out)
     assert re.search(r"^graph steps: (\d+), device-to-host reads \1, pageable host-to-device copies 0", out, re.M), out
     # The engine's own per-step uploads (staging, source-copy index, draft probabilities)
     # are pinned and asynchronous; what is left pageable is listed, and is not the engine's.
@@ -76,7 +76,7 @@ def _host_factory(e: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
 
 def test_a_host_tensor_in_a_device_op_outside_the_graphs_fails_the_dry_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """Eager code after the replay (here the output copy) is held to CUDA's device rules."""
-    from engine.step.step_output import OutputCopy
+    from engine.step.static_buffers import OutputCopy
 
     original = OutputCopy.fetch
 

@@ -16,7 +16,7 @@ from engine.host.params import SeqMeta
 from engine.models.llama_weights import LlamaConfig
 from engine.sampling.sample_output import SampleOutput
 from engine.step.control_state import SamplingControls
-from engine.step.step_output import OutputArea, OutputCopy
+from engine.step.static_buffers import OutputArea, OutputCopy
 from profiling.cuda_dry_run import DryRunConfig, main, run
 
 SMALL = DryRunConfig(hidden=64, vocab=2048, max_num_reqs=2, max_draft_tokens=1, tp=2, model=LlamaConfig.tiny())

@@ -22,7 +22,8 @@ from engine.host.ledger import SamplerInputs
 from engine.host.step_fields import PARAM_FIELDS, STEP_FIELDS, StepField
 from engine.sampling.row_params import RowParams
 from engine.step.staging import StepArrays
-from engine.step.static_buffers import StepBuffers, StepInputs
+from engine.step.staging import StepInputs
+from engine.step.static_buffers import StepBuffers
 
 MAX_REQS, MAX_DRAFTS, MAX_STOP = 4, 2, 3
 VOCAB, HIDDEN = 48, 8

@@ -48,6 +48,7 @@ from engine.ops import upload
 from engine.sampling.sampler import ControlRows, RowError
 from engine.sampling.token_bitmask import BITS_PER_WORD, bitmask_words
 from engine.step.engine_config import EngineConfig
+from engine.step.staging import TORCH_DTYPES
 from engine.step.static_buffers import StepBuffers
 
 log = logging.getLogger(__name__)
@@ -67,10 +68,6 @@ class _Column(NamedTuple):
     dtype: np.dtype
     width: int
     start: int  # byte offset in the record, 8-aligned
-
-
-_TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32, np.dtype(np.float32): torch.float32,
-          np.dtype(np.bool_): torch.bool}
 
 
 class ControlWrites:
@@ -115,7 +112,7 @@ class ControlWrites:
 
         def column(name: str) -> torch.Tensor:  # [records, width]
             c = next(c for c in self.columns if c.name == name)
-            return table[:, c.start : c.start + c.dtype.itemsize * c.width].view(_TORCH[c.dtype])
+            return table[:, c.start : c.start + c.dtype.itemsize * c.width].view(TORCH_DTYPES[c.dtype])
 
         slots = column("slot")[:, 0]
         for name in ("penalties", "bias_ids", "bias_values", "prompt_words", "allowed_words"):

@@ -7,7 +7,9 @@ names and in the same order (tests/test_step_fields.py holds them equal),
 plus the drafts' distributions for the rejection-mode buffer, which travel
 in copies of their own, and the token bitmask, which rides the same copy
 after the fields. `from_inputs` and the split into parts derive from the
-declaration.
+declaration. Its device twin is `StepInputs`, the typed views of the same fields
+in the static buffers, and `check_declaration` says whether a declaration can be
+staged at all (dtypes, widths, padding rules).
 
 Every decode row but a request's last verifies one draft: the caller's
 (`draft_tokens`), else the one its read slot of the draft-info pool holds
@@ -24,7 +26,7 @@ Every error is a ValueError naming the request (or the argument), the field and 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Hashable, Sequence
 
 import numpy as np
@@ -32,8 +34,93 @@ import torch
 
 from engine.sampling.draw import staged_draw_uniforms
 from engine.host.ledger import SamplerInputs
-from engine.host.step_fields import FROM_LEDGER_FIELDS, READ_FROM_POOL, STEP_FIELDS
+from engine.host.step_fields import FROM_LEDGER_FIELDS, READ_FROM_POOL, STEP_FIELDS, StepField
+from engine.sampling.row_params import RowParams
 from engine.step.engine_config import EngineConfig
+
+
+# The stage whose fields make up `RowParams`, the sampler's view.
+SAMPLE_STAGE = "sample"
+
+
+@dataclass
+class StepInputs:
+    """The typed device views of the per-step fields: one tensor per declared field
+    (engine/host/step_fields.py, in its order: tests/test_step_fields.py holds them
+    equal), full size, views into `StepBuffers.packed`. The step reads
+    `buffers.inputs.row_drafts`, never a string key. A declaration that adds a field
+    (an experiment, before it is added here) gets it as an attribute of its own."""
+
+    selected_token_indices: torch.Tensor  # [max_rows] int64
+    row_to_req: torch.Tensor  # [max_rows] int64
+    local_step: torch.Tensor  # [max_rows] int64
+    sample_positions: torch.Tensor  # [max_reqs] int64
+    control_slots: torch.Tensor  # [max_reqs] int64
+    masked_rows: torch.Tensor  # [max_rows] bool
+    temperatures: torch.Tensor  # [max_reqs] f32
+    top_ks: torch.Tensor  # [max_reqs] int32
+    top_ps: torch.Tensor  # [max_reqs] f32
+    min_ps: torch.Tensor  # [max_reqs] f32
+    seeds: torch.Tensor  # [max_reqs] int64 holding uint64 bits
+    stop_ids: torch.Tensor  # [max_reqs, max_stop_ids] int64
+    eos_suppression_rows: torch.Tensor  # [max_rows] bool
+    forced_tokens: torch.Tensor  # [max_rows] int64
+    draw_uniforms: torch.Tensor  # [max_rows] f64
+    row_drafts: torch.Tensor  # [max_rows] int64
+    has_draft_probs: torch.Tensor  # [max_rows] bool
+    mtp_info_read_rows: torch.Tensor  # [max_rows] int64
+    mtp_info_write_slots: torch.Tensor  # [max_reqs] int64
+    next_draft_tokens: torch.Tensor  # [max_reqs, max(max_draft_tokens, 1)] int64
+    next_draft_logprobs: torch.Tensor  # [max_reqs, max(max_draft_tokens, 1)] f32
+
+    @classmethod
+    def of(cls, views: dict[str, torch.Tensor]) -> StepInputs:
+        """The views of a declaration, by field name (`check_declaration` saw every field here)."""
+        known = {f.name for f in fields(cls)}
+        inputs = cls(**{name: view for name, view in views.items() if name in known})
+        for name in views.keys() - known:
+            setattr(inputs, name, views[name])
+        return inputs
+
+
+# Staged numpy dtype -> device dtype. uint64 (seeds) travels as its int64 bits:
+# torch has no uint64 arithmetic, and the sampler's hash works on the bits.
+STAGED_AS = {np.dtype(np.uint64): np.dtype(np.int64)}
+TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
+          np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64, np.dtype(np.bool_): torch.bool}
+# Step-dependent padding of per-row fields, resolved by `_padding_rules`.
+PADDING_RULES = ("padding request", "past request rows")
+
+
+def check_declaration(declared: tuple[StepField, ...], widths: dict[str, int]) -> None:
+    """ValueError naming the first declared field these buffers cannot stage."""
+    names = [f.name for f in declared]
+    if not {"req", "row"} <= {f.per for f in declared}:
+        raise ValueError("step fields: a declaration needs a per-request and a per-row field (they size a step)")
+    for f in declared:
+        problem = None
+        if names.count(f.name) > 1:
+            problem = "declared twice"
+        elif f.per not in ("req", "row"):
+            problem = f"per={f.per!r}: must be 'req' or 'row'"
+        elif STAGED_AS.get(np.dtype(f.dtype), np.dtype(f.dtype)) not in TORCH_DTYPES:
+            problem = f"dtype={np.dtype(f.dtype)}: not one of {sorted(str(d) for d in (*TORCH_DTYPES, *STAGED_AS))}"
+        elif isinstance(f.width, str) and f.width not in widths:
+            problem = f"width={f.width!r}: must be an int or one of {sorted(widths)}"
+        elif isinstance(f.padding, str) and (f.padding not in PADDING_RULES or f.per != "row"):
+            problem = f"padding={f.padding!r}: a rule is one of {PADDING_RULES}, for a per-row field"
+        if problem:
+            raise ValueError(f"step field {f.name!r}: {problem}")
+    sampled = {f.name for f in declared if f.stage == SAMPLE_STAGE}
+    wanted = {f.name for f in fields(RowParams)}
+    if sampled != wanted:
+        raise ValueError(
+            f"step fields of stage {SAMPLE_STAGE!r}: {sorted(sampled)}, but the sampler's view RowParams "
+            f"reads {sorted(wanted)} (missing {sorted(wanted - sampled)}, extra {sorted(sampled - wanted)})"
+        )
+    missing = [f.name for f in fields(StepInputs) if f.name not in names]
+    if missing:
+        raise ValueError(f"step fields: missing {missing}, which the step reads (StepInputs)")
 
 
 def type_name(value: object) -> str:

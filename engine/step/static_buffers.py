@@ -12,6 +12,30 @@ Why padding is safe: a padding sample row gets gather index -1, outside the
 hidden-state source, so it reads a zero row (never stray memory or a stale
 row of the previous step), and points at a request slot with neutral
 parameters, so its logits and draw stay finite and are then cut off.
+
+The way back to the host is one packed device-to-host copy. Every output of a step (the sampler's `SampleOutput`, the drafts accepted per
+request, rejection mode's emitted tokens, the penalty counts' flat indices)
+lives in ONE packed device buffer, `OutputArea.packed`, as typed views: the
+graphs write them in place as before. After the replay one copy brings the
+bytes the step needs into a pinned host twin, an event is recorded behind it,
+and the host reads numpy views of the twin once the event has completed
+(`OutputCopy.fetch`, `HostOutputs.wait`). No other read of the device follows
+a step.
+
+The twins are double-buffered: the copy of step N + 1 goes into the other one,
+so a host that has not yet read step N's results when it launches step N + 1
+still finds them intact. What is read is copied out of the twin
+(`HostOutputs.rows`), so nothing handed on refers to pinned memory that the
+step after next overwrites.
+
+The host-to-device way is `StepBuffers.load`: the per-step fields packed into
+one pinned staging area, with the control writes staged since the last step
+(`engine.step.control_state`) and a step's token bitmask carried in the same copy.
+What still travels apart: rejection mode's draft distributions ([k, V] a
+request, too large to stage every step), the row index of a step whose hidden
+states are not in the engine's source, and, after the copy back, the logprob
+and rank of rejection mode's residual draws (a second read, only on a step
+that emits one).
 """
 from __future__ import annotations
 
@@ -24,63 +48,135 @@ import torch
 from engine.host.step_fields import StepField
 from engine.sampling.row_params import RowParams
 from engine.sampling.sample_output import SampleOutput
-from engine.step.staging import StepArrays
-from engine.step.step_output import OutputArea, OutputCopy
+from engine.step.staging import SAMPLE_STAGE, STAGED_AS, TORCH_DTYPES, StepArrays, StepInputs, check_declaration
 
 
-# The stage whose fields make up `RowParams`, the sampler's view.
-SAMPLE_STAGE = "sample"
+_ALIGN = 8  # bytes: every field and output view starts 8-aligned (any dtype view is legal), and copies move int64 words
+
+# --- the outputs: one packed area, one copy back ------------------------------------------
+
+_NUMPY = {torch_dtype: numpy_dtype.type for numpy_dtype, torch_dtype in TORCH_DTYPES.items()}
+
+
+class _Slot(NamedTuple):
+    """Where one output lives in the packed buffer."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # byte offset
+    nbytes: int
 
 
 @dataclass
-class StepInputs:
-    """The typed device views of the per-step fields: one tensor per declared field
-    (engine/host/step_fields.py, in its order: tests/test_step_fields.py holds them
-    equal), full size, views into `StepBuffers.packed`. The step reads
-    `buffers.inputs.row_drafts`, never a string key. A declaration that adds a field
-    (an experiment, before it is added here) gets it as an attribute of its own."""
+class OutputArea:
+    """Every output of the step in one packed device buffer, as typed full-size views.
 
-    selected_token_indices: torch.Tensor  # [max_rows] int64
-    row_to_req: torch.Tensor  # [max_rows] int64
-    local_step: torch.Tensor  # [max_rows] int64
-    sample_positions: torch.Tensor  # [max_reqs] int64
-    control_slots: torch.Tensor  # [max_reqs] int64
-    masked_rows: torch.Tensor  # [max_rows] bool
-    temperatures: torch.Tensor  # [max_reqs] f32
-    top_ks: torch.Tensor  # [max_reqs] int32
-    top_ps: torch.Tensor  # [max_reqs] f32
-    min_ps: torch.Tensor  # [max_reqs] f32
-    seeds: torch.Tensor  # [max_reqs] int64 holding uint64 bits
-    stop_ids: torch.Tensor  # [max_reqs, max_stop_ids] int64
-    eos_suppression_rows: torch.Tensor  # [max_rows] bool
-    forced_tokens: torch.Tensor  # [max_rows] int64
-    draw_uniforms: torch.Tensor  # [max_rows] f64
-    row_drafts: torch.Tensor  # [max_rows] int64
-    has_draft_probs: torch.Tensor  # [max_rows] bool
-    mtp_info_read_rows: torch.Tensor  # [max_rows] int64
-    mtp_info_write_slots: torch.Tensor  # [max_reqs] int64
-    next_draft_tokens: torch.Tensor  # [max_reqs, max(max_draft_tokens, 1)] int64
-    next_draft_logprobs: torch.Tensor  # [max_reqs, max(max_draft_tokens, 1)] f32
+    The sampler's outputs come first in the order `SampleOutput.allocate` declares
+    them (a field added there is laid out here without an edit), the wide ones
+    (`[rows, N]` top-N) last, so the bytes a step without top logprobs needs are
+    the leading `narrow_bytes`."""
+
+    packed: torch.Tensor  # [nbytes] uint8 on the device
+    out: SampleOutput  # [max_rows] views (top_ids / top_logprobs [max_rows, N])
+    num_accepted: torch.Tensor  # [max_reqs] int64: drafts accepted per request
+    emitted: torch.Tensor  # [max_rows] int64: rejection mode's emitted token per row (-1 = none)
+    counted_index: torch.Tensor  # [max_rows] int64: the flat penalty-count index a row added 1 to (-1 = none)
+    slots: tuple[_Slot, ...]
+    narrow_bytes: int  # the leading bytes that hold every output but the [rows, N] ones
 
     @classmethod
-    def of(cls, views: dict[str, torch.Tensor]) -> StepInputs:
-        """The views of a declaration, by field name (`_check_declaration` saw every field here)."""
-        known = {f.name for f in fields(cls)}
-        inputs = cls(**{name: view for name, view in views.items() if name in known})
-        for name in views.keys() - known:
-            setattr(inputs, name, views[name])
-        return inputs
+    def allocate(cls, max_rows: int, max_reqs: int, num_top: int, device: torch.device) -> OutputArea:
+        """The packed outputs for `max_rows` sample rows and `max_reqs` requests, `num_top`
+        top-N columns; emitted and counted_index hold -1, the rest 0."""
+        shapes = SampleOutput.allocate(1, num_top, "meta")  # the declaration's dtypes and widths
+        declared = [(f.name, getattr(shapes, f.name)) for f in fields(SampleOutput)]
+        wanted = [(name, like.dtype, (max_rows, *like.shape[1:])) for name, like in declared]
+        wanted += [("num_accepted", torch.int64, (max_reqs,)), ("emitted", torch.int64, (max_rows,)),
+                   ("counted_index", torch.int64, (max_rows,))]
+        wanted.sort(key=lambda item: len(item[2]) > 1)  # stable: the narrow ones first, in declared order
+        slots, offset, narrow = [], 0, 0
+        for name, dtype, shape in wanted:
+            nbytes = int(np.prod(shape)) * dtype.itemsize
+            slots.append(_Slot(name, dtype, shape, offset, nbytes))
+            offset += -(-nbytes // _ALIGN) * _ALIGN
+            if len(shape) == 1:
+                narrow = offset
+        packed = torch.zeros(offset, dtype=torch.uint8, device=device)
+        views = {s.name: packed[s.start : s.start + s.nbytes].view(s.dtype).view(s.shape) for s in slots}
+        views["emitted"].fill_(-1)
+        views["counted_index"].fill_(-1)
+        return cls(packed=packed, out=SampleOutput(**{name: views[name] for name, _ in declared}),
+                   num_accepted=views["num_accepted"], emitted=views["emitted"],
+                   counted_index=views["counted_index"], slots=tuple(slots), narrow_bytes=narrow)
 
 
-_ALIGN = 8  # bytes; every field starts 8-aligned so any dtype view is legal
+class HostOutputs:
+    """One step's outputs in a pinned host twin: `wait()`, then `rows(name, count)`."""
 
-# Staged numpy dtype -> device dtype. uint64 (seeds) travels as its int64 bits:
-# torch has no uint64 arithmetic, and the sampler's hash works on the bits.
-_STAGED_AS = {np.dtype(np.uint64): np.dtype(np.int64)}
-_TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
-          np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64, np.dtype(np.bool_): torch.bool}
-# Step-dependent padding of per-row fields, resolved by `_padding_rules`.
-_PADDING_RULES = ("padding request", "past request rows")
+    def __init__(self, views: dict[str, np.ndarray], event: torch.cuda.Event | None, complete: frozenset[str]):
+        self._views, self._event, self._complete = views, event, complete
+        self._waited = event is None
+
+    def wait(self) -> None:
+        """Block until the copy has landed (the step's one wait on the device)."""
+        if not self._waited:
+            self._event.synchronize()
+            self._waited = True
+
+    def rows(self, name: str, count: int) -> np.ndarray:
+        """A copy of the leading `count` entries of output `name` (waits first)."""
+        return self.take(count, (name,))[0]
+
+    def take(self, count: int, names: tuple[str, ...]) -> list[np.ndarray]:
+        """`rows(name, count)` of each of `names`, in order."""
+        missing = [name for name in names if name not in self._complete]
+        if missing:
+            raise ValueError(f"output {missing[0]!r}: not fetched (fetch(wide=True) brings the [rows, N] outputs)")
+        if not self._waited:
+            self.wait()
+        return [self._views[name][:count].copy() for name in names]
+
+
+class OutputCopy:
+    """The host side of `OutputArea`: two pinned twins used in turn, an event each."""
+
+    def __init__(self, area: OutputArea):
+        self.area = area
+        pinned = area.packed.device.type == "cuda"
+        nbytes = area.packed.numel()
+        self._twins = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
+        self._events = [torch.cuda.Event() if pinned else None for _ in range(2)]
+        self._views = [self._host_views(twin) for twin in self._twins]
+        self._next = 0
+        self.fetches = 0  # copies issued (each one a device-to-host copy)
+        # The outputs a copy brings, all of them (wide) or the [rows] ones.
+        self._complete = {wide: frozenset(s.name for s in area.slots if s.start + s.nbytes <= (
+            area.packed.numel() if wide else area.narrow_bytes)) for wide in (False, True)}
+
+    def _host_views(self, twin: torch.Tensor) -> dict[str, np.ndarray]:
+        raw = twin.numpy()
+        return {s.name: raw[s.start : s.start + s.nbytes].view(_NUMPY[s.dtype]).reshape(s.shape)
+                for s in self.area.slots}
+
+    def fetch(self, *, wide: bool) -> HostOutputs:
+        """Issue the step's one device-to-host copy (every output; the [rows, N] ones only
+        with `wide`) into the next twin, and record its event. Returns at once on CUDA."""
+        i = self._next
+        self._next ^= 1
+        nbytes = self.area.packed.numel() if wide else self.area.narrow_bytes
+        event = self._events[i]
+        # As int64 words: torch's CPU byte copy goes through a parallel path that costs
+        # milliseconds on a busy 2-core machine.
+        self._twins[i][:nbytes].view(torch.int64).copy_(self.area.packed[:nbytes].view(torch.int64),
+                                                        non_blocking=event is not None)
+        if event is not None:
+            event.record()
+        self.fetches += 1
+        return HostOutputs(self._views[i], event, self._complete[wide])
+
+
+# --- the buffers ---------------------------------------------------------------------------
 
 
 def _padding_rules(real_reqs: int, bucket: int, rows_per_req: int) -> dict[str, int]:
@@ -111,7 +207,7 @@ class _RulePadded(NamedTuple):
     """A per-row field whose padding depends on the step: rewritten up to the bucket every step."""
 
     name: str
-    rule: str  # one of _PADDING_RULES
+    rule: str  # one of PADDING_RULES
     view: np.ndarray
 
 
@@ -130,7 +226,7 @@ class StepBuffers:
     num_accepted: torch.Tensor  # [max_reqs] int64: drafts accepted per request
     emitted: torch.Tensor  # [max_rows] int64: rejection mode's emitted token per row (-1 = none)
     # The three above (and the penalty counts' indices) are views into this one packed buffer,
-    # which one copy a step brings back to the host (engine/step/step_output.py).
+    # which one copy a step brings back to the host (`OutputCopy` above).
     output_area: OutputArea
     output_copy: OutputCopy
     resolved_drafts: torch.Tensor  # [max_rows] int64: the draft each row verified (staged or from the pool)
@@ -184,11 +280,11 @@ class StepBuffers:
         rows_per_req = 1 + max_draft_tokens
         max_rows = max_reqs * rows_per_req
         widths = {"stop": max_stop_ids, "draft": max(max_draft_tokens, 1)}
-        _check_declaration(declared, widths)
+        check_declaration(declared, widths)
         layout, offset = [], 0
         for f in declared:
             width = widths[f.width] if isinstance(f.width, str) else f.width
-            dtype = _STAGED_AS.get(np.dtype(f.dtype), np.dtype(f.dtype))
+            dtype = STAGED_AS.get(np.dtype(f.dtype), np.dtype(f.dtype))
             nbytes = (max_rows if f.per == "row" else max_reqs) * width * dtype.itemsize
             layout.append((f, width, dtype, offset, nbytes))
             offset += -(-nbytes // _ALIGN) * _ALIGN
@@ -202,7 +298,7 @@ class StepBuffers:
         allocated = _padding_rules(0, max_reqs, rows_per_req)  # no slot is real yet
         for f, width, dtype, start, nbytes in layout:
             shape = (-1,) if width == 1 and not isinstance(f.width, str) else (-1, width)
-            views[f.name] = packed[start : start + nbytes].view(_TORCH[dtype]).view(shape)
+            views[f.name] = packed[start : start + nbytes].view(TORCH_DTYPES[dtype]).view(shape)
             staged[f.name] = host_bytes[start : start + nbytes].view(dtype).reshape(shape)
             if isinstance(f.padding, str):
                 staged[f.name][...] = allocated[f.padding]
@@ -369,34 +465,3 @@ class StepBuffers:
                 tensor.normal_(generator=generator).mul_(1e3)
             else:
                 tensor.random_(0, 2**20, generator=generator)
-
-
-def _check_declaration(declared: tuple[StepField, ...], widths: dict[str, int]) -> None:
-    """ValueError naming the first declared field these buffers cannot stage."""
-    names = [f.name for f in declared]
-    if not {"req", "row"} <= {f.per for f in declared}:
-        raise ValueError("step fields: a declaration needs a per-request and a per-row field (they size a step)")
-    for f in declared:
-        problem = None
-        if names.count(f.name) > 1:
-            problem = "declared twice"
-        elif f.per not in ("req", "row"):
-            problem = f"per={f.per!r}: must be 'req' or 'row'"
-        elif _STAGED_AS.get(np.dtype(f.dtype), np.dtype(f.dtype)) not in _TORCH:
-            problem = f"dtype={np.dtype(f.dtype)}: not one of {sorted(str(d) for d in (*_TORCH, *_STAGED_AS))}"
-        elif isinstance(f.width, str) and f.width not in widths:
-            problem = f"width={f.width!r}: must be an int or one of {sorted(widths)}"
-        elif isinstance(f.padding, str) and (f.padding not in _PADDING_RULES or f.per != "row"):
-            problem = f"padding={f.padding!r}: a rule is one of {_PADDING_RULES}, for a per-row field"
-        if problem:
-            raise ValueError(f"step field {f.name!r}: {problem}")
-    sampled = {f.name for f in declared if f.stage == SAMPLE_STAGE}
-    wanted = {f.name for f in fields(RowParams)}
-    if sampled != wanted:
-        raise ValueError(
-            f"step fields of stage {SAMPLE_STAGE!r}: {sorted(sampled)}, but the sampler's view RowParams "
-            f"reads {sorted(wanted)} (missing {sorted(wanted - sampled)}, extra {sorted(sampled - wanted)})"
-        )
-    missing = [f.name for f in fields(StepInputs) if f.name not in names]
-    if missing:
-        raise ValueError(f"step fields: missing {missing}, which the step reads (StepInputs)")
