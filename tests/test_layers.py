@@ -24,7 +24,7 @@ PACKAGES = ("engine", "graphs", "profiling")
 ALLOWED: dict[str, set[str]] = {
     "host": {"host"},  # engine/host/: numpy only, the request side
     "graphs": {"graphs"},  # graphs/: buckets, capture safety, replay; generic
-    "ops": {"ops"},  # engine/ops.py, invariance.py, trace.py, cpu_threads.py: device ops, the probe, stage ranges, threads
+    "ops": {"ops"},  # engine/ops.py, invariance.py, trace.py, cpu_*.py: device ops, the probe, stage ranges, threads, malloc
     "sampling": {"sampling", "host", "ops"},
     "step": {"step", "sampling", "host", "graphs", "ops"},
     "models": {"models", "step", "sampling", "host", "graphs", "ops"},
@@ -47,7 +47,7 @@ def layer_of(module: str) -> str:
         return parts[0]
     if module in ("engine", "engine.__init__"):
         return "face"
-    if module in ("engine.ops", "engine.invariance", "engine.trace", "engine.cpu_threads"):
+    if module in ("engine.ops", "engine.invariance", "engine.trace", "engine.cpu_threads", "engine.cpu_memory"):
         return "ops"
     if module == "engine.__main__":
         return "cli"

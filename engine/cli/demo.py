@@ -35,6 +35,7 @@ from engine.cli.demo_report import (RunResult, RunTimes, completion_json, shown_
 from engine.cli.demo_prompts import CHAT_PROMPTS
 from engine.cli.telemetry import Telemetry
 from engine.cli.usage import OneLineParser, UsageError, quiet_on_closed_pipe
+from engine.cpu_memory import keep_freed_memory
 from engine.cpu_threads import use_threads
 from engine.host.params import SamplingParams
 from engine.llm.loading import Loaded, check_model_name, load
@@ -306,6 +307,8 @@ def run(args: argparse.Namespace) -> int:
         join_group(args.tp, torch.device(args.device))
     # Chosen before the model loads: its batch-invariance probes hold at the count they ran at.
     choice = use_threads(args.threads) if args.threads is not None or args.device == "cpu" else None
+    if args.device == "cpu":  # the step's temporaries without page faults (engine.cpu_memory)
+        keep_freed_memory()
     torch.manual_seed(args.seed)
     say = (lambda *a: None) if args.json else print
 

@@ -35,6 +35,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from engine.cpu_memory import keep_freed_memory
 from engine.cpu_threads import ThreadChoice, check_threads, use_threads
 from engine.host.params import SamplingParams
 from engine.llm.loading import load
@@ -129,6 +130,8 @@ class LLM:
         # Before the model loads: its batch-invariance probes hold at the count they ran at.
         on_cpu = engine_config.resolved_device().type == "cpu"
         self.threads: ThreadChoice | None = use_threads(threads) if threads is not None or on_cpu else None
+        if on_cpu:  # the step's temporaries without page faults (engine.cpu_memory)
+            keep_freed_memory()
         if isinstance(model, CausalLM):
             if max_context is not None:
                 raise ValueError(f"max_context={max_context}: applies to the models LLM loads; this one has its "

@@ -34,6 +34,11 @@ def _take_threads(argv: list[str]) -> list[str]:
 
 def main(argv: list[str]) -> int:
     argv = _take_threads(argv)
+    # Process-wide, so both sides of a side-by-side bench run with it (vLLM's CPU backend asks
+    # for tcmalloc, which also keeps freed blocks): the allocator LLM uses on a CPU.
+    from engine.cpu_memory import keep_freed_memory
+
+    keep_freed_memory()
     names = available()
     if not argv or argv[0] in ("-h", "--help"):
         print(f"usage: python -m profiling.bench {{{','.join(names + ['all'])}}} [--threads N] [options]")
