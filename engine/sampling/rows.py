@@ -5,10 +5,8 @@ per-request arrays: row r belongs to request `row_to_req[r]` and produces the
 token at position `sample_positions[request] + local_step[r]`
 (docs/contract.md §1.2).
 
-EOS / stop-id suppression (docs/contract.md §2), here because it reads only the
-rows' stop ids: which tokens a row must not produce.
-
-While a request has generated fewer than `min_tokens` tokens, its rows flagged
+EOS / stop-id suppression (docs/contract.md §2) lives here, as it reads only the
+rows' stop ids. While a request has generated fewer than `min_tokens` tokens, its rows flagged
 in `eos_suppression_rows` give the EOS / stop ids -inf (EOS even under
 `ignore_eos`, as vLLM). One definition, `suppressed_at`, decides whether a
 (row, token id) pair is suppressed; the sampler applies it to whole rows in

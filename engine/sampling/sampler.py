@@ -51,15 +51,12 @@ in the passes it makes anyway). The CPU steps' sampler variants
 (`SamplerConfig.stages`, `top_k`, `top_p`, `logprobs`) choose which torch stages run;
 the kernels branch per row on the device instead.
 
-Failed rows (docs/contract.md §2): the error codes and the placeholder outputs.
-
-A row whose logits hold NaN or +-inf, whose controls turn a finite logit into
-+inf or NaN, or whose controls leave no token (every token a suppressed stop
-id), gets an error code in `SampleOutput.error`,
-decided inside the captured step from the row itself. Its outputs are the
-placeholder: token `PLACEHOLDER_TOKEN` (in the vocabulary, so nothing
-downstream indexes out of range), logprob 0, rank 0, top ids -1, top
-logprobs 0, never flagged for the reference path. The caller must not emit it.
+Failed rows (docs/contract.md §2), `RowError`: a row whose logits hold NaN or +-inf,
+whose controls turn a finite logit into +inf or NaN, or whose controls leave no token
+(every token a suppressed stop id), gets an error code in `SampleOutput.error`, decided
+inside the captured step from the row itself. Its outputs are the placeholder: token
+`PLACEHOLDER_TOKEN` (in the vocabulary, so nothing downstream indexes out of range),
+logprob 0, rank 0, top ids -1, top logprobs 0. The caller must not emit it.
 Every sampling computation is per row, so a failed row changes no other
 row's bits.
 """
