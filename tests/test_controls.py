@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from engine import EngineConfig, SamplingParams, StepEngine
@@ -81,6 +81,10 @@ def requests(draw):
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(requests())
+# An accepted draft equal to the token before it: its logprob is its own row's.
+@example(([([0], SamplingParams(temperature=0.0, seed=11, logprobs=1)),
+           ([0], SamplingParams(temperature=0.0, seed=12, logprobs=1, allowed_token_ids=(0,))),
+           ([0], SamplingParams(temperature=0.0, seed=13, logprobs=1))], [[[], [0], []]], 0))
 def test_every_row_matches_the_per_request_reference_over_random_histories(case):
     """Each sample row's controlled logits equal the reference's bit for bit
     (row j counting its request's drafts 0..j-1); the emitted tokens equal the
@@ -125,8 +129,8 @@ def test_every_row_matches_the_per_request_reference_over_random_histories(case)
                 assert out.errors[i] is None
                 if decided:
                     assert out.tokens[i] == tokens, f"request {i}"
-                for lp in out.logprobs[i]:
-                    row = unprocessed[lo + out.tokens[i].index(lp.token)].astype(np.float64)
+                for j, lp in enumerate(out.logprobs[i]):  # emitted token j is row j's (not the first equal token's)
+                    row = unprocessed[lo + j].astype(np.float64)
                     lse = row.max() + math.log(np.exp(row - row.max()).sum())
                     assert lp.logprob == pytest.approx(row[lp.token] - lse, abs=1e-5)
                 outputs[i] += out.tokens[i]
