@@ -13,6 +13,12 @@ Two things the interpreter does its own way, changed for the duration of `torch_
 
 Both are internals of triton's interpreter (3.9): where they are missing the context
 changes nothing and the tests run slower, or compare numpy's `exp`.
+
+One more, for every test (`numpy_xor_sum()`, which tests/conftest.py holds for the session):
+the interpreter reduces with `tl.xor_sum` one element at a time in Python, and `tl.sort`
+(the kept list's) calls it once per compare-and-swap stage: about 70 ms each, most of an
+engine step's time under the interpreter. numpy's `bitwise_xor.reduce` gives the same bits,
+since xor is exact whatever the order.
 """
 from __future__ import annotations
 
@@ -28,6 +34,33 @@ def _torch_unary(op: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[np.nda
         return op(torch.from_numpy(np.ascontiguousarray(array))).numpy()
 
     return apply
+
+
+@contextmanager
+def numpy_xor_sum() -> Iterator[None]:
+    """The interpreter's reductions with `tl.xor_sum`'s combine function done by numpy."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    reduce_ops = getattr(interpreter, "ReduceOps", None)
+    xor_combine = getattr(tl.standard, "_xor_combine", None)
+    if reduce_ops is None or xor_combine is None:
+        yield
+        return
+    saved = reduce_ops.apply_impl
+
+    def apply_impl(self, input):  # noqa: ANN001, ANN202 - the interpreter's own signature
+        if self.combine_fn is not xor_combine or len(input) != 1:
+            return saved(self, input)
+        (operand,) = input
+        xored = np.bitwise_xor.reduce(operand.handle.data, axis=self.axis, keepdims=self.keep_dims)
+        return self.to_tensor(xored, operand.dtype)
+
+    reduce_ops.apply_impl = apply_impl
+    try:
+        yield
+    finally:
+        reduce_ops.apply_impl = saved
 
 
 @contextmanager
