@@ -47,19 +47,19 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _fast_interpreter_xor_sum():
-    """Under the interpreter, `tl.xor_sum` (each stage of `tl.sort`) reduced by numpy: the
-    same bits, minutes less (tests/kernel_interpreter.py says why)."""
+def _fast_interpreter():
+    """Under the interpreter, its two slow habits changed for the session: the same bits,
+    minutes less (tests/kernel_interpreter.py says which)."""
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         yield
         return
     try:
-        from tests.kernel_interpreter import numpy_xor_sum
+        from tests.kernel_interpreter import fast_interpreter
         import triton.runtime.interpreter  # noqa: F401
     except ImportError:
         yield
         return
-    with numpy_xor_sum():
+    with fast_interpreter():
         yield
 
 

@@ -1,5 +1,5 @@
-"""The interpreter's fast `tl.xor_sum` (tests/kernel_interpreter.py, held for the session by
-tests/conftest.py) against xor folded in Python, and `tl.sort`, its caller, against torch."""
+"""The interpreter's fast `tl.xor_sum` (`fast_interpreter()` in tests/kernel_interpreter.py, held for the
+session by tests/conftest.py) against xor folded in Python, and `tl.sort`, its caller, against torch."""
 from __future__ import annotations
 
 import functools
