@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ from graphs.capture_safety import capture_safety_check
 from tests import numpy_sampler_reference as ref
 
 FIELDS = ("tokens", "logprob", "rank", "top_ids", "top_logprobs")
+LONG = os.environ.get("ENGINE_LONG_TESTS") == "1"
 
 
 def _params(num_rows: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, position=None, **kw) -> RowParams:
@@ -300,8 +302,9 @@ def test_draws_follow_filtered_distribution(case):
 # --- invariance ----------------------------------------------------------------
 
 def test_token_independent_of_batch_layout():
-    # 1000 seeds. For each: the row alone, then inside a batch of 64 at index
-    # seed % 64 among random rows with other parameters. The token must match.
+    # 256 seeds (1000 with ENGINE_LONG_TESTS=1). For each: the row alone, then inside a
+    # batch of 64 at index seed % 64 among random rows with other parameters. The token
+    # must match. 256 seeds already put each combo at each of its 16 indices 4 times.
     torch.manual_seed(3)
     vocab = 700
     cfg = SamplerConfig(candidate_cap=64, max_logprobs=2)
@@ -313,7 +316,7 @@ def test_token_independent_of_batch_layout():
         dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0),
     ]
     gen = np.random.default_rng(0)
-    for seed in range(1000):
+    for seed in range(1000 if LONG else 256):
         combo = combos[seed % len(combos)]
         position = 1000 + seed * 13
         alone_params = _params(1, seed=np.uint64(seed * 0x9E3779B97F4A7C15 % 2**64), position=position, **combo)
