@@ -60,10 +60,9 @@ import argparse
 import json
 import sys
 import time
-import traceback
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 import dataclasses
 from dataclasses import dataclass, field
@@ -71,23 +70,21 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
 
 from engine.models.llama import LlamaModel
 from engine.models.llama_weights import LayerWeights, LlamaConfig, LlamaWeights
 from engine.models.protocol import ForwardBatch
-from engine.host.ledger import SamplerInputs
-from engine.host.params import SamplingParams, SeqMeta
+from engine.host.params import SamplingParams
 from engine.parallel.shard_heads import sharded_head, vocab_shards
-from engine.sampling.token_bitmask import bitmask_words
 from engine.step.engine_config import EngineConfig
 from engine.step.kernel_head import KERNELS
-from engine.step.staging import StepArrays
 from engine.step.step_engine import StepEngine
-from graphs.capture_safety import CaptureSafetyError, capture_safety_check
-from graphs.replay import BucketTable, CaptureReport, GraphReplayer, simulated_cuda_capture
+from graphs.capture_safety import capture_safety_check
+from graphs.replay import BucketTable, GraphReplayer, simulated_cuda_capture
 from profiling.cost_calibration import calibration, calibration_lines, replay_us
 from profiling.cost_model import BANDWIDTH_TBS, NODE_US, SM_BANDWIDTH_GBS, SMS, GraphCost, KernelCounter, table_lines
+from profiling.dry_run_report import DryRunFailure, DryRunReport, HostTraffic, failures_named
+from profiling.dry_run_requests import controlled_params, masked_step, mixed_params, scenario_requests
 from profiling.fake_cuda import FakeCuda, project_path
 
 
@@ -126,142 +123,6 @@ class DryRunConfig:
                 raise ValueError(f"DryRunConfig.{name}={value!r}: must be an int >= 1")
         if self.max_draft_tokens < 1:
             raise ValueError(f"DryRunConfig.max_draft_tokens={self.max_draft_tokens!r}: must be >= 1 (drafts are a scenario)")
-
-
-@dataclass
-class HostTraffic:
-    """Engine steps and the host waits they made outside their graphs."""
-
-    steps: int = 0
-    d2h_reads: int = 0  # the fake device's count
-    pageable_h2d: int = 0  # the fake device's count
-    h2d_copies: int = 0  # the fake device's count: every host-to-device copy, pinned ones too
-    syncs: int = 0  # on a GPU: the calls torch.cuda.set_sync_debug_mode flags as synchronizing
-
-    def as_dict(self) -> dict[str, int]:
-        return {"steps": self.steps, "d2h_reads": self.d2h_reads, "pageable_h2d": self.pageable_h2d,
-                "h2d_copies": self.h2d_copies}
-
-
-@dataclass
-class DryRunReport:
-    """What the dry run checked: ops per bucket of every captured graph, steps run,
-    and the host waits (device-to-host reads, pageable copies) of those steps outside
-    their graphs."""
-
-    graphs: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)  # set -> ((bucket, ops), ...)
-    steps: Counter[str] = field(default_factory=Counter)  # scenario -> steps run
-    host_reads: Counter[str] = field(default_factory=Counter)  # call site -> reads
-    pageable_copies: Counter[str] = field(default_factory=Counter)  # call site -> copies
-    h2d_copies: Counter[str] = field(default_factory=Counter)  # call site -> every host-to-device copy
-    cuda_syncs: Counter[str] = field(default_factory=Counter)  # on a GPU: call site -> flagged syncs
-    costs: list[GraphCost] = field(default_factory=list)  # a cost run: one per graph (and row mix) and bucket
-    seconds: float = 0.0
-    # The host traffic of the steps the graphs serve (one replay: within the largest bucket, no
-    # prompt logprobs), where the bar is one copy each way, and of the other engine steps, apart.
-    graph_steps: HostTraffic = field(default_factory=lambda: HostTraffic())
-    other_steps: HostTraffic = field(default_factory=lambda: HostTraffic())
-
-    def host_summary(self) -> dict[str, int | dict[str, int]]:
-        """The JSON's "host": the graph steps' counts, and the other engine steps' under "other"."""
-        return {**self.graph_steps.as_dict(), "other": self.other_steps.as_dict()}
-
-    def host_bar(self) -> str | None:
-        """What breaks the bar of the graph steps (one device-to-host read a step at most, no
-        pageable copy, on a GPU no flagged sync), or None."""
-        g = self.graph_steps
-        if g.d2h_reads > g.steps or g.pageable_h2d or g.syncs:
-            return (f"graph steps: {g.steps} steps made {g.d2h_reads} device-to-host reads, {g.pageable_h2d} "
-                    f"pageable copies, {g.syncs} flagged syncs (bar: at most one read a step, no other)")
-        return None
-
-    def add_capture(self, name: str, report: CaptureReport) -> None:
-        self.graphs[name] = tuple(zip(report.buckets, report.ops_checked))
-
-    def lines(self) -> Iterator[str]:
-        yield "ops checked per bucket under the CUDA rules (graphs: capture; the model: its eager decode step):"
-        for name, buckets in self.graphs.items():
-            yield f"  {name:<28} " + "  ".join(f"{bucket}:{ops}" for bucket, ops in sorted(buckets))
-        yield "steps run: " + ", ".join(f"{name} {count}" for name, count in self.steps.items())
-        total = sum(self.host_reads.values())
-        yield f"device-to-host reads outside the graphs ({total} in all; legal, each one a host sync):"
-        for site, count in sorted(self.host_reads.items()):
-            yield f"  {count:4d}  {site}"
-        total = sum(self.pageable_copies.values())
-        yield f"pageable host-to-device copies outside the graphs ({total} in all; each one a host wait):"
-        for site, count in sorted(self.pageable_copies.items()):
-            yield f"  {count:4d}  {site}"
-        total = sum(self.h2d_copies.values())
-        yield f"host-to-device copies outside the graphs, pinned ones too ({total} in all):"
-        for site, count in sorted(self.h2d_copies.items()):
-            yield f"  {count:4d}  {site}"
-        if self.cuda_syncs:
-            yield f"synchronizing calls CUDA's sync debug mode flagged in the steps ({sum(self.cuda_syncs.values())}):"
-            for site, count in sorted(self.cuda_syncs.items()):
-                yield f"  {count:4d}  {site}"
-        for label, traffic in (("graph steps", self.graph_steps), ("other steps", self.other_steps)):
-            yield (f"{label}: {traffic.steps}, device-to-host reads {traffic.d2h_reads}, "
-                   f"pageable host-to-device copies {traffic.pageable_h2d} (of {traffic.h2d_copies}), "
-                   f"flagged syncs {traffic.syncs}")
-        yield f"dry run passed in {self.seconds:.1f} s"
-
-
-class DryRunFailure(RuntimeError):
-    """A capture-safety violation or a host tensor in a device op, with its call site."""
-
-
-def _call_site(err: BaseException) -> str:
-    """The innermost frame of this project's code in the error's traceback."""
-    frames = [f for f in traceback.extract_tb(err.__traceback__)
-              if "/torch/" not in f.filename and not f.filename.endswith(("capture_safety.py", "fake_cuda.py"))]
-    if not frames:
-        return "unknown"
-    f = frames[-1]
-    return f"{project_path(f.filename)}:{f.lineno} ({f.line})"
-
-
-@contextmanager
-def _scenario(name: str) -> Iterator[None]:
-    try:
-        yield
-    except CaptureSafetyError as err:
-        raise DryRunFailure(f"{name}: {err}\n  at {_call_site(err)}") from err
-    except FakeTensorDeviceMismatchError as err:
-        # Outside the graphs too: a host tensor in a device op is an error on CUDA.
-        raise DryRunFailure(f"{name}: {err.func} {err}\n  at {_call_site(err)}") from err
-
-
-def scenario_requests(n: int, *, prompt: int = 6, decode: bool = False, drafts: int = 0,
-              params: Callable[[int], SamplingParams] | None = None) -> list[SeqMeta]:
-    """n requests: prefills of `prompt` tokens, or decodes verifying `drafts` drafts."""
-    seqs = []
-    for i in range(n):
-        p = params(i) if params is not None else SamplingParams(temperature=0.8, top_p=0.9, seed=i)
-        if decode:
-            generated = 3
-            seqs.append(SeqMeta(i, False, 1 + drafts, prompt + generated + drafts, prompt, prompt_tokens=list(range(prompt)),
-                                num_generated=generated, params=p, mtp_read_slot=i + 1 if drafts else 0,
-                                mtp_write_slot=i + 1 if drafts else 0))
-        else:
-            seqs.append(SeqMeta(i, True, prompt, prompt, prompt, prompt_tokens=list(range(prompt)), params=p))
-    return seqs
-
-
-def mixed_params(i: int) -> SamplingParams:
-    """Every filter and output across a batch: greedy, top-k, top-p, min-p, logprobs, min_tokens."""
-    kinds = (
-        SamplingParams(temperature=0.0, seed=i, logprobs=3),
-        SamplingParams(temperature=0.7, top_k=40, seed=i),
-        SamplingParams(temperature=1.0, top_p=0.9, min_p=0.05, seed=i, logprobs=0),
-        SamplingParams(temperature=1.0, seed=i, min_tokens=4, stop_token_ids=(7,)),
-    )
-    return kinds[i % len(kinds)]
-
-
-def controlled_params(i: int) -> SamplingParams:
-    """`mixed_params` plus the sampling controls: penalties, a logit bias, an allowed set."""
-    return dataclasses.replace(mixed_params(i), repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.3,
-                               logit_bias={3: 2.0, 5: -1.0}, allowed_token_ids=tuple(range(2, 64)) if i % 2 else None)
 
 
 @dataclass
@@ -388,21 +249,10 @@ def _engine(run: _Run) -> None:
         engine.step(hidden, scenario_requests(n, decode=True, params=mixed_params))  # rows copied into the source
         engine.step(engine.source, scenario_requests(n, decode=True, params=greedy))  # the greedy graphs
         if masked:  # structured output: a row restricted by the token bitmask (tokens 0-31 only)
-            engine.run(engine.source, *_masked_step(engine, scenario_requests(n, decode=True, params=mixed_params)))
+            engine.run(engine.source, *masked_step(engine, scenario_requests(n, decode=True, params=mixed_params)))
     with run.steps("engine", 2, kind="other"):
         engine.step(engine.source, scenario_requests(n, prompt=9, params=with_prompt_logprobs))
         engine.step(engine.source, scenario_requests(cfg.max_num_reqs + 1, decode=True))  # above the largest bucket: eager
-
-
-def _masked_step(engine: StepEngine, seqs: list[SeqMeta]) -> tuple[SamplerInputs, StepArrays]:
-    """What `engine.step(engine.source, seqs)` runs, with a token bitmask that lets the first
-    sample row draw only tokens 0-31 (as a grammar's matcher would fill it)."""
-    inputs, stop_ids = engine.seq_front.ledger(seqs)
-    arrays = engine.drafts.step_arrays(inputs, stop_ids)
-    arrays.control_slots = engine.seq_front.control_slots(inputs)
-    arrays.token_bitmask = np.full((inputs.num_sample_rows, bitmask_words(engine.vocab_size)), -1, dtype=np.int32)
-    arrays.token_bitmask[0, 1:] = 0
-    return inputs, arrays
 
 
 def _drafts(run: _Run, mode: str) -> None:
@@ -524,15 +374,15 @@ def run(cfg: DryRunConfig, *, real_cuda: bool = False, cost: bool = False, repla
             cuda = stack.enter_context(FakeCuda(sms=cfg.sms))
             stack.enter_context(simulated_cuda_capture(cuda.is_pinned))
         state = _Run(cfg, report, cuda, replays if cost else 0, None if buckets is None else frozenset(buckets))
-        with _scenario("StepEngine"):
+        with failures_named("StepEngine"):
             _engine(state)
         for mode in ("strict", "rejection"):
-            with _scenario(f"drafts ({mode})"):
+            with failures_named(f"drafts ({mode})"):
                 _drafts(state, mode)
-        with _scenario("sharded engine"):
+        with failures_named("sharded engine"):
             _sharded(state)
         if not cost:
-            with _scenario("model decode step"):
+            with failures_named("model decode step"):
                 _model(state)
     report.seconds = time.perf_counter() - start
     return report

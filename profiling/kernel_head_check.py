@@ -20,7 +20,7 @@ import torch
 
 from engine import EngineConfig, StepEngine
 from engine.host.params import SamplingParams
-from profiling.cuda_dry_run import controlled_params, mixed_params, scenario_requests
+from profiling.dry_run_requests import controlled_params, mixed_params, scenario_requests
 
 
 def main(argv: list[str] | None = None) -> int:

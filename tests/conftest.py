@@ -46,6 +46,23 @@ def pytest_configure(config: pytest.Config) -> None:
         module.compile = _refuse_in_process_build
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _fast_interpreter():
+    """Under the interpreter, its two slow habits changed for the session: the same bits,
+    minutes less (tests/kernel_interpreter.py says which)."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        yield
+        return
+    try:
+        from tests.kernel_interpreter import fast_interpreter
+        import triton.runtime.interpreter  # noqa: F401
+    except ImportError:
+        yield
+        return
+    with fast_interpreter():
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _leave_the_process_as_found(request: pytest.FixtureRequest):
     """Each test starts from the thread count and the environment the session started with,

@@ -27,7 +27,7 @@ from engine.loop.loop_config import LoopConfig
 from engine.loop.decode_loop import DecodeLoop
 from engine.models.llama import LlamaModel
 from engine.models.llama_weights import LlamaConfig
-from tests.test_decode_loop import assert_no_trace, completions, holds_nothing, loop_state
+from tests.test_decode_loop_faults import assert_no_trace, completions, holds_nothing, loop_state
 
 CONFIG = LlamaConfig.tiny()
 V = CONFIG.vocab_size

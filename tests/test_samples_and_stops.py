@@ -21,7 +21,7 @@ from engine.loop.generate import generate
 from engine.models.llama import LlamaModel
 from engine.models.llama_weights import LlamaConfig, random_weights
 from engine.models.tokenizer import ByteChatMLTokenizer
-from tests.test_decode_loop import Boom, assert_no_trace, holds_nothing, loop_state
+from tests.test_decode_loop_faults import Boom, assert_no_trace, holds_nothing, loop_state
 from tests.test_stop_strings import reference as stop_reference
 
 CONFIG = LlamaConfig.tiny()
