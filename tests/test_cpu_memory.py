@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # A 40 MiB temporary (a [80, 131072] float32 row block), made and freed 3 times to settle,
-# then the minor faults of 5 more. Above 32 MiB, glibc's largest automatic mmap threshold, the
+# then the minor faults of 20 more. Above 32 MiB, glibc's largest automatic mmap threshold, the
 # default allocator maps and unmaps such a block every time, wherever the heap stands.
 _FAULTS = """
 import resource, sys, torch
@@ -28,7 +28,7 @@ def step():
 for _ in range(3):
     step()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(5):
+for _ in range(20):
     step()
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
@@ -44,13 +44,14 @@ def _run(mode: str, **env: str) -> list[str]:
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
 def test_kept_blocks_fault_in_once():
     """glibc's default faults every page of each new block in (10240 a block); with freed
-    blocks kept, the next block reuses the pages."""
+    blocks kept, later blocks reuse the pages (the heap may still grow once or twice where
+    a small allocation took the freed place)."""
     plain = int(_run("plain")[-1])
     said, kept = _run("keep")
     assert "keeps freed blocks" in said
-    if plain < 5 * 10240 / 2:  # e.g. transparent huge pages for every mapping: few faults either way
+    if plain < 20 * 10240 / 2:  # e.g. transparent huge pages for every mapping: few faults either way
         pytest.skip(f"glibc's default made {plain} faults here, not a page each")
-    assert int(kept) < 1000, (plain, kept)
+    assert int(kept) < plain / 4, (plain, kept)
 
 
 def test_the_users_own_setting_is_left_alone():
