@@ -126,3 +126,37 @@ def test_the_raw_rank_from_the_list_counts_a_suppressed_stop_id_once(stops):
     want = reference(scores, params, 3, "raw")
     assert int(want.rank[0]) >= 2 or stops == [-1, -1]  # the token ranks below the stop id's logit
     assert_agree(got, want, "raw rank past a suppressed stop id")
+
+
+def _weights_that_add_up_to_one() -> tuple[float, float]:
+    """Two processed logits below 0 whose weights, by this machine's float32 `exp`, add up
+    to exactly exp(0) = 1: a top-p of 0.5 over the three then reaches its level exactly at
+    the largest."""
+    z2 = torch.linspace(-0.6, -0.1, 2001)
+    target = 1 - torch.exp(z2)  # exact: the weights lie in [0.5, 1)
+    z3 = torch.log(target)
+    for candidate in (z3, torch.nextafter(z3, torch.tensor(-1.0)), torch.nextafter(z3, torch.tensor(0.0))):
+        hits = torch.nonzero(torch.exp(candidate) == target).flatten()
+        if len(hits):
+            return float(z2[hits[0]]), float(candidate[hits[0]])
+    pytest.skip("no float32 pair whose exp adds up to exactly 1 here")
+
+
+def test_top_p_whose_running_mass_meets_its_level_exactly():
+    """Masses 2**S (z = 0) and two more that sum to 2**S: top-p 0.5's level is the first
+    token's mass, which reaches it, so the cut keeps that token alone (the radix select's
+    "reaches", not "passes"); the list, settled by top-k 3, must cut there too."""
+    z2, z3 = _weights_that_add_up_to_one()
+    scores = torch.full((1, 64), -30.0)
+    scores[0, [9, 5, 20]] = torch.tensor([0.0, z2, z3])
+    masses = torch.exp(scores[0, [9, 5, 20]]) * 2.0**46  # mass_bits(64) = 46: exact, no floor needed
+    assert masses[0] == masses[1] + masses[2]
+    params = RowParams.from_numpy(
+        temperatures=np.array([1.0], np.float32), top_ks=np.array([3], np.int32), top_ps=np.array([0.5], np.float32),
+        min_ps=np.array([0.0], np.float32), seeds=np.zeros(1, np.uint64), sample_positions=np.zeros(1, np.int64),
+        row_to_req=np.zeros(1, np.int64), local_step=np.zeros(1, np.int64), stop_ids=np.array([[-1, -1]]),
+        eos_suppression_rows=np.array([False]), forced_tokens=np.array([-1]), draw_uniforms=np.array([0.9]))
+    got = run_kernel(scores, params, 3, "processed")
+    want, kept = reference_with_kept_set(scores, params, 3, "processed")
+    assert torch.nonzero(kept[0]).flatten().tolist() == [9]
+    assert_agree(got, want, "top-p reaching its level exactly")
