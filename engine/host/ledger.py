@@ -280,7 +280,8 @@ def build_ledger(
     compaction_keep_tokens: int | None = None,
 ) -> SamplerInputs:
     """The vectorised walk. `cols` holds the batch's requests' records (`SEQ_RECORD`, in
-    batch order; their request columns are read: lengths, counts, parameters). Call `validate_batch` first (prepare_sampler_inputs does).
+    batch order; their request columns are read: lengths, counts, parameters). Call
+    `validate_batch` first (prepare_sampler_inputs does).
 
     Every numpy call costs about a microsecond whatever the batch size, so
     the all-decode step (the steady state) skips the prefill-only work."""
