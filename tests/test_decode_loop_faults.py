@@ -1,8 +1,8 @@
 """The decode loop under hostile submissions, aborts and faults (issue 11): hostile
 submissions change nothing, abort frees what a request holds, run() skips idle steps,
 a step that raises anywhere is undone, and a failed row finishes only its own request.
-The helpers that snapshot a loop (`loop_state`, `assert_no_trace`, `holds_nothing`) serve
-tests/test_chaos.py and tests/test_samples_and_stops.py too."""
+The helpers that snapshot a loop (`loop_state`, `assert_no_trace`, `failed_without_trace`,
+`holds_nothing`) serve tests/test_chaos.py and tests/test_samples_and_stops.py too."""
 from __future__ import annotations
 
 import dataclasses
@@ -43,6 +43,17 @@ def loop_state(loop: DecodeLoop) -> dict:
         engine=(loop.engine.stats.steps, loop.engine.stats.replays, dict(loop.engine.stats.bucket_histogram),
                 {rid: len(v) for rid, v in loop.batch.prompt_logprobs.snapshot().items()}),
     )
+
+
+def failed_without_trace(loop: DecodeLoop, errors: tuple[type[BaseException], ...]) -> bool:
+    """One loop step; when it raises one of `errors`, the loop holds no trace of it (True)."""
+    before = loop_state(loop)
+    try:
+        loop.step()
+    except errors:
+        assert_no_trace(before, loop_state(loop))
+        return True
+    return False
 
 
 def assert_no_trace(before: dict, after: dict) -> None:
@@ -342,12 +353,7 @@ def test_a_step_that_raises_leaves_no_trace_and_the_run_ends_as_if_it_never_happ
         if targets and loop.stats.steps == targets[0]:
             arms += arm()
             targets.pop(0)
-        before = loop_state(loop)
-        try:
-            loop.step()
-        except (Boom, KeyboardInterrupt):
-            failures += 1
-            assert_no_trace(before, loop_state(loop))
+        failures += failed_without_trace(loop, (Boom, KeyboardInterrupt))
     assert failures == arms >= 4
     done = loop.run()
     assert (completions(done), counters(loop.stats), loop.engine.stats.steps) == atomic_reference()
