@@ -38,9 +38,8 @@ from engine.host.ledger import SamplerInputs
 from engine.host.step_fields import READ_FROM_POOL
 from engine.invariance import choose_block_gemm, lm_head_candidates, warn_not_invariant
 from engine.ops import BlockGemm, gather, get_logits
-from engine.sampling.rows import expand_rows
+from engine.sampling.rows import expand_rows, suppressed_scores
 from engine.sampling.sampler import RowError, SamplerConfig, controlled_scores, fail_rows, sample
-from engine.sampling.rows import suppressed_scores
 from engine.sampling.verify import accept_strict, draft_in_top_k, target_probs, verify_rejection
 from engine.step.control_state import SamplingControls
 from engine.step.engine_config import EngineConfig, EngineStats

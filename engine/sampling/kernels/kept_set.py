@@ -114,6 +114,12 @@ def gather_chunk(list_row, count_ptr, offs, take, LIST: tl.constexpr):
 
 
 @triton.jit
+def raw_masses(x, raw_max, MASS_SCALE: tl.constexpr, ACCURATE: tl.constexpr):
+    """The sum of the raw masses floor(exp(x - raw_max) * 2**S) of unprocessed logits `x`."""
+    return tl.sum((exp_f32(x - raw_max, ACCURATE) * MASS_SCALE).to(tl.int64), 0)
+
+
+@triton.jit
 def raw_partials(plain_row_ptr, start, stop, raw_max, token_raw, CHUNK: tl.constexpr, MASS_SCALE: tl.constexpr,
                  ACCURATE: tl.constexpr):
     """Raw logprobs over the tokens [start, stop) of a row of unprocessed logits: (the sum of
@@ -123,7 +129,7 @@ def raw_partials(plain_row_ptr, start, stop, raw_max, token_raw, CHUNK: tl.const
     for base in range(start, stop, CHUNK):
         offs = base + tl.arange(0, CHUNK)
         plain = tl.load(plain_row_ptr + offs, mask=offs < stop, other=-float("inf"))
-        raw_mass += tl.sum((exp_f32(plain - raw_max, ACCURATE) * MASS_SCALE).to(tl.int64), 0)
+        raw_mass += raw_masses(plain, raw_max, MASS_SCALE, ACCURATE)
         above += tl.sum((plain > token_raw).to(tl.int64), 0)
     return raw_mass, above
 
@@ -153,7 +159,7 @@ def digit_histogram(lo, score_row_ptr, start, stop, stop_ptr, active, shift, tem
         masked, z, weight, key, mass = processed_values(masked, shift, temperature, MASS_SCALE, ACCURATE)
         if FIRST:
             if raw:
-                raw_mass += tl.sum((exp_f32(score - raw_max, ACCURATE) * MASS_SCALE).to(tl.int64), 0)
+                raw_mass += raw_masses(score, raw_max, MASS_SCALE, ACCURATE)
         if COUNT:
             add = in_row.to(tl.int64)
         else:
