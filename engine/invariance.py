@@ -196,18 +196,11 @@ def long_calls_upto(gemm: BlockGemm, most: int = LONG_CALL_BLOCKS) -> int:
     return _verdicts[key]
 
 
-def short_blocks_invariant(gemm: BlockGemm) -> bool:
-    """Whether calls of 1 .. block_rows - 1 rows all give each row the bits a full block
-    call gives it: then a last, partial block of any size may run unpadded
-    (`BlockGemm.short_tail`)."""
-    return short_calls_from(gemm) == 1
-
-
 def choose_block_gemm(candidates: Iterable[BlockGemm | None]) -> tuple[BlockGemm, bool]:
     """The first candidate (None entries skipped) whose block calls are batch-invariant
     here, with True; when none is, the first candidate with False. Candidates are taken
     lazily, so those after the first that passes are never prepared. A verified one has
-    `short_tail` set when `short_blocks_invariant` holds for it, and `long_blocks` from
+    `short_from` from `short_calls_from`, and `long_blocks` from
     `long_calls_upto`."""
     first = None
     for gemm in candidates:
@@ -217,7 +210,7 @@ def choose_block_gemm(candidates: Iterable[BlockGemm | None]) -> tuple[BlockGemm
         if _values_unavailable():
             break
         if gemm_invariant(gemm):
-            return dataclasses.replace(gemm, short_tail=short_blocks_invariant(gemm), long_blocks=long_calls_upto(gemm)), True
+            return dataclasses.replace(gemm, short_from=short_calls_from(gemm), long_blocks=long_calls_upto(gemm)), True
     if first is None:
         raise ValueError("choose_block_gemm: no candidate applies")
     return first, False

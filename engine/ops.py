@@ -73,10 +73,10 @@ class BlockGemm:
 
     `kernel` names an entry of `BLOCK_KERNELS`; `packed` is its prepared form of `weight`
     (oneDNN's blocked layout for `onednn`, MKL's packed layout for `mkl_packed`, None for
-    `mm`). Lives on the weight's device. `short_tail`: a last block of fewer rows may run
-    unpadded, as a call of just those rows, because the probe found such calls give every
-    row the bits of the full block (oneDNN's prepacked kernels do on AVX-512 CPUs): a
-    one-row step then costs a one-row GEMM, not a `block_rows`-row one. `long_blocks`:
+    `mm`). Lives on the weight's device. `short_from`: the fewest rows a call may hold and
+    still give every row the bits of the full block (`engine.invariance.short_calls_from`;
+    `block_rows` when no shorter call does): a last block of fewer rows runs as a short call
+    (`tail_rows`), so a one-row step need not cost a `block_rows`-row GEMM. `long_blocks`:
     consecutive whole blocks may run as one call of 2, 4, ... up to that many blocks (powers
     of two), because the probe found such calls give every row its block's bits
     (`engine.invariance.long_calls_upto`): each call reads the weight once, not once
@@ -88,12 +88,21 @@ class BlockGemm:
     weight: torch.Tensor  # [N, K]
     block_rows: int
     packed: torch.Tensor | None = None
-    short_tail: bool = False
+    short_from: int | None = None  # None: block_rows (no short call verified)
     long_blocks: int = 1
 
     @property
     def name(self) -> str:
         return f"{self.kernel}[{self.block_rows}]"
+
+    def tail_rows(self, rows: int) -> int:
+        """The rows of the call that runs a last, partial block of `rows` rows (the rest
+        zero padding): the block where no short call is verified, else at least
+        `SHORT_CALL_ROWS` and `short_from`."""
+        fewest = self.block_rows if self.short_from is None else self.short_from
+        if fewest >= self.block_rows:
+            return self.block_rows
+        return max(rows, fewest, min(SHORT_CALL_ROWS, self.block_rows))
 
     def calls(self, rows: int) -> list[tuple[int, int]]:
         """The (start, stop) row ranges `rows` rows run in: whole blocks grouped into calls of
@@ -112,7 +121,7 @@ class BlockGemm:
         """x `[n * block_rows, K]` in the weight's dtype -> `[n * block_rows, N]`, one kernel call per
         block, or per group of blocks where `long_blocks` allows (`calls`). A last, partial
         block runs as one call of just its rows: for callers whose probe verified such calls
-        (`short_tail`, `engine.invariance.short_calls_from`)."""
+        (`short_from`, `engine.invariance.short_calls_from`)."""
         run = BLOCK_KERNELS[self.kernel]
         ranges = self.calls(x.shape[0])
         if len(ranges) == 1:  # one call, no concatenation (a [rows, V] copy for the LM head)
@@ -141,6 +150,13 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, residual: torch.Tensor 
         return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [None], "")
     return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, None, "add")
 
+
+# The fewest rows a short call (a last, partial block) runs, padded with zero rows where it
+# has fewer and a call of this many is verified (`BlockGemm.tail_rows`). oneDNN's prepacked
+# GEMM ran 1- and 2-row calls slower than 4-row ones on 2 Zen 4 cores, 1 thread, 7
+# alternating runs: at H = 2048, V = 128256, 68.9 and 82.6 ms against 51.3 (16 rows: 96.1);
+# at H = 576, V = 49152, 8.5 and 10.5 ms against 7.5 (16 rows: 13.2).
+SHORT_CALL_ROWS = 4
 
 GEMV_CHUNKS = (8, 4, 2)  # slices of the weight's rows tried for `one_row_linear`, most first
 
@@ -275,10 +291,11 @@ def get_logits(
     run = BLOCK_KERNELS[gemm.kernel]
     for start, stop in gemm.calls(rows):  # whole blocks, grouped where verified; then the partial rest
         n = stop - start
-        if n % block_rows == 0 or gemm.short_tail:  # a short call only where it gives the block's bits
+        call = n if n % block_rows == 0 else gemm.tail_rows(n)  # short calls only where they give the block's bits
+        if call == n:
             out[start:stop].copy_(run(gemm, hidden[start:stop].to(weight.dtype)))
             continue
-        block = torch.zeros((block_rows, weight.shape[1]), dtype=weight.dtype, device=weight.device)  # [block, H]
+        block = torch.zeros((call, weight.shape[1]), dtype=weight.dtype, device=weight.device)  # [call, H]
         block[:n].copy_(hidden[start:stop])  # the last block's padding: zeros
-        out[start:stop].copy_(run(gemm, block)[:n])  # [block, V] in the weight's dtype
+        out[start:stop].copy_(run(gemm, block)[:n])  # [call, V] in the weight's dtype
     return out

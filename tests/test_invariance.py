@@ -333,11 +333,24 @@ def off_below(fewest: int):
 
 @pytest.mark.parametrize("fewest", [1, 2, 5, 8])
 def test_short_calls_from_finds_the_fewest_rows_that_keep_the_block_bits(planted, fewest):
-    planted(exact_rows, ("mm",))
-    planted(off_below(fewest), ("mm",))
+    planted(exact_rows)
+    planted(off_below(fewest))
     gemm = block_gemm(torch.randn(300, 40), "mm", 8)
     assert invariance.short_calls_from(gemm) == fewest  # 8: no short call keeps them
-    assert invariance.short_blocks_invariant(gemm) == (fewest == 1)
+    # The engine's LM head runs a short last block only as a verified call: one row alone
+    # and 1 to 20 rows give each row its block's bits.
+    engine = StepEngine(torch.randn(300, 40), EngineConfig(max_num_reqs=4, logits_block_rows=8, sampler_variants=False))
+    assert engine.batch_invariant_verified and engine.logits_kernel.short_from == fewest
+    assert_rows_invariant(engine.logits_kernel.weight, engine.logits_kernel, [1, 2, 3, 5, 9, 20], seed=fewest)
+
+
+@pytest.mark.parametrize("block_rows, short_from, want", [
+    (16, None, [16] * 15), (16, 16, [16] * 15), (16, 1, [4, 4, 4] + list(range(4, 16))),
+    (16, 2, [4, 4, 4] + list(range(4, 16))), (16, 6, [6] * 6 + list(range(7, 16))),
+    (3, 1, [3, 3]), (4, 2, [4, 4, 4])])
+def test_a_short_block_runs_as_a_verified_call_of_at_least_four_rows(block_rows, short_from, want):
+    gemm = BlockGemm("mm", torch.zeros(3, 2), block_rows, short_from=short_from)
+    assert [gemm.tail_rows(n) for n in range(1, block_rows)] == want
 
 
 def off_above(most: int):

@@ -247,8 +247,8 @@ def test_cpu_keeps_todays_choice(small_weight: torch.Tensor) -> None:
     chosen, verified = choose_row_logits(small_weight, 16, kernels=("triton",))
     gemm, today = choose_block_gemm(lm_head_candidates(small_weight, 16))
     assert chosen.kernel == "block_gemm" and verified == today
-    assert (chosen.block_gemm.kernel, chosen.block_gemm.block_rows, chosen.block_gemm.short_tail,
-            chosen.block_gemm.long_blocks) == (gemm.kernel, gemm.block_rows, gemm.short_tail, gemm.long_blocks)
+    assert (chosen.block_gemm.kernel, chosen.block_gemm.block_rows, chosen.block_gemm.short_from,
+            chosen.block_gemm.long_blocks) == (gemm.kernel, gemm.block_rows, gemm.short_from, gemm.long_blocks)
     hidden = torch.randn(6, 140, generator=torch.Generator().manual_seed(5))
     row_index = torch.tensor([5, 0, 9, 2])
     out = torch.empty(4, 100)
