@@ -237,10 +237,12 @@ def test_every_variant_that_can_serve_a_batch_gives_the_full_samplers_bits(batch
     kept = d.kept
     width = max(1, int(rows.top_k.max()))
     assert torch.equal(thresholds.row_distribution(masked, best, rows, top_k="topk", top_k_width=width).kept, kept)
-    # Without the kept mask (no processed logprobs): the same weights, bit for bit.
+    # Without the kept mask (no processed logprobs): the same masses, bit for bit (a weight
+    # of mass 0 may read as exp(SUBNORMAL_Z) there).
     for variant in (dict(), dict(top_k="topk", top_k_width=width)):
         lean = thresholds.row_distribution(masked, best, rows, kept_set=False, **variant)
-        assert lean.kept is None and torch.equal(lean.weights, d.weights) and torch.equal(lean.block_mass, d.block_mass)
+        assert lean.kept is None and torch.equal(lean.block_mass, d.block_mass)
+        assert torch.equal(thresholds.token_masses(lean.weights), thresholds.token_masses(d.weights))
     if not bool(rows.k_on.any()):
         assert torch.equal(thresholds.row_distribution(masked, best, rows, top_k="none").kept, kept)
     if not bool(rows.p_on.any()):
