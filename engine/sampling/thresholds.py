@@ -324,8 +324,8 @@ def _top_p_cut(keys: torch.Tensor, mass: torch.Tensor, rows: SamplingRows) -> to
 
 def _min_p_floor(rows: SamplingRows) -> torch.Tensor:
     """[rows, 1] f32: the least weight exp(z) min-p keeps; -1 where it is off (keeps all).
-    min_p came in as a float32: the float32 comparison is the float64 one."""
-    return torch.where(rows.m_on, rows.min_p, -1.0).to(torch.float32)[:, None]
+    min_p comes in as a float32 (`RowParams.min_ps`), compared as it is."""
+    return torch.where(rows.m_on, rows.min_p32, -1.0)[:, None]
 
 
 def _filtered_weights(masked: torch.Tensor, shift: torch.Tensor, z: torch.Tensor, weights: torch.Tensor,
