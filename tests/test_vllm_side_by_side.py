@@ -226,18 +226,18 @@ def theirs(requests: list[Request], logits: np.ndarray) -> tuple[list[int], np.n
 
 
 def top_agrees(our_top: tuple[tuple[int, float], ...], their_ids: np.ndarray, their_lps: np.ndarray) -> bool:
-    """Our top-5 (id, logprob), -1 past the kept set, against vLLM's: the logprobs within
-    LOGPROB_ATOL, -inf where we list no token, and the same ids up to the order of
-    equal values."""
+    """Our top-5 (id, logprob) against vLLM's: the logprobs within LOGPROB_ATOL, -inf where
+    we list no kept token (past the kept set we list other ids at -inf, or -1), and the
+    same kept ids up to the order of equal values."""
     for j, (token, value) in enumerate(our_top):
         theirs_value = float(their_lps[j])
-        if token < 0:
+        if token < 0 or value == -math.inf:
             if theirs_value != -math.inf:
                 return False
             continue
         if not abs(theirs_value - value) <= LOGPROB_ATOL:
             return False
-    ours_by_value = sorted((round(v, 4), t) for t, v in our_top if t >= 0)
+    ours_by_value = sorted((round(v, 4), t) for t, v in our_top if t >= 0 and v > -math.inf)
     theirs_by_value = sorted((round(float(v), 4), int(t)) for t, v in zip(their_ids, their_lps) if v > -math.inf)
     return ours_by_value == theirs_by_value or {t for _, t in ours_by_value} == {t for _, t in theirs_by_value}
 

@@ -262,7 +262,7 @@ class RowDistribution:
     """A row's processed distribution over the whole vocabulary, by token id."""
 
     shift: torch.Tensor  # [rows] f32: M, the largest valid score (0 when there is none)
-    z: torch.Tensor  # [rows, V] f32 processed logits, -inf where not valid
+    z: torch.Tensor | None  # [rows, V] f32 processed logits, -inf where not valid; None: only the draw reads it
     kept: torch.Tensor | None  # [rows, V] bool; None: not computed (no filters, or only the weights asked for)
     # [rows, V] f32: exp(z) of the kept tokens, 0 elsewhere; without a kept set (`kept` None)
     # a weight of mass 0 below exp(SUBNORMAL_Z) may read as exp(SUBNORMAL_Z) instead.
@@ -277,7 +277,7 @@ class RowDistribution:
     @property
     def total(self) -> torch.Tensor:
         """[rows] f64: the kept set's mass times 2**-S, in the weights' units."""
-        return self.mass_total * 2.0 ** -mass_bits(self.z.shape[1])
+        return self.mass_total * 2.0 ** -mass_bits(self.weights.shape[1])
 
     def probabilities(self) -> torch.Tensor:
         """[rows, V] f64: each kept token's mass over the kept total, the distribution
@@ -300,8 +300,13 @@ def processed_scores(masked: torch.Tensor, best: torch.Tensor, rows: SamplingRow
     """The shift M [rows] f32 (the largest valid score, 0 for a row with none:
     it fails) and z = (masked - M) / T [rows, V] f32 (docs/contract.md §2,
     temperature), from `masked` scores and their row maximum `best`. Capture-safe."""
-    shift = torch.where(best > -math.inf, best, 0.0)
+    shift = row_shift(best)
     return shift, processed_logits(masked, shift, rows.temperature)
+
+
+def row_shift(best: torch.Tensor) -> torch.Tensor:
+    """M [rows] f32: the row maximum `best` of the valid scores, 0 for a row with none."""
+    return torch.where(best > -math.inf, best, 0.0)
 
 
 def _top_k_cut(keys: torch.Tensor, masked: torch.Tensor, shift: torch.Tensor, rows: SamplingRows, top_k: str,
@@ -353,6 +358,42 @@ def _times_verdict(compare, left: torch.Tensor, right: torch.Tensor, weights: to
     return compare(left, right, out=torch.empty_like(weights)).mul_(weights)
 
 
+def draw_weights(masked: torch.Tensor, shift: torch.Tensor, temperature: torch.Tensor,
+                 floor: torch.Tensor | None) -> RowDistribution:
+    """The draw's weights and block masses where min-p is the only cut (or there is none):
+    what `processed_logits`, exp (of z raised to SUBNORMAL_Z), min-p's verdict and
+    `block_sums` give, the same bits, computed one span of whole blocks at a time on a CPU
+    (TEMPORARY_BYTES of each temporary), so every step of the chain reads what the one
+    before left in cache: at [64, 128256], 2 Zen 4 cores, 1 thread, 18.3 ms against 23.5
+    for the whole-row passes; at [16, 128256] 4.8 against 5.3.
+
+    Parameters: `masked` [rows, V] f32 scores (invalid -inf); `shift` [rows] f32, M;
+    `temperature` [rows] f32; `floor` [rows, 1] f32 min-p's least weight (-1: off), or
+    None (no row has min-p). Returns: `RowDistribution` without z and kept. Capture-safe.
+    """
+    rows, vocab = masked.shape
+    scale = float(2 ** mass_bits(vocab))
+    step = vocab if masked.device.type != "cpu" else max(1, TEMPORARY_BYTES // (4 * BLOCK * max(rows, 1))) * BLOCK
+    weights = torch.empty_like(masked)  # [rows, V] f32
+    scratch = torch.empty((rows, min(step, vocab)), dtype=torch.float32, device=masked.device)
+    shift, temperature = shift[:, None], temperature[:, None]
+    parts = []
+    for start in range(0, vocab, step):
+        w = weights[:, start : start + step]
+        torch.sub(masked[:, start : start + step], shift, out=w).div_(temperature).clamp_(min=SUBNORMAL_Z).exp_()
+        spare = scratch[:, : w.shape[1]]
+        if floor is not None:
+            w.mul_(torch.ge(w, floor, out=spare))  # the verdict as float32 1 and 0 (`_times_verdict`)
+        masses = torch.mul(w, scale, out=spare).floor_()  # `token_masses`' integers, in float32
+        full = masses.shape[1] // BLOCK
+        if full:
+            parts.append(masses[:, : full * BLOCK].view(rows, full, BLOCK).sum(-1, dtype=torch.float64))
+        if masses.shape[1] % BLOCK:
+            parts.append(masses[:, full * BLOCK :].sum(-1, keepdim=True, dtype=torch.float64))
+    block_mass = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+    return RowDistribution(shift.squeeze(1), None, None, weights, block_mass)
+
+
 def row_distribution(masked: torch.Tensor, best: torch.Tensor, rows: SamplingRows, *, filters: bool = True,
                      top_k: str = "radix", top_k_width: int = 0, top_p: bool = True,
                      kept_set: bool = True) -> RowDistribution:
@@ -370,6 +411,8 @@ def row_distribution(masked: torch.Tensor, best: torch.Tensor, rows: SamplingRow
     (`kept` None), two to four full-row passes fewer.
     Returns: `RowDistribution`. Fixed work whatever the values. Capture-safe.
     """
+    if not kept_set and (not filters or (top_k == "none" and not top_p)):
+        return draw_weights(masked, row_shift(best), rows.temperature, _min_p_floor(rows) if filters else None)
     shift, z = processed_scores(masked, best, rows)
     # The draw reads weights only through their masses, and a weight below 2**-S has mass 0
     # (`SUBNORMAL_Z`): with no kept set to decide, z below it is raised to it first.
