@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.sampling import exact as exact_module
 from engine.sampling import filters, thresholds
@@ -328,3 +329,33 @@ def test_without_compute_logprobs_the_logprob_fields_stay_untouched(mode):
         assert torch.equal(out.tokens, sample(logits, params, cfg).tokens)
         assert (out.logprob == 7.0).all() and (out.rank == -7).all()
         assert (out.top_ids == -7).all() and (out.top_logprobs == 7.0).all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from([(64, 10000), (3, 300), (16, 2048)]))
+def test_draw_weights_are_the_whole_row_chain(seed, shape):
+    """The draw-only path's spans of blocks (64 rows x 10000 tokens: three spans on a CPU,
+    the last block partial) against the chain written out over whole rows: z = (s - M) / T,
+    exp, min-p's verdict (weight >= min_p, ties at min_p = 1 kept), the masses, their sums
+    per block. Logits spread down to z = -300 (weights below the least normal float32,
+    mass 0), -inf salted in; every row's block masses and token masses bit for bit."""
+    rows_n, vocab = shape
+    rng = np.random.default_rng(seed)
+    logits = torch.from_numpy((rng.integers(0, 8, (rows_n, vocab)) * rng.choice([0.5, 4.0, 40.0])).astype(np.float32))
+    logits[torch.from_numpy(rng.random((rows_n, vocab)) < 0.02)] = -math.inf
+    params = row_params(rows_n, temperature=rng.choice([0.0, 0.5, 1.0, 1.7], rows_n),
+                        min_p=rng.choice([0.0, 0.05, 0.5, 1.0], rows_n))
+    rows = expand_rows(params, vocab)
+    best = logits.amax(-1)
+    for floor_on in (False, True):
+        got = thresholds.draw_weights(logits, best, rows.temperature, thresholds._min_p_floor(rows) if floor_on else None)
+        z = (logits - best[:, None]) / rows.temperature[:, None]
+        weights = torch.exp(z)
+        if floor_on:
+            on = (params.min_ps > 0) & (params.temperatures > 0)
+            weights = torch.where(~on[:, None] | (weights >= params.min_ps[:, None]), weights, torch.zeros(()))
+        masses = torch.floor(weights.double() * 2.0 ** thresholds.mass_bits(vocab))
+        blocks = -(-vocab // thresholds.BLOCK)
+        padded = torch.nn.functional.pad(masses, (0, blocks * thresholds.BLOCK - vocab))
+        assert torch.equal(got.block_mass, padded.view(rows_n, blocks, thresholds.BLOCK).sum(-1))
+        assert torch.equal(thresholds.token_masses(got.weights), masses)
