@@ -110,16 +110,29 @@ def block_sums(weights: torch.Tensor, vocab: int | None = None) -> torch.Tensor:
     # costs more in page faults than the arithmetic (4x the sampler's time at [64, 49152]
     # in float64). Float32 masses, half the bytes of float64 ones, took 15 to 25% less time
     # at [16 to 64, 49152] and [16, 128256] (2 Zen 4 cores, thread CPU time, load 10).
-    step = max(1, TEMPORARY_BYTES // (4 * BLOCK * max(rows, 1))) * BLOCK
+    step = _span(rows)
     parts = []
     for start in range(0, width, step):
-        masses = torch.mul(weights[:, start : start + step], scale).floor_()  # [rows, <= step] f32 integers
-        full = masses.shape[1] // BLOCK
-        if full:
-            parts.append(masses[:, : full * BLOCK].view(rows, full, BLOCK).sum(-1, dtype=torch.float64))
-        if masses.shape[1] % BLOCK:
-            parts.append(masses[:, full * BLOCK :].sum(-1, keepdim=True, dtype=torch.float64))
+        parts += _block_totals(torch.mul(weights[:, start : start + step], scale).floor_())  # f32 integers
     return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+
+def _span(rows: int) -> int:
+    """Tokens per span of a [rows, V] pass made a span at a time: whole blocks, at most
+    TEMPORARY_BYTES of float32 per temporary."""
+    return max(1, TEMPORARY_BYTES // (4 * BLOCK * max(rows, 1))) * BLOCK
+
+
+def _block_totals(masses: torch.Tensor) -> list[torch.Tensor]:
+    """`masses` [rows, M] f32 integers (M a whole number of blocks, but for a last
+    partial one) summed in float64 over each block: [rows, whole blocks] and, where
+    there is a partial block, [rows, 1]. Exact in any order."""
+    rows, width = masses.shape
+    full = width // BLOCK
+    totals = [masses[:, : full * BLOCK].view(rows, full, BLOCK).sum(-1, dtype=torch.float64)] if full else []
+    if width % BLOCK:
+        totals.append(masses[:, full * BLOCK :].sum(-1, keepdim=True, dtype=torch.float64))
+    return totals
 
 
 def log_block_total(block_mass: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -373,7 +386,7 @@ def draw_weights(masked: torch.Tensor, shift: torch.Tensor, temperature: torch.T
     """
     rows, vocab = masked.shape
     scale = float(2 ** mass_bits(vocab))
-    step = vocab if masked.device.type != "cpu" else max(1, TEMPORARY_BYTES // (4 * BLOCK * max(rows, 1))) * BLOCK
+    step = vocab if masked.device.type != "cpu" else _span(rows)
     weights = torch.empty_like(masked)  # [rows, V] f32
     scratch = torch.empty((rows, min(step, vocab)), dtype=torch.float32, device=masked.device)
     shift, temperature = shift[:, None], temperature[:, None]
@@ -384,12 +397,7 @@ def draw_weights(masked: torch.Tensor, shift: torch.Tensor, temperature: torch.T
         spare = scratch[:, : w.shape[1]]
         if floor is not None:
             w.mul_(torch.ge(w, floor, out=spare))  # the verdict as float32 1 and 0 (`_times_verdict`)
-        masses = torch.mul(w, scale, out=spare).floor_()  # `token_masses`' integers, in float32
-        full = masses.shape[1] // BLOCK
-        if full:
-            parts.append(masses[:, : full * BLOCK].view(rows, full, BLOCK).sum(-1, dtype=torch.float64))
-        if masses.shape[1] % BLOCK:
-            parts.append(masses[:, full * BLOCK :].sum(-1, keepdim=True, dtype=torch.float64))
+        parts += _block_totals(torch.mul(w, scale, out=spare).floor_())  # `token_masses`' integers, in float32
     block_mass = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
     return RowDistribution(shift.squeeze(1), None, None, weights, block_mass)
 
