@@ -353,7 +353,7 @@ def sample(
     sampling device; `params` their controls (same device); `cfg` the
     sampler's; `out` preallocated outputs (None: allocated, top-N =
     cfg.max_logprobs). `compute_logprobs=False` leaves logprob, rank and
-    top-N of the rows untouched. `controls`: the rows' sampling controls
+    top-N of the rows untouched (a failed row's get the placeholder's). `controls`: the rows' sampling controls
     (penalties, logit bias, allowed tokens; `ControlRows`), applied
     here: an f32 `logits` is then processed in place, and holds the
     processed scores when the call returns (everything before the greedy
