@@ -59,7 +59,7 @@ def kept_set(zs: torch.Tensor, weights: torch.Tensor, masses: torch.Tensor, rows
     row. Returns: `KeptSet`. Capture-safe.
     """
     alive = zs > -math.inf
-    keep_m = alive & (~rows.m_on[:, None] | (weights >= rows.min_p.to(torch.float32)[:, None]))
+    keep_m = alive & (~rows.m_on[:, None] | (weights >= rows.min_p[:, None]))
     kth_z = kth_largest(zs, rows.top_k)
     in_k = keep_m & (~rows.k_on[:, None] | (zs >= kth_z[:, None]))
     cum = torch.where(in_k, masses, 0.0).cumsum(-1)  # [rows, M] f64 integers: exact

@@ -120,19 +120,14 @@ class SamplingRows:
         return (self.top_p < 1) & ~self.greedy
 
     @cached_property
-    def min_p32(self) -> torch.Tensor:
-        """[rows] f32, as `RowParams.min_ps` holds it."""
-        return self._params.min_ps[self._req]
-
-    @cached_property
     def min_p(self) -> torch.Tensor:
-        """[rows] f64."""
-        return self.min_p32.to(torch.float64)
+        """[rows] f32, as `RowParams.min_ps` holds it (compared with float32 weights as it is)."""
+        return self._params.min_ps[self._req]
 
     @cached_property
     def m_on(self) -> torch.Tensor:
         """[rows] bool: min-p on (> 0, and not greedy)."""
-        return (self.min_p32 > 0) & ~self.greedy
+        return (self.min_p > 0) & ~self.greedy
 
     @cached_property
     def seed(self) -> torch.Tensor:

@@ -113,7 +113,7 @@ def block_sums(weights: torch.Tensor, vocab: int | None = None) -> torch.Tensor:
     step = _span(rows)
     parts = []
     for start in range(0, width, step):
-        parts += _block_totals(torch.mul(weights[:, start : start + step], scale).floor_())  # f32 integers
+        parts += _block_totals(weights[:, start : start + step], scale)
     return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
 
@@ -123,10 +123,12 @@ def _span(rows: int) -> int:
     return max(1, TEMPORARY_BYTES // (4 * BLOCK * max(rows, 1))) * BLOCK
 
 
-def _block_totals(masses: torch.Tensor) -> list[torch.Tensor]:
-    """`masses` [rows, M] f32 integers (M a whole number of blocks, but for a last
-    partial one) summed in float64 over each block: [rows, whole blocks] and, where
-    there is a partial block, [rows, 1]. Exact in any order."""
+def _block_totals(weights: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """The masses floor(weights * scale) of `weights` [rows, M] f32 (M a whole number of
+    blocks, but for a last partial one), held in float32 (in `out` when given), summed in
+    float64 over each block: [rows, whole blocks] and, where there is a partial block,
+    [rows, 1]. Exact in any order."""
+    masses = torch.mul(weights, scale, out=out).floor_()  # `token_masses`' integers
     rows, width = masses.shape
     full = width // BLOCK
     totals = [masses[:, : full * BLOCK].view(rows, full, BLOCK).sum(-1, dtype=torch.float64)] if full else []
@@ -343,7 +345,7 @@ def _top_p_cut(keys: torch.Tensor, mass: torch.Tensor, rows: SamplingRows) -> to
 def _min_p_floor(rows: SamplingRows) -> torch.Tensor:
     """[rows, 1] f32: the least weight exp(z) min-p keeps; -1 where it is off (keeps all).
     min_p comes in as a float32 (`RowParams.min_ps`), compared as it is."""
-    return torch.where(rows.m_on, rows.min_p32, -1.0)[:, None]
+    return torch.where(rows.m_on, rows.min_p, -1.0)[:, None]
 
 
 def _filtered_weights(masked: torch.Tensor, shift: torch.Tensor, z: torch.Tensor, weights: torch.Tensor,
@@ -389,17 +391,16 @@ def draw_weights(masked: torch.Tensor, shift: torch.Tensor, temperature: torch.T
     step = vocab if masked.device.type != "cpu" else _span(rows)
     weights = torch.empty_like(masked)  # [rows, V] f32
     scratch = torch.empty((rows, min(step, vocab)), dtype=torch.float32, device=masked.device)
-    shift, temperature = shift[:, None], temperature[:, None]
     parts = []
     for start in range(0, vocab, step):
-        w = weights[:, start : start + step]
-        torch.sub(masked[:, start : start + step], shift, out=w).div_(temperature).clamp_(min=SUBNORMAL_Z).exp_()
+        w = processed_logits(masked[:, start : start + step], shift, temperature, out=weights[:, start : start + step])
+        w.clamp_(min=SUBNORMAL_Z).exp_()
         spare = scratch[:, : w.shape[1]]
         if floor is not None:
             w.mul_(torch.ge(w, floor, out=spare))  # the verdict as float32 1 and 0 (`_times_verdict`)
-        parts += _block_totals(torch.mul(w, scale, out=spare).floor_())  # `token_masses`' integers, in float32
+        parts += _block_totals(w, scale, out=spare)
     block_mass = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-    return RowDistribution(shift.squeeze(1), None, None, weights, block_mass)
+    return RowDistribution(shift, None, None, weights, block_mass)
 
 
 def row_distribution(masked: torch.Tensor, best: torch.Tensor, rows: SamplingRows, *, filters: bool = True,
