@@ -250,6 +250,49 @@ def test_every_variant_that_can_serve_a_batch_gives_the_full_samplers_bits(batch
         assert torch.equal(thresholds.row_distribution(masked, best, rows, top_p=False).kept, kept)
 
 
+@settings(max_examples=80, deadline=None)
+@given(sampler_batches(), st.lists(st.tuples(st.integers(0, 5), st.sampled_from(["nan", "inf", "-inf", "row", "stop nan",
+                                                                               "stop inf"])), max_size=3))
+def test_a_variant_told_what_no_row_holds_gives_the_full_samplers_bits(batch, broken):
+    """`SamplerConfig.greedy_rows`, `stop_rows`, `forced_rows` False: the host knows no row
+    is greedy, suppresses a stop id, or has a forced token, and the torch stages skip what
+    only such a row needs (the argmax, the suppression, the override). Every field and
+    error equals the full sampler's, rows with NaN, +-inf, a row of -inf and a NaN or +inf
+    at a stop id included; each flag is tried wherever the rows allow it."""
+    logits, rp, _, _, _, stop = batch
+    rows_n, vocab = logits.shape
+    for row, kind in broken:  # non-finite logits: the finite check without the argmax or the stop slots
+        if row < rows_n:
+            column = stop[0] if kind.startswith("stop") else (row * 7) % vocab
+            if kind == "row":
+                logits[row] = -math.inf
+            else:
+                logits[row, column] = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}[kind.split()[-1]]
+    temperature = np.array([r[0] for r in rp])
+    suppress = np.array([r[6] for r in rp])
+    forced = np.array([r[7] for r in rp])
+    params = row_params(rows_n, temperature=temperature, top_k=[r[1] for r in rp], top_p=[r[2] for r in rp],
+                        min_p=[r[3] for r in rp], seed=[r[4] for r in rp], position=[r[5] for r in rp],
+                        stop_ids=np.tile(stop, (rows_n, 1)), eos_suppression_rows=suppress, forced_tokens=forced)
+    full = SamplerConfig(max_logprobs=0)
+    want = sample(logits, params, full, compute_logprobs=False)
+    rows = expand_rows(params, vocab)
+    sampled_rows = ~rows.greedy
+    filtered = bool(((rows.k_on | rows.p_on | rows.m_on) & sampled_rows).any())
+    stages = ["filters"] + ([] if filtered else ["plain"])
+    flags = [dict(greedy_rows=g, stop_rows=s, forced_rows=f) for g in (True, False) for s in (True, False)
+             for f in (True, False)]
+    allowed = [f for f in flags if (f["greedy_rows"] or not (temperature == 0).any())
+               and (f["stop_rows"] or not suppress.any()) and (f["forced_rows"] or not (forced >= 0).any())]
+    variants = [dataclasses.replace(full, stages=st_, **f) for st_ in stages for f in allowed]
+    if not sampled_rows.any() and not suppress.any():
+        variants += [dataclasses.replace(full, stages="greedy", forced_rows=f["forced_rows"]) for f in allowed]
+    for cfg in variants:
+        got = sample(logits, params, cfg, compute_logprobs=False)
+        assert_same(got, want)
+        assert torch.equal(got.error, want.error), cfg
+
+
 @pytest.mark.parametrize("vocab", [50, 1024])  # 50: one torch.max pass; 1024: the blocked search
 def test_greedy_stage_fails_non_finite_rows_like_the_full_sampler(vocab):
     """The greedy fast path's finite check: NaN, +inf and -inf rows fail with

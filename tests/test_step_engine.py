@@ -322,13 +322,16 @@ def _few_candidate_batch(n: int, seed: int, weight: torch.Tensor, *, top_k_zero_
     return seqs, torch.stack(rows)
 
 
-def _greedy_or_plain_batch(n: int, *, seed: int, weight: torch.Tensor, greedy: bool):
-    """`n` decode requests, all greedy or all sampled without filters, half on tied logits."""
+def _greedy_or_plain_batch(n: int, *, seed: int, weight: torch.Tensor, greedy: bool | None, forced: bool = False):
+    """`n` decode requests, all greedy or all sampled without filters (`greedy` None: every
+    other one greedy), half on tied logits; with `forced`, every third a forced token."""
     seqs, rows = [], []
     for i in range(n):
-        params = SamplingParams(temperature=0.0 if greedy else 0.9, seed=seed * 31 + i,
+        temperature = 0.0 if (greedy if greedy is not None else i % 2 == 1) else 0.9
+        params = SamplingParams(temperature=temperature, seed=seed * 31 + i,
                                 min_tokens=3 if i % 3 == 0 and seed % 2 else 0)
-        seqs.append(SeqMeta(f"r{i}", False, 1, 7, 5, prompt_tokens=np.arange(5), num_generated=2, params=params))
+        seqs.append(SeqMeta(f"r{i}", False, 1, 7, 5, prompt_tokens=np.arange(5), num_generated=2, params=params,
+                            forced_token=(seed * 7 + i) % VOCAB if forced and i % 3 == 1 else None))
         tie = i % 2 == 0
         rows.append(weight[100] * 4 if tie else torch.randn(HIDDEN, generator=torch.Generator().manual_seed(seed * 97 + i)))
     return seqs, torch.stack(rows)
@@ -360,6 +363,12 @@ def test_the_lighter_cpu_steps_sample_exactly_what_the_full_step_does():
     seqs[0] = dataclasses.replace(seqs[0], params=dataclasses.replace(seqs[0].params, logprobs=3))  # logprobs: not the argmax alone
     _same(light.step(hidden, seqs), full.step(hidden, seqs))
     assert light.stats.greedy_steps == len(sizes) - suppressing
+    # Greedy rows among sampled ones, forced tokens, stop ids suppressed on some rows: each
+    # step's variant says which of them it holds (`sampler_variant`), and skips the rest.
+    for seed, n in enumerate([1, 2, 5, 9, 16, 3]):
+        for greedy, forced in ((None, False), (None, True), (False, True), (True, True)):
+            seqs, hidden = _greedy_or_plain_batch(n, seed=seed, weight=weight, greedy=greedy, forced=forced)
+            _same(light.step(hidden, seqs), full.step(hidden, seqs))
 
 
 @pytest.mark.parametrize("value", [0, 1, "yes", None])

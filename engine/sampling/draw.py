@@ -243,6 +243,7 @@ def inverse_cdf(masses: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def drawn_token(rows: SamplingRows, greedy: torch.Tensor, drawn: torch.Tensor) -> torch.Tensor:
     """Each row's token: greedy rows take `greedy`, the others `drawn`; a
-    forced token overrides both. All [rows] int64. Capture-safe."""
-    token = torch.where(rows.greedy, greedy, drawn)
-    return torch.where(rows.forced >= 0, rows.forced, token)
+    forced token overrides both. All [rows] int64 (`greedy` None where no row
+    is greedy). Capture-safe."""
+    token = drawn if rows.greedy is None else torch.where(rows.greedy, greedy, drawn)
+    return token if rows.forced is None else torch.where(rows.forced >= 0, rows.forced, token)

@@ -46,10 +46,14 @@ class SamplingRows:
     torch-sampled row reads (greedy, temperature, stop ids, forced token, uniform) comes
     in one go, when first read or at once with `expand=True` (the torch stages)."""
 
-    def __init__(self, params: RowParams, vocab: int, *, expand: bool = False) -> None:
+    def __init__(self, params: RowParams, vocab: int, *, expand: bool = False, greedy: bool = True,
+                 stops: bool = True, forced: bool = True) -> None:
         self._params = params
         self._vocab = vocab
         self._req = params.row_to_req
+        # What the rows may hold (`SamplerConfig.greedy_rows`, `stop_rows`, `forced_rows`):
+        # where the host knows no row does, the control is None and the stages skip it.
+        self._may = (greedy, stops, forced)
         if expand:
             self._common()
 
@@ -57,26 +61,27 @@ class SamplingRows:
         """The controls every sampled row reads, into the instance (where the cached
         properties below find them first)."""
         params = self._params
+        may_greedy, may_stop, may_force = self._may
         raw = params.temperatures[self._req]
-        greedy = raw == 0
-        stop = params.stop_ids[self._req]
+        greedy = raw == 0 if may_greedy else None
+        stop = params.stop_ids[self._req] if may_stop else None
         common = {
             "greedy": greedy,
-            "temperature": torch.where(greedy, 1.0, raw),
-            "stop_ids": stop.clamp(min=0),
-            "stop_active": params.eos_suppression_rows[:, None] & (stop >= 0),
-            "forced": params.forced_tokens,
+            "temperature": raw if greedy is None else torch.where(greedy, 1.0, raw),
+            "stop_ids": None if stop is None else stop.clamp(min=0),
+            "stop_active": None if stop is None else params.eos_suppression_rows[:, None] & (stop >= 0),
+            "forced": params.forced_tokens if may_force else None,
             "uniform": params.draw_uniforms,
         }
         for name, value in common.items():
             self.__dict__.setdefault(name, value)  # a control `replace` put in stays
         return common
 
-    greedy = _common_control("greedy", "[rows] bool: temperature 0")
+    greedy = _common_control("greedy", "[rows] bool: temperature 0 (None: no row is greedy)")
     temperature = _common_control("temperature", "[rows] f32, 1 for greedy rows")
-    stop_ids = _common_control("stop_ids", "[rows, S] int64, clamped to >= 0")
-    stop_active = _common_control("stop_active", "[rows, S] bool: this id is suppressed on this row")
-    forced = _common_control("forced", "[rows] int64, -1 = none")
+    stop_ids = _common_control("stop_ids", "[rows, S] int64, clamped to >= 0 (None: no row suppresses one)")
+    stop_active = _common_control("stop_active", "[rows, S] bool: this id is suppressed on this row (None: none is)")
+    forced = _common_control("forced", "[rows] int64, -1 = none (None: no row has one)")
     uniform = _common_control("uniform", "[rows] f64: the draw's uniform, hashed on the host (None: not staged)")
 
     def replace(self, **controls: torch.Tensor) -> SamplingRows:
@@ -85,7 +90,8 @@ class SamplingRows:
         unknown = sorted(set(controls) - known)
         if unknown:
             raise ValueError(f"controls {unknown}: SamplingRows has no such control")
-        rows = SamplingRows(self._params, self._vocab)
+        greedy, stops, forced = self._may
+        rows = SamplingRows(self._params, self._vocab, greedy=greedy, stops=stops, forced=forced)
         rows.__dict__.update(controls)  # a cached_property reads the instance's dict first
         return rows
 
@@ -102,7 +108,7 @@ class SamplingRows:
     def k_on(self) -> torch.Tensor:
         """[rows] bool: top-k on (0 < k < V, and not greedy: as vLLM, a greedy
         request has no filters, so its processed logprobs are over every token)."""
-        return (self._top_k > 0) & (self._top_k < self._vocab) & ~self.greedy
+        return _not_greedy((self._top_k > 0) & (self._top_k < self._vocab), self.greedy)
 
     @cached_property
     def top_k(self) -> torch.Tensor:
@@ -117,7 +123,7 @@ class SamplingRows:
     @cached_property
     def p_on(self) -> torch.Tensor:
         """[rows] bool: top-p on (< 1, and not greedy)."""
-        return (self.top_p < 1) & ~self.greedy
+        return _not_greedy(self.top_p < 1, self.greedy)
 
     @cached_property
     def min_p(self) -> torch.Tensor:
@@ -127,7 +133,7 @@ class SamplingRows:
     @cached_property
     def m_on(self) -> torch.Tensor:
         """[rows] bool: min-p on (> 0, and not greedy)."""
-        return (self.min_p > 0) & ~self.greedy
+        return _not_greedy(self.min_p > 0, self.greedy)
 
     @cached_property
     def seed(self) -> torch.Tensor:
@@ -140,15 +146,23 @@ class SamplingRows:
         return self._params.sample_positions[self._req] + self._params.local_step
 
 
-def expand_rows(params: RowParams, vocab: int, *, expand: bool = False) -> SamplingRows:
+def _not_greedy(on: torch.Tensor, greedy: torch.Tensor | None) -> torch.Tensor:
+    """`on` [rows] bool but on greedy rows (`greedy` None: there are none)."""
+    return on if greedy is None else on & ~greedy
+
+
+def expand_rows(params: RowParams, vocab: int, *, expand: bool = False, greedy: bool = True, stops: bool = True,
+                forced: bool = True) -> SamplingRows:
     """Each row's controls from its request's; `vocab` turns top_k off at >= V.
 
     Parameters: `params` per-request tensors plus `row_to_req` / `local_step`
     [rows] int64, all on one device; `vocab` the logits' width V.
     Returns: `SamplingRows` on the same device, each control expanded when
-    first read (`expand`: the common ones at once). Capture-safe.
+    first read (`expand`: the common ones at once); `greedy`, `stops`, `forced` False
+    where no row is greedy, suppresses its stop ids, or has a forced token (those
+    controls are then None). Capture-safe.
     """
-    return SamplingRows(params, vocab, expand=expand)
+    return SamplingRows(params, vocab, expand=expand, greedy=greedy, stops=stops, forced=forced)
 
 
 def suppressed_at(ids: torch.Tensor, rows: SamplingRows) -> torch.Tensor:

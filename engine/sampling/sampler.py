@@ -203,13 +203,13 @@ class TorchStages:
             apply_allowed_tokens_(scores, controls.allowed_words, controls.restricted)  # 3
         if token_bitmask is not None:
             scores, nothing_allowed = apply_token_bitmask(scores, token_bitmask, in_place=owned)  # 4
-        stops = suppress_stop_ids_(scores, rows)  # 5
-        scores = stops.scores
+        stops = None if rows.stop_ids is None else suppress_stop_ids_(scores, rows)  # 5
+        scores = scores if stops is None else stops.scores
         if owned:
             apply_logit_bias_(scores, controls.bias_ids, controls.bias_values)  # 6
             pen = controls.penalties
             apply_penalties_(scores, controls.counts, controls.prompt_words, pen[:, 0], pen[:, 1], pen[:, 2])  # 7
-        return ProcessedScores(scores, nothing_allowed, stops, borrowed=scores is raw and not owned)
+        return ProcessedScores(scores, nothing_allowed, stops, borrowed=stops is not None and scores is raw and not owned)
 
     def sample_rows(self, processed: ProcessedScores, plain: torch.Tensor, rows: SamplingRows, cfg: SamplerConfig,
                     out: SampleOutput, mode: str | None) -> None:
@@ -221,7 +221,10 @@ class TorchStages:
         (`ProcessedScores.finish`) once the scores are read, raising or not. Capture-safe."""
         d = None
         try:
-            best, greedy = first_max(processed.scores)  # 8: the first of the largest, ties to the smallest id
+            if rows.greedy is None:  # no row reads the argmax: the maximum alone
+                best, greedy = processed.scores.amax(-1), None
+            else:
+                best, greedy = first_max(processed.scores)  # 8: the first of the largest, ties to the smallest id
             if cfg.stages != "greedy" or mode == "processed":  # processed logprobs need the kept set
                 # A variant without filters serves rows that have none (greedy rows never do).
                 d = self.kept_set(processed.scores, best, rows, filters=cfg.stages == "filters",  # 9-12
@@ -234,13 +237,17 @@ class TorchStages:
         # No valid token: an all -inf row's maximum is -inf. A NaN row's picks may be
         # anything in the vocabulary: the placeholder replaces them.
         row_max = None  # the finite check's row maximum of `plain`: one more pass over the rows
-        if processed.scores is plain:
+        untouched = processed.scores is plain and processed.stops is None  # no stage removed a token
+        if untouched:
+            row_max = best
+        elif processed.scores is plain:
             # The scores are `plain` but at the stop-id slots: their values and `best` give
             # plain's maximum (NaN and +inf included: both reductions and `maximum` propagate NaN).
             row_max = torch.maximum(best, processed.stops.before.amax(-1))
-        # A control may overflow a finite logit to +inf (or make a NaN): `best` shows both.
-        error = row_errors(plain, best == -math.inf, processed.nothing_allowed, row_max=row_max,
-                           scores_max=None if processed.scores is plain else best)
+        # A control may overflow a finite logit to +inf (or make a NaN): `best` shows both. Where
+        # no stage removed a token, a row with nothing left is a row of -inf: not finite.
+        error = row_errors(plain, None if untouched else best == -math.inf, processed.nothing_allowed,
+                           row_max=row_max, scores_max=None if processed.scores is plain else best)
         failed = error != RowError.OK
         token = torch.where(failed, PLACEHOLDER_TOKEN, token)
         if mode is not None:
@@ -284,12 +291,13 @@ def run_stages(
     `engine.sampling.sampler.sample`'s body (same parameters) for one slice of rows, and
     the kernel head's for one bucket (`TritonStages`, no `controls`: its kernel reads the
     control slots itself). Capture-safe."""
-    raw = logits.to(torch.float32)  # 1: [rows, V]
+    raw = logits if logits.dtype == torch.float32 else logits.to(torch.float32)  # 1: [rows, V]
     if controls is not None:
         unprocessed = controls.unprocessed.copy_(raw)
     # The finite check and raw logprobs read the logits before any processor.
     plain = raw if unprocessed is None else unprocessed.to(torch.float32)  # [rows, V]
-    rows = expand_rows(params, logits.shape[1], expand=stages.expands_rows)  # 2: the forced token is among them
+    rows = expand_rows(params, logits.shape[1], expand=stages.expands_rows, greedy=cfg.greedy_rows,  # 2: the forced
+                       stops=cfg.stop_rows, forced=cfg.forced_rows)  # token is among them
     processed = stages.logits_processors(raw, rows, controls, token_bitmask)  # 3-7
     mode = cfg.logprobs_mode if compute_logprobs and cfg.logprobs else None
     stages.sample_rows(processed, plain, rows, cfg, out, mode)  # 8-14
@@ -322,15 +330,16 @@ def controlled_scores(raw: torch.Tensor, token_bitmask: torch.Tensor | None) -> 
     return apply_token_bitmask(raw, token_bitmask)
 
 
-def _greedy(raw: torch.Tensor, params: RowParams, out: SampleOutput) -> SampleOutput:
+def _greedy(raw: torch.Tensor, params: RowParams, cfg: SamplerConfig, out: SampleOutput) -> SampleOutput:
     """The "greedy" stage: every row greedy, none suppressed, no controls, no logprobs:
     the argmax (ties to the smallest id), the forced token, the finite check, and
     nothing else (the logprob fields stay untouched). `raw` [rows, V] f32. Capture-safe."""
     best, token = first_max(raw)  # the first of the largest; NaN and +inf show in `best`
     # Without suppression or controls a row always has a token: only the finite check can fail it.
     error = row_errors(raw, None, row_max=best)
-    forced = params.forced_tokens
-    out.tokens.copy_(torch.where(error == RowError.OK, torch.where(forced >= 0, forced, token), PLACEHOLDER_TOKEN))
+    if cfg.forced_rows:
+        token = torch.where(params.forced_tokens >= 0, params.forced_tokens, token)
+    out.tokens.copy_(torch.where(error == RowError.OK, token, PLACEHOLDER_TOKEN))
     out.error.copy_(error)
     return out
 
@@ -388,7 +397,7 @@ def sample(
     with torch.inference_mode():
         if (cfg.stages == "greedy" and controls is None and unprocessed is None and token_bitmask is None
                 and not (compute_logprobs and cfg.logprobs)):
-            return _greedy(logits.to(torch.float32), params, out)  # no [rows, V] temporaries: no slices
+            return _greedy(logits.to(torch.float32), params, cfg, out)  # no [rows, V] temporaries: no slices
         chunk = rows_n
         if cfg.chunk_rows:
             cuts = cfg.stages == "filters" and (cfg.top_p or cfg.top_k != "none")

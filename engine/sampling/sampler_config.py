@@ -28,6 +28,12 @@ class SamplerConfig:
     top_p: bool = True  # whether "filters" runs top-p (False: no row has it)
     logprobs: bool = True  # False: this variant never computes logprobs (no request wants them)
     chunk_rows: int = 0  # > 0: sample at most this many rows at a time, fewer for a wide V (sampler.SLICE_ELEMENTS)
+    # What a step's rows may hold (False: the host knows that no row does, and the torch
+    # stages skip what only such a row needs): a greedy row among sampled ones, a row
+    # whose stop ids are suppressed (min_tokens), a forced token.
+    greedy_rows: bool = True
+    stop_rows: bool = True
+    forced_rows: bool = True
 
     def __post_init__(self) -> None:
         for name in ("candidate_cap", "max_logprobs", "chunk_rows"):
@@ -44,7 +50,7 @@ class SamplerConfig:
             raise ValueError(f"stages={self.stages!r}: must be one of {STAGES}")
         if self.top_k not in TOP_K_MODES:
             raise ValueError(f"top_k={self.top_k!r}: must be one of {TOP_K_MODES}")
-        for name in ("top_p", "logprobs"):
+        for name in ("top_p", "logprobs", "greedy_rows", "stop_rows", "forced_rows"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
         if self.logprobs_mode not in LOGPROBS_MODES:

@@ -320,8 +320,9 @@ def processed_scores(masked: torch.Tensor, best: torch.Tensor, rows: SamplingRow
 
 
 def row_shift(best: torch.Tensor) -> torch.Tensor:
-    """M [rows] f32: the row maximum `best` of the valid scores, 0 for a row with none."""
-    return torch.where(best > -math.inf, best, 0.0)
+    """M [rows] f32: the row maximum `best` of the valid scores, 0 for a row with none
+    (-inf, or NaN: the row fails); one op where a comparison and a `where` are two."""
+    return torch.nan_to_num(best, nan=0.0, neginf=0.0, posinf=math.inf)
 
 
 def _top_k_cut(keys: torch.Tensor, masked: torch.Tensor, shift: torch.Tensor, rows: SamplingRows, top_k: str,
@@ -421,7 +422,9 @@ def row_distribution(masked: torch.Tensor, best: torch.Tensor, rows: SamplingRow
     Returns: `RowDistribution`. Fixed work whatever the values. Capture-safe.
     """
     if not kept_set and (not filters or (top_k == "none" and not top_p)):
-        return draw_weights(masked, row_shift(best), rows.temperature, _min_p_floor(rows) if filters else None)
+        # Min-p's floor as it comes: a row without min-p has min_p 0, which keeps every weight (a
+        # greedy row's weights are never read), so no `m_on` is needed.
+        return draw_weights(masked, row_shift(best), rows.temperature, rows.min_p[:, None] if filters else None)
     shift, z = processed_scores(masked, best, rows)
     # The draw reads weights only through their masses, and a weight below 2**-S has mass 0
     # (`SUBNORMAL_Z`): with no kept set to decide, z below it is raised to it first.

@@ -28,6 +28,7 @@ the CPU "replay" can call it again over the same addresses (graphs/replay.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -245,6 +246,40 @@ def checked_head_weight(weight: object, device: torch.device, name: str) -> torc
 CPU_CHUNK_ROWS = 64
 
 
+def sampler_variant(full: SamplerConfig, inputs: SamplerInputs, vocab: int) -> SamplerConfig:
+    """The lightest sampler that decides the step's rows (`inputs`, host arrays) as `full`
+    does, on the host: logprobs only when a request wants them; the argmax alone when
+    every request is greedy and none suppresses its EOS; the draw without threshold
+    passes when no sampled request has top-k, top-p or min-p; else the cuts the requests
+    ask for, the top-k by a topk where every top-k fits `candidate_cap` (the counting
+    radix where one does not). Each also says whether a greedy row sits among sampled
+    ones, whether a row suppresses its stop ids, and whether one has a forced token:
+    what no row has, the torch stages skip."""
+    greedy = inputs.temperatures == 0
+    logprobs = bool((inputs.num_logprobs >= 0).any())
+    stops = len(inputs.eos_suppression_rows) > 0
+    forced = inputs.forced_tokens is not None
+    # A greedy request has no filters (as vLLM): its processed logprobs are over every token.
+    k_on = ~greedy & (inputs.top_ks > 0) & (inputs.top_ks < vocab)
+    top_k = "none" if not k_on.any() else "topk" if inputs.top_ks[k_on].max() <= full.candidate_cap else "radix"
+    mixed = bool(greedy.any())
+    if logprobs:
+        return _sampler(full, "filters", top_k, True, True, mixed, stops, forced)
+    if greedy.all() and not stops:  # the argmax alone suppresses nothing
+        return _sampler(full, "greedy", "radix", True, False, True, False, forced)
+    p_on = ~greedy & (inputs.top_ps < 1)
+    if not (k_on | p_on | (~greedy & (inputs.min_ps > 0))).any():
+        return _sampler(full, "plain", "radix", True, False, mixed, stops, forced)
+    return _sampler(full, "filters", top_k, bool(p_on.any()), False, mixed, stops, forced)
+
+
+@functools.lru_cache(maxsize=256)  # a few dozen variants, each made once
+def _sampler(full: SamplerConfig, stages: str, top_k: str, top_p: bool, logprobs: bool, greedy_rows: bool,
+             stop_rows: bool, forced_rows: bool) -> SamplerConfig:
+    return dataclasses.replace(full, stages=stages, top_k=top_k, top_p=top_p, logprobs=logprobs and full.logprobs,
+                               greedy_rows=greedy_rows, stop_rows=stop_rows, forced_rows=forced_rows)
+
+
 class LocalHead(LMHead):
     """The whole LM head on this device by torch ops: `weight` [V, H] -> fp32 logits in the
     engine's static `buffers.logits`, sampled there (engine.sampling.sampler).
@@ -277,7 +312,6 @@ class LocalHead(LMHead):
         self.per_step = device.type == "cpu"
         self.full = dataclasses.replace(config.sampler, stages="filters", top_k="radix", top_p=True,
                                         chunk_rows=CPU_CHUNK_ROWS if self.per_step else 0)
-        self._samplers: dict[tuple[str, str, bool, bool], SamplerConfig] = {}
         self.buffers: StepBuffers | None = None
         self.controls: SamplingControls | None = None
         self.kind = StepKind(self.full, controls=False, masked=self.applies_token_bitmask)
@@ -302,34 +336,10 @@ class LocalHead(LMHead):
         self.kind = StepKind(sampler, controls=controls, masked=masked)
 
     def _variant(self, inputs: SamplerInputs, stats: EngineStats) -> SamplerConfig:
-        """The lightest sampler that decides the step's rows as the full one does: logprobs
-        only when a request wants them; the argmax alone when every request is greedy and
-        none suppresses its EOS; the draw without threshold passes when no sampled request
-        has top-k, top-p or min-p; else the cuts the requests ask for, the top-k by a topk
-        where every top-k fits `candidate_cap` (the counting radix where one does not)."""
-        greedy = inputs.temperatures == 0
-        logprobs = bool((inputs.num_logprobs >= 0).any())
-        # A greedy request has no filters (as vLLM): its processed logprobs are over every token.
-        k_on = ~greedy & (inputs.top_ks > 0) & (inputs.top_ks < self.vocab_size)
-        top_k = "none" if not k_on.any() else "topk" if inputs.top_ks[k_on].max() <= self.full.candidate_cap else "radix"
-        if logprobs:
-            return self._sampler("filters", top_k, True, True)
-        if greedy.all() and not len(inputs.eos_suppression_rows):  # the argmax alone suppresses nothing
-            stats.greedy_steps += 1
-            return self._sampler("greedy", "radix", True, False)
-        p_on = ~greedy & (inputs.top_ps < 1)
-        if not (k_on | p_on | (~greedy & (inputs.min_ps > 0))).any():
-            stats.plain_steps += 1
-            return self._sampler("plain", "radix", True, False)
-        return self._sampler("filters", top_k, bool(p_on.any()), False)
-
-    def _sampler(self, stages: str, top_k: str, top_p: bool, logprobs: bool) -> SamplerConfig:
-        """The full sampler with these stages, made once."""
-        key = (stages, top_k, top_p, logprobs)
-        if key not in self._samplers:
-            self._samplers[key] = dataclasses.replace(self.full, stages=stages, top_k=top_k, top_p=top_p,
-                                                      logprobs=logprobs and self.full.logprobs)
-        return self._samplers[key]
+        sampler = sampler_variant(self.full, inputs, self.vocab_size)
+        stats.greedy_steps += sampler.stages == "greedy"
+        stats.plain_steps += sampler.stages == "plain"
+        return sampler
 
     def logits(self, bucket: int) -> None:
         """The lm head: the fp32 logits of the bucket's gathered hidden rows into `buffers.logits`."""

@@ -51,13 +51,14 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from engine.sampling.draw import staged_draw_uniforms
+from engine.host.ledger import prepare_sampler_inputs
 from engine.host.params import SamplingParams, SeqMeta
+from engine.sampling.draw import staged_draw_uniforms
 from engine.sampling.row_params import RowParams
 from engine.sampling.sample_output import SampleOutput
 from engine.sampling.sampler import SamplerConfig, sample
 from engine.step.engine_config import EngineConfig
-from engine.step.lm_head import CPU_CHUNK_ROWS
+from engine.step.lm_head import CPU_CHUNK_ROWS, sampler_variant
 from engine.step.step_engine import StepEngine
 from profiling.bench._timing import print_table
 from profiling.bench.plots import have_matplotlib, plot_peer
@@ -197,14 +198,13 @@ def stage_uniforms(params: RowParams) -> None:
     params.draw_uniforms.copy_(torch.from_numpy(uniforms))
 
 
-def our_sampler_config(case: str) -> SamplerConfig:
-    """The sampler variant the CPU head runs for a step of this case
-    (`LocalHead.plan`: no request wants logprobs)."""
-    p = case_params(case)
-    stages = {"greedy": "greedy", "plain": "plain"}.get(case, "filters")
-    top_k = "none" if not p["top_k"] else "topk"
-    return dataclasses.replace(EngineConfig().sampler, stages=stages, top_k=top_k, top_p=p["top_p"] < 1.0,
-                               logprobs=False, chunk_rows=CPU_CHUNK_ROWS)
+def our_sampler_config(case: str, batch: int, vocab: int) -> SamplerConfig:
+    """The sampler variant the CPU head runs for a decode step of `batch` requests of this
+    case (`LocalHead.plan`, `engine.step.lm_head.sampler_variant`: no request wants
+    logprobs, none suppresses its EOS or has a forced token)."""
+    full = dataclasses.replace(EngineConfig().sampler, stages="filters", top_k="radix", top_p=True,
+                               chunk_rows=CPU_CHUNK_ROWS)
+    return sampler_variant(full, prepare_sampler_inputs(decode_seqs(case, batch)), vocab)
 
 
 def decode_seqs(case: str, batch: int) -> list[SeqMeta]:
@@ -299,7 +299,7 @@ def bench_sampler(v: SimpleNamespace, vocab: int, batch: int, cases: Sequence[st
     sampler = v.Sampler()
     results = []
     for case in cases:
-        params, cfg = our_row_params(case, batch), our_sampler_config(case)
+        params, cfg = our_row_params(case, batch), our_sampler_config(case, batch, vocab)
         out = SampleOutput.allocate(batch, cfg.max_logprobs)
         metadata = vllm_metadata(v, case, batch)
 
