@@ -249,8 +249,8 @@ class TorchStages:
         error = row_errors(plain, None if untouched else best == -math.inf, processed.nothing_allowed,
                            row_max=row_max, scores_max=None if processed.scores is plain else best)
         failed = error != RowError.OK
-        token = torch.where(failed, PLACEHOLDER_TOKEN, token)
         if mode is not None:
+            token = torch.where(failed, PLACEHOLDER_TOKEN, token)
             self.logprobs(mode, d, plain, token, out.top_ids.shape[1]).write(out)  # 14
         out.tokens.copy_(token)
         out.error.copy_(error)
@@ -335,13 +335,18 @@ def _greedy(raw: torch.Tensor, params: RowParams, cfg: SamplerConfig, out: Sampl
     the argmax (ties to the smallest id), the forced token, the finite check, and
     nothing else (the logprob fields stay untouched). `raw` [rows, V] f32. Capture-safe."""
     best, token = first_max(raw)  # the first of the largest; NaN and +inf show in `best`
-    # Without suppression or controls a row always has a token: only the finite check can fail it.
-    error = row_errors(raw, None, row_max=best)
+    # Without suppression or controls a row always has a token: only the finite check can fail
+    # it (`row_errors`' two comparisons), and a failed row's code is 1 and its token 0. One op
+    # writes each, where a `where` and a copy are two.
+    finite = (best < math.inf) & (raw.amin(-1) > -math.inf)
     if cfg.forced_rows:
         token = torch.where(params.forced_tokens >= 0, params.forced_tokens, token)
-    out.tokens.copy_(torch.where(error == RowError.OK, token, PLACEHOLDER_TOKEN))
-    out.error.copy_(error)
+    torch.mul(token, finite, out=out.tokens)  # PLACEHOLDER_TOKEN (0) on a failed row
+    torch.logical_not(finite, out=out.error)  # RowError.LOGITS_NOT_FINITE (1) on a failed row
     return out
+
+
+assert PLACEHOLDER_TOKEN == 0 and RowError.LOGITS_NOT_FINITE == 1  # `_greedy` writes them as 0 and 1
 
 
 def sample(

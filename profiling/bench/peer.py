@@ -227,12 +227,19 @@ def tail_inputs(vocab: int, hidden: int, batch: int, seed: int = 0) -> tuple[tor
 # -- timing -------------------------------------------------------------------------
 
 
+# A cell whose calls are short repeats until each side has run about this long (at most
+# MAX_REPEATS times): a median of 5 calls of 60 us swings by 20% on a VM, one of 100 does not.
+CELL_SECONDS = 0.25
+MAX_REPEATS = 201
+
+
 def alternate(ours: Callable[[], float], theirs: Callable[[], float], repeats: int) -> tuple[float, float]:
     """Median seconds of each side; each callable returns the seconds of its
-    timed part. One untimed warm-up each, then the order flips every repeat so
+    timed part. One untimed warm-up each, then at least `repeats` calls each (more for a
+    short cell: CELL_SECONDS a side, at most MAX_REPEATS), the order flipping every repeat so
     neither side always runs on the other's cache state or the VM's slow minute."""
-    ours()
-    theirs()
+    warm = ours() + theirs()
+    repeats = max(repeats, min(MAX_REPEATS, int(2 * CELL_SECONDS / max(warm, 1e-9)) | 1))
     t_ours: list[float] = []
     t_theirs: list[float] = []
     for i in range(repeats):
@@ -349,7 +356,8 @@ def ratio_matrix(results: Sequence[Result], part: str, vocab: int, cases: Sequen
 
 def report(results: Sequence[Result], floor: dict[str, float] | None, meta: dict[str, object], cases: Sequence[str]) -> None:
     print(f"vLLM {meta['vllm']} V1 Sampler vs ours; torch {meta['torch']}, {meta['threads']} threads, {meta['cpu']}; "
-          f"median of {meta['repeats']} alternating repeats, {meta.get('clock', 'wall')} time; ratio = vLLM / ours (higher is better for us)")
+          f"median of at least {meta['repeats']} alternating repeats (short cells: up to {MAX_REPEATS}), "
+          f"{meta.get('clock', 'wall')} time; ratio = vLLM / ours (higher is better for us)")
     print_table(["part", "V", "H", "B", "case", "ours ms", "vLLM ms", "vLLM/ours"],
                 [[r.part, r.vocab, r.hidden, r.batch, r.case, f"{r.ours_us / 1e3:.3f}", f"{r.vllm_us / 1e3:.3f}",
                   f"{r.ratio:.2f}"] for r in results])
@@ -389,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="V=49152 only, B=1 and 16, 3 repeats")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
-    parser.add_argument("--repeats", type=int, default=None, help="default 5 (3 with --quick)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="at least this many calls a side per cell, more for short cells (default 5, 3 with --quick)")
     parser.add_argument("--part", choices=("sampler", "tail", "both"), default="both")
     parser.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
                         help="time each call by wall time or by the thread's CPU time (a busy machine's waits left out)")
