@@ -254,9 +254,10 @@ def test_every_variant_that_can_serve_a_batch_gives_the_full_samplers_bits(batch
 @given(sampler_batches(), st.lists(st.tuples(st.integers(0, 5), st.sampled_from(["nan", "inf", "-inf", "row", "stop nan",
                                                                                "stop inf"])), max_size=3))
 def test_a_variant_told_what_no_row_holds_gives_the_full_samplers_bits(batch, broken):
-    """`SamplerConfig.greedy_rows`, `stop_rows`, `forced_rows` False: the host knows no row
-    is greedy, suppresses a stop id, or has a forced token, and the torch stages skip what
-    only such a row needs (the argmax, the suppression, the override). Every field and
+    """`SamplerConfig.greedy_rows`, `stop_rows`, `forced_rows`, `scaled_rows` False: the host
+    knows no row is greedy, suppresses a stop id, has a forced token, or a temperature other
+    than 1, and the torch stages skip what only such a row needs (the argmax, the
+    suppression, the override, the division). Every field and
     error equals the full sampler's, rows with NaN, +-inf, a row of -inf and a NaN or +inf
     at a stop id included; each flag is tried wherever the rows allow it."""
     logits, rp, _, _, _, stop = batch
@@ -280,10 +281,11 @@ def test_a_variant_told_what_no_row_holds_gives_the_full_samplers_bits(batch, br
     sampled_rows = ~rows.greedy
     filtered = bool(((rows.k_on | rows.p_on | rows.m_on) & sampled_rows).any())
     stages = ["filters"] + ([] if filtered else ["plain"])
-    flags = [dict(greedy_rows=g, stop_rows=s, forced_rows=f) for g in (True, False) for s in (True, False)
-             for f in (True, False)]
+    flags = [dict(greedy_rows=g, stop_rows=s, forced_rows=f, scaled_rows=t) for g in (True, False)
+             for s in (True, False) for f in (True, False) for t in (True, False)]
     allowed = [f for f in flags if (f["greedy_rows"] or not (temperature == 0).any())
-               and (f["stop_rows"] or not suppress.any()) and (f["forced_rows"] or not (forced >= 0).any())]
+               and (f["stop_rows"] or not suppress.any()) and (f["forced_rows"] or not (forced >= 0).any())
+               and (f["scaled_rows"] or ((temperature == 0) | (temperature == 1)).all())]
     variants = [dataclasses.replace(full, stages=st_, **f) for st_ in stages for f in allowed]
     if not sampled_rows.any() and not suppress.any():
         variants += [dataclasses.replace(full, stages="greedy", forced_rows=f["forced_rows"]) for f in allowed]

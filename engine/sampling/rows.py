@@ -47,13 +47,14 @@ class SamplingRows:
     in one go, when first read or at once with `expand=True` (the torch stages)."""
 
     def __init__(self, params: RowParams, vocab: int, *, expand: bool = False, greedy: bool = True,
-                 stops: bool = True, forced: bool = True) -> None:
+                 stops: bool = True, forced: bool = True, scaled: bool = True) -> None:
         self._params = params
         self._vocab = vocab
         self._req = params.row_to_req
-        # What the rows may hold (`SamplerConfig.greedy_rows`, `stop_rows`, `forced_rows`):
-        # where the host knows no row does, the control is None and the stages skip it.
-        self._may = (greedy, stops, forced)
+        # What the rows may hold (`SamplerConfig.greedy_rows`, `stop_rows`, `forced_rows`,
+        # `scaled_rows`): where the host knows no row does, the control is None and the stages
+        # skip it.
+        self._may = (greedy, stops, forced, scaled)
         if expand:
             self._common()
 
@@ -61,13 +62,13 @@ class SamplingRows:
         """The controls every sampled row reads, into the instance (where the cached
         properties below find them first)."""
         params = self._params
-        may_greedy, may_stop, may_force = self._may
-        raw = params.temperatures[self._req]
+        may_greedy, may_stop, may_force, may_scale = self._may
+        raw = params.temperatures[self._req] if may_greedy or may_scale else None
         greedy = raw == 0 if may_greedy else None
         stop = params.stop_ids[self._req] if may_stop else None
         common = {
             "greedy": greedy,
-            "temperature": raw if greedy is None else torch.where(greedy, 1.0, raw),
+            "temperature": None if not may_scale else raw if greedy is None else torch.where(greedy, 1.0, raw),
             "stop_ids": None if stop is None else stop.clamp(min=0),
             "stop_active": None if stop is None else params.eos_suppression_rows[:, None] & (stop >= 0),
             "forced": params.forced_tokens if may_force else None,
@@ -78,7 +79,7 @@ class SamplingRows:
         return common
 
     greedy = _common_control("greedy", "[rows] bool: temperature 0 (None: no row is greedy)")
-    temperature = _common_control("temperature", "[rows] f32, 1 for greedy rows")
+    temperature = _common_control("temperature", "[rows] f32, 1 for greedy rows (None: every row's is 1)")
     stop_ids = _common_control("stop_ids", "[rows, S] int64, clamped to >= 0 (None: no row suppresses one)")
     stop_active = _common_control("stop_active", "[rows, S] bool: this id is suppressed on this row (None: none is)")
     forced = _common_control("forced", "[rows] int64, -1 = none (None: no row has one)")
@@ -90,8 +91,8 @@ class SamplingRows:
         unknown = sorted(set(controls) - known)
         if unknown:
             raise ValueError(f"controls {unknown}: SamplingRows has no such control")
-        greedy, stops, forced = self._may
-        rows = SamplingRows(self._params, self._vocab, greedy=greedy, stops=stops, forced=forced)
+        greedy, stops, forced, scaled = self._may
+        rows = SamplingRows(self._params, self._vocab, greedy=greedy, stops=stops, forced=forced, scaled=scaled)
         rows.__dict__.update(controls)  # a cached_property reads the instance's dict first
         return rows
 
@@ -152,17 +153,17 @@ def _not_greedy(on: torch.Tensor, greedy: torch.Tensor | None) -> torch.Tensor:
 
 
 def expand_rows(params: RowParams, vocab: int, *, expand: bool = False, greedy: bool = True, stops: bool = True,
-                forced: bool = True) -> SamplingRows:
+                forced: bool = True, scaled: bool = True) -> SamplingRows:
     """Each row's controls from its request's; `vocab` turns top_k off at >= V.
 
     Parameters: `params` per-request tensors plus `row_to_req` / `local_step`
     [rows] int64, all on one device; `vocab` the logits' width V.
     Returns: `SamplingRows` on the same device, each control expanded when
-    first read (`expand`: the common ones at once); `greedy`, `stops`, `forced` False
-    where no row is greedy, suppresses its stop ids, or has a forced token (those
-    controls are then None). Capture-safe.
+    first read (`expand`: the common ones at once); `greedy`, `stops`, `forced`, `scaled`
+    False where no row is greedy, suppresses its stop ids, has a forced token, or has a
+    temperature other than 1 (those controls are then None). Capture-safe.
     """
-    return SamplingRows(params, vocab, expand=expand, greedy=greedy, stops=stops, forced=forced)
+    return SamplingRows(params, vocab, expand=expand, greedy=greedy, stops=stops, forced=forced, scaled=scaled)
 
 
 def suppressed_at(ids: torch.Tensor, rows: SamplingRows) -> torch.Tensor:

@@ -48,7 +48,8 @@ with the same signatures: the reference path's sorted walk
 `TritonStages` overrides `logits_processors` and `sample_rows`, one kernel each (the
 temperature is not a pass of its own there: the sampler's kernel computes (s - M) / T
 in the passes it makes anyway). The CPU steps' sampler variants
-(`SamplerConfig.stages`, `top_k`, `top_p`, `logprobs`) choose which torch stages run;
+(`SamplerConfig.stages`, `top_k`, `top_p`, `logprobs`, and what the step's rows may hold:
+`greedy_rows`, `stop_rows`, `forced_rows`, `scaled_rows`) choose which torch stages run;
 the kernels branch per row on the device instead.
 
 Failed rows (docs/contract.md §2), `RowError`: a row whose logits hold NaN or +-inf,
@@ -297,7 +298,7 @@ def run_stages(
     # The finite check and raw logprobs read the logits before any processor.
     plain = raw if unprocessed is None else unprocessed.to(torch.float32)  # [rows, V]
     rows = expand_rows(params, logits.shape[1], expand=stages.expands_rows, greedy=cfg.greedy_rows,  # 2: the forced
-                       stops=cfg.stop_rows, forced=cfg.forced_rows)  # token is among them
+                       stops=cfg.stop_rows, forced=cfg.forced_rows, scaled=cfg.scaled_rows)  # token is among them
     processed = stages.logits_processors(raw, rows, controls, token_bitmask)  # 3-7
     mode = cfg.logprobs_mode if compute_logprobs and cfg.logprobs else None
     stages.sample_rows(processed, plain, rows, cfg, out, mode)  # 8-14

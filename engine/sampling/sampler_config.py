@@ -30,10 +30,11 @@ class SamplerConfig:
     chunk_rows: int = 0  # > 0: sample at most this many rows at a time, fewer for a wide V (sampler.SLICE_ELEMENTS)
     # What a step's rows may hold (False: the host knows that no row does, and the torch
     # stages skip what only such a row needs): a greedy row among sampled ones, a row
-    # whose stop ids are suppressed (min_tokens), a forced token.
+    # whose stop ids are suppressed (min_tokens), a forced token, a temperature other than 1.
     greedy_rows: bool = True
     stop_rows: bool = True
     forced_rows: bool = True
+    scaled_rows: bool = True
 
     def __post_init__(self) -> None:
         for name in ("candidate_cap", "max_logprobs", "chunk_rows"):
@@ -50,7 +51,7 @@ class SamplerConfig:
             raise ValueError(f"stages={self.stages!r}: must be one of {STAGES}")
         if self.top_k not in TOP_K_MODES:
             raise ValueError(f"top_k={self.top_k!r}: must be one of {TOP_K_MODES}")
-        for name in ("top_p", "logprobs", "greedy_rows", "stop_rows", "forced_rows"):
+        for name in ("top_p", "logprobs", "greedy_rows", "stop_rows", "forced_rows", "scaled_rows"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
         if self.logprobs_mode not in LOGPROBS_MODES:

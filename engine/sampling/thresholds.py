@@ -174,7 +174,7 @@ def raw_log_normaliser(raw: torch.Tensor, raw_max: torch.Tensor, kept: torch.Ten
 def processed_logits(
     raw: torch.Tensor,
     shift: torch.Tensor,
-    temperature: torch.Tensor,
+    temperature: torch.Tensor | None,
     *,
     valid: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
@@ -182,11 +182,14 @@ def processed_logits(
     """z = (raw - shift) / temperature, -inf where a token is not valid.
 
     Parameters: `raw` [rows, M] f32 logits (a full row or candidates);
-    `shift` [rows] f32, the row's M; `temperature` [rows] f32; `valid`
+    `shift` [rows] f32, the row's M; `temperature` [rows] f32, or None where
+    every row's is 1 (x / 1 is x: no division); `valid`
     [rows, M] bool or None: False for suppressed stop ids; `out` [rows, M]
     f32 or None, where to write. Returns: [rows, M] f32 z. Capture-safe.
     """
-    z = torch.sub(raw, shift[:, None], out=out).div_(temperature[:, None])
+    z = torch.sub(raw, shift[:, None], out=out)
+    if temperature is not None:
+        z.div_(temperature[:, None])
     if valid is not None:
         z.masked_fill_(~valid, -math.inf)
     return z
@@ -374,7 +377,7 @@ def _times_verdict(compare, left: torch.Tensor, right: torch.Tensor, weights: to
     return compare(left, right, out=torch.empty_like(weights)).mul_(weights)
 
 
-def draw_weights(masked: torch.Tensor, shift: torch.Tensor, temperature: torch.Tensor,
+def draw_weights(masked: torch.Tensor, shift: torch.Tensor, temperature: torch.Tensor | None,
                  floor: torch.Tensor | None) -> RowDistribution:
     """The draw's weights and block masses where min-p is the only cut (or there is none):
     what `processed_logits`, exp (of z raised to SUBNORMAL_Z), min-p's verdict and
@@ -384,7 +387,7 @@ def draw_weights(masked: torch.Tensor, shift: torch.Tensor, temperature: torch.T
     for the whole-row passes; at [16, 128256] 4.8 against 5.3.
 
     Parameters: `masked` [rows, V] f32 scores (invalid -inf); `shift` [rows] f32, M;
-    `temperature` [rows] f32; `floor` [rows, 1] f32 min-p's least weight (-1: off), or
+    `temperature` [rows] f32 or None (every row's 1); `floor` [rows, 1] f32 min-p's least weight (0: off), or
     None (no row has min-p). Returns: `RowDistribution` without z and kept. Capture-safe.
     """
     rows, vocab = masked.shape

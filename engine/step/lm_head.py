@@ -253,31 +253,34 @@ def sampler_variant(full: SamplerConfig, inputs: SamplerInputs, vocab: int) -> S
     passes when no sampled request has top-k, top-p or min-p; else the cuts the requests
     ask for, the top-k by a topk where every top-k fits `candidate_cap` (the counting
     radix where one does not). Each also says whether a greedy row sits among sampled
-    ones, whether a row suppresses its stop ids, and whether one has a forced token:
-    what no row has, the torch stages skip."""
+    ones, whether a row suppresses its stop ids, whether one has a forced token, and
+    whether a sampled one has a temperature other than 1: what no row has, the torch
+    stages skip."""
     greedy = inputs.temperatures == 0
     logprobs = bool((inputs.num_logprobs >= 0).any())
     stops = len(inputs.eos_suppression_rows) > 0
     forced = inputs.forced_tokens is not None
+    scaled = bool((inputs.temperatures[~greedy] != 1).any())
     # A greedy request has no filters (as vLLM): its processed logprobs are over every token.
     k_on = ~greedy & (inputs.top_ks > 0) & (inputs.top_ks < vocab)
     top_k = "none" if not k_on.any() else "topk" if inputs.top_ks[k_on].max() <= full.candidate_cap else "radix"
-    mixed = bool(greedy.any())
+    may = (bool(greedy.any()), stops, forced, scaled)
     if logprobs:
-        return _sampler(full, "filters", top_k, True, True, mixed, stops, forced)
+        return _sampler(full, "filters", top_k, True, True, *may)
     if greedy.all() and not stops:  # the argmax alone suppresses nothing
-        return _sampler(full, "greedy", "radix", True, False, True, False, forced)
+        return _sampler(full, "greedy", "radix", True, False, True, False, forced, True)
     p_on = ~greedy & (inputs.top_ps < 1)
     if not (k_on | p_on | (~greedy & (inputs.min_ps > 0))).any():
-        return _sampler(full, "plain", "radix", True, False, mixed, stops, forced)
-    return _sampler(full, "filters", top_k, bool(p_on.any()), False, mixed, stops, forced)
+        return _sampler(full, "plain", "radix", True, False, *may)
+    return _sampler(full, "filters", top_k, bool(p_on.any()), False, *may)
 
 
 @functools.lru_cache(maxsize=256)  # a few dozen variants, each made once
 def _sampler(full: SamplerConfig, stages: str, top_k: str, top_p: bool, logprobs: bool, greedy_rows: bool,
-             stop_rows: bool, forced_rows: bool) -> SamplerConfig:
+             stop_rows: bool, forced_rows: bool, scaled_rows: bool) -> SamplerConfig:
     return dataclasses.replace(full, stages=stages, top_k=top_k, top_p=top_p, logprobs=logprobs and full.logprobs,
-                               greedy_rows=greedy_rows, stop_rows=stop_rows, forced_rows=forced_rows)
+                               greedy_rows=greedy_rows, stop_rows=stop_rows, forced_rows=forced_rows,
+                               scaled_rows=scaled_rows)
 
 
 class LocalHead(LMHead):
