@@ -391,6 +391,8 @@ def test_sample_is_capture_safe():
         (dict(max_logprobs=-1), "max_logprobs"),
         (dict(candidate_cap=8, max_logprobs=9), "max_logprobs"),
         (dict(logprobs_mode="logits"), "logprobs_mode"),
+        (dict(stop_rows=1), "stop_rows"),
+        (dict(stages="greedy", greedy_rows=False), "greedy_rows"),
     ],
 )
 def test_config_names_the_bad_field(kwargs, field):

@@ -54,5 +54,7 @@ class SamplerConfig:
         for name in ("top_p", "logprobs", "greedy_rows", "stop_rows", "forced_rows", "scaled_rows"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
+        if self.stages == "greedy" and not self.greedy_rows:
+            raise ValueError("stages='greedy' with greedy_rows=False: the argmax alone serves greedy rows only")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode={self.logprobs_mode!r}: must be one of {LOGPROBS_MODES}")
