@@ -377,10 +377,12 @@ def test_without_compute_logprobs_the_logprob_fields_stay_untouched(mode):
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.integers(0, 2**32 - 1), st.sampled_from([(64, 10000), (3, 300), (16, 2048)]))
+@given(st.integers(0, 2**32 - 1), st.sampled_from([(64, 10000), (3, 300), (16, 2048), (5, 1088)]))
 def test_draw_weights_are_the_whole_row_chain(seed, shape):
     """The draw-only path's spans of blocks (64 rows x 10000 tokens: three spans on a CPU,
-    the last block partial) against the chain written out over whole rows: z = (s - M) / T,
+    the last block partial), and with min-p on a CPU its candidate blocks (V a multiple of
+    CANDIDATE_BLOCK: 2048, and 1088, whose last block is partial; column-major logits too),
+    against the chain written out over whole rows: z = (s - M) / T,
     exp, min-p's verdict (weight >= min_p, ties at min_p = 1 kept), the masses, their sums
     per block. Logits spread down to z = -300 (weights below the least normal float32,
     mass 0), -inf salted in; every row's block masses and token masses bit for bit."""
@@ -392,8 +394,8 @@ def test_draw_weights_are_the_whole_row_chain(seed, shape):
                         min_p=rng.choice([0.0, 0.05, 0.5, 1.0], rows_n))
     rows = expand_rows(params, vocab)
     best = logits.amax(-1)
-    for floor_on in (False, True):
-        got = thresholds.draw_weights(logits, best, rows.temperature, thresholds._min_p_floor(rows) if floor_on else None)
+    for floor_on, layout in ((False, logits), (True, logits), (True, logits.t().contiguous().t())):
+        got = thresholds.draw_weights(layout, best, rows.temperature, thresholds._min_p_floor(rows) if floor_on else None)
         z = (logits - best[:, None]) / rows.temperature[:, None]
         weights = torch.exp(z)
         if floor_on:

@@ -387,7 +387,10 @@ def sample(
     Raises: ValueError when top-N exceeds V, or both `controls` and `unprocessed` are given.
 
     No host syncs, no data-dependent shapes, no generator state, and the same
-    work whatever the values: a flat row costs what a peaked one does.
+    work whatever the values: a flat row costs what a peaked one does. One
+    exception, on a CPU only, where nothing is captured: a draw whose only cut
+    is min-p weighs the blocks min-p may keep (`thresholds._min_p_candidates`),
+    so a row keeping more blocks costs more; the bits are the same.
     """
     rows_n, vocab = logits.shape
     if out is None:
