@@ -413,10 +413,11 @@ def draw_weights(masked: torch.Tensor, shift: torch.Tensor, temperature: torch.T
 
 def _min_p_candidates(masked: torch.Tensor, shift: torch.Tensor, temperature: torch.Tensor | None,
                       floor: torch.Tensor) -> RowDistribution:
-    """`draw_weights` with min-p on a CPU, the same weights and block masses bit for bit:
+    """`draw_weights` with min-p on a CPU, the same token and block masses bit for bit:
     exp, the verdict and the masses only over the blocks of CANDIDATE_BLOCK tokens whose
     largest z may pass (z >= log(floor) - 1e-3, far below the threshold for exp's and log's
-    rounding); every other weight is 0, as the verdict would make it. A min-p row keeps a
+    rounding); every other weight is 0, as the verdict makes it (or of mass 0 there: below a
+    subnormal floor the spans keep exp(SUBNORMAL_Z)). A min-p row keeps a
     few blocks of its vocabulary, so most of exp and the masses is skipped: at [1, 128256]
     (2 Zen 4 cores, 1 thread) 116 us against 243 for the spans, at [16, 49152] 0.31 ms
     against 1.39. torch's exp gives the same bits on its vector and scalar paths (16M
