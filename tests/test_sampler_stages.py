@@ -376,6 +376,29 @@ def test_without_compute_logprobs_the_logprob_fields_stay_untouched(mode):
         assert (out.top_ids == -7).all() and (out.top_logprobs == 7.0).all()
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from([64, 192, 1088, 2048]), st.integers(3, 8))
+def test_min_p_candidate_blocks_draw_the_full_samplers_tokens(seed, vocab, rows_n):
+    """On a CPU a draw whose only cut is min-p weighs only min-p's candidate blocks (V a
+    multiple of CANDIDATE_BLOCK): the full sampler's tokens and error codes, for rows of
+    every temperature (greedy too) and min_p 0, 1e-30, 0.05 and 1 (ties at the maximum),
+    with -inf and a NaN salted in."""
+    rng = np.random.default_rng(seed)
+    logits = torch.from_numpy((rng.integers(0, 8, (rows_n, vocab)) * rng.choice([0.5, 4.0, 40.0])).astype(np.float32))
+    logits[torch.from_numpy(rng.random((rows_n, vocab)) < 0.02)] = -math.inf
+    if rng.random() < 0.3:
+        logits[rng.integers(rows_n), rng.integers(vocab)] = math.nan
+    temperature = rng.choice([0.5, 1.0, 1.7], rows_n)
+    temperature[::3] = 0.0  # greedy rows 0, 3, 6
+    min_p = rng.choice([0.0, 1e-30, 0.05, 1.0], rows_n)
+    min_p[1:3] = rng.permutation([0.05, 1.0])  # every batch has both cuts on sampled rows
+    params = row_params(rows_n, temperature=temperature, min_p=min_p, seed=rng.integers(0, 2**63, rows_n))
+    full = SamplerConfig(max_logprobs=0)
+    want = sample(logits, params, full, compute_logprobs=False)
+    got = sample(logits, params, dataclasses.replace(full, top_k="none", top_p=False), compute_logprobs=False)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.error, want.error)
+
+
 @settings(max_examples=25, deadline=None)
 @given(st.integers(0, 2**32 - 1), st.sampled_from([(64, 10000), (3, 300), (16, 2048), (5, 1088)]))
 def test_draw_weights_are_the_whole_row_chain(seed, shape):
