@@ -112,16 +112,21 @@ def row_errors(raw: torch.Tensor, nothing_left: torch.Tensor | None, nothing_all
     scores' row maximum (+inf or NaN: a control overflowed), or None. Returns:
     [rows] int64 codes. Capture-safe.
     """
-    # amax and amin propagate NaN, and an infinity is an extreme: two fast reductions. Two
-    # comparisons then settle both (a NaN compares False), where `isfinite` is five ops each.
-    row_max = raw.amax(-1) if row_max is None else row_max
-    finite = (row_max < math.inf) & (raw.amin(-1) > -math.inf)
+    finite = finite_rows(raw, raw.amax(-1) if row_max is None else row_max)
     left = int(RowError.OK) if nothing_left is None else torch.where(nothing_left, int(RowError.NOTHING_LEFT), int(RowError.OK))
     if nothing_allowed is not None:
         left = torch.where(nothing_allowed, int(RowError.NO_TOKEN_ALLOWED), left)
     if scores_max is not None:
         left = torch.where(scores_max < math.inf, left, int(RowError.SCORES_NOT_FINITE))  # NaN compares False
     return torch.where(finite, left, int(RowError.LOGITS_NOT_FINITE))
+
+
+def finite_rows(raw: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+    """[rows] bool: every logit of `raw` [rows, V] f32 is finite, given its row maximum
+    `row_max` [rows] (NaN where a NaN is in the row). amax and amin propagate NaN, and an
+    infinity is an extreme: two fast reductions and two comparisons settle it (a NaN
+    compares False), where `isfinite` is five ops each."""
+    return (row_max < math.inf) & (raw.amin(-1) > -math.inf)
 
 
 def write_placeholders(out: SampleOutput, failed: torch.Tensor) -> None:
@@ -337,9 +342,9 @@ def _greedy(raw: torch.Tensor, params: RowParams, cfg: SamplerConfig, out: Sampl
     nothing else (the logprob fields stay untouched). `raw` [rows, V] f32. Capture-safe."""
     best, token = first_max(raw)  # the first of the largest; NaN and +inf show in `best`
     # Without suppression or controls a row always has a token: only the finite check can fail
-    # it (`row_errors`' two comparisons), and a failed row's code is 1 and its token 0. One op
-    # writes each, where a `where` and a copy are two.
-    finite = (best < math.inf) & (raw.amin(-1) > -math.inf)
+    # it, and a failed row's code is 1 and its token 0. One op writes each, where a `where`
+    # and a copy are two.
+    finite = finite_rows(raw, best)
     if cfg.forced_rows:
         token = torch.where(params.forced_tokens >= 0, params.forced_tokens, token)
     torch.mul(token, finite, out=out.tokens)  # PLACEHOLDER_TOKEN (0) on a failed row

@@ -124,12 +124,18 @@ def _span(rows: int) -> int:
     return max(1, TEMPORARY_BYTES // (4 * BLOCK * max(rows, 1))) * BLOCK
 
 
+def _masses(weights: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`token_masses`' integers floor(weights * scale), held in float32 (in `out` when given):
+    a float32 times a power of two keeps its significand, and its floor is exact."""
+    return torch.mul(weights, scale, out=out).floor_()
+
+
 def _block_totals(weights: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> list[torch.Tensor]:
     """The masses floor(weights * scale) of `weights` [rows, M] f32 (M a whole number of
     blocks, but for a last partial one), held in float32 (in `out` when given), summed in
     float64 over each block: [rows, whole blocks] and, where there is a partial block,
     [rows, 1]. Exact in any order."""
-    masses = torch.mul(weights, scale, out=out).floor_()  # `token_masses`' integers
+    masses = _masses(weights, scale, out)
     rows, width = masses.shape
     full = width // BLOCK
     totals = [masses[:, : full * BLOCK].view(rows, full, BLOCK).sum(-1, dtype=torch.float64)] if full else []
@@ -435,7 +441,7 @@ def _min_p_candidates(masked: torch.Tensor, shift: torch.Tensor, temperature: to
     weights = torch.zeros((rows, vocab), dtype=torch.float32)
     weights.view(rows, -1, width)[row, block] = w
     blocks = -(-vocab // BLOCK)
-    masses = torch.mul(w, float(2 ** mass_bits(vocab))).floor_().sum(-1, dtype=torch.float64)  # `token_masses`' integers
+    masses = _masses(w, float(2 ** mass_bits(vocab))).sum(-1, dtype=torch.float64)  # [K]
     block_mass = torch.zeros(rows * blocks, dtype=torch.float64).index_add_(0, row * blocks + block // (BLOCK // width),
                                                                              masses)  # integer sums: exact in any order
     return RowDistribution(shift, None, None, weights, block_mass.view(rows, blocks))
