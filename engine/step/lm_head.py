@@ -246,6 +246,13 @@ def checked_head_weight(weight: object, device: torch.device, name: str) -> torc
 CPU_CHUNK_ROWS = 64
 
 
+def full_sampler(sampler: SamplerConfig, on_cpu: bool) -> SamplerConfig:
+    """Every stage for every row: what a captured graph runs, and what `sampler_variant`
+    lightens per step on a CPU (rows CPU_CHUNK_ROWS at a time there)."""
+    return dataclasses.replace(sampler, stages="filters", top_k="radix", top_p=True,
+                               chunk_rows=CPU_CHUNK_ROWS if on_cpu else 0)
+
+
 def sampler_variant(full: SamplerConfig, inputs: SamplerInputs, vocab: int) -> SamplerConfig:
     """The lightest sampler that decides the step's rows (`inputs`, host arrays) as `full`
     does, on the host: logprobs only when a request wants them; the argmax alone when
@@ -313,8 +320,7 @@ class LocalHead(LMHead):
         self.applies_token_bitmask = config.token_bitmask
         # On CPU the sampler takes CPU_CHUNK_ROWS rows at a time; on CUDA, the whole batch.
         self.per_step = device.type == "cpu"
-        self.full = dataclasses.replace(config.sampler, stages="filters", top_k="radix", top_p=True,
-                                        chunk_rows=CPU_CHUNK_ROWS if self.per_step else 0)
+        self.full = full_sampler(config.sampler, self.per_step)
         self.buffers: StepBuffers | None = None
         self.controls: SamplingControls | None = None
         self.kind = StepKind(self.full, controls=False, masked=self.applies_token_bitmask)

@@ -26,6 +26,7 @@ from engine.ops import upload
 from engine.sampling.sample_output import SampleOutput
 from engine.sampling.sampler import RowError, sample
 from engine.step.engine_config import EngineConfig
+from engine.step.lm_head import full_sampler
 from engine.step.prompt_logprobs import PromptLogprob
 from engine.step.staging import StepArrays
 from engine.step.static_buffers import StepBuffers
@@ -100,7 +101,7 @@ def _rescore(b: StepBuffers, config: EngineConfig, bucket: int, scores_after: Sc
     index = upload(rows, device)
     scores, unprocessed = scores_after(index)
     params = dataclasses.replace(b.params(bucket).rows(index), forced_tokens=upload(tokens, device))
-    full = dataclasses.replace(config.sampler, stages="filters", top_k="radix", top_p=True, chunk_rows=0)
+    full = full_sampler(config.sampler, on_cpu=False)  # every stage, whole rows at once
     out = SampleOutput.allocate(len(rows), 0, device)
     sample(scores, params, full, out, unprocessed=unprocessed,
            token_bitmask=None if token_bitmask is None else token_bitmask[index])

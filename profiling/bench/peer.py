@@ -58,7 +58,7 @@ from engine.sampling.row_params import RowParams
 from engine.sampling.sample_output import SampleOutput
 from engine.sampling.sampler import SamplerConfig, sample
 from engine.step.engine_config import EngineConfig
-from engine.step.lm_head import CPU_CHUNK_ROWS, sampler_variant
+from engine.step.lm_head import full_sampler, sampler_variant
 from engine.step.step_engine import StepEngine
 from profiling.bench._timing import print_table
 from profiling.bench.plots import have_matplotlib, plot_peer
@@ -202,8 +202,7 @@ def our_sampler_config(case: str, batch: int, vocab: int) -> SamplerConfig:
     """The sampler variant the CPU head runs for a decode step of `batch` requests of this
     case (`LocalHead.plan`, `engine.step.lm_head.sampler_variant`: no request wants
     logprobs, none suppresses its EOS or has a forced token)."""
-    full = dataclasses.replace(EngineConfig().sampler, stages="filters", top_k="radix", top_p=True,
-                               chunk_rows=CPU_CHUNK_ROWS)
+    full = full_sampler(EngineConfig().sampler, on_cpu=True)
     return sampler_variant(full, prepare_sampler_inputs(decode_seqs(case, batch)), vocab)
 
 
