@@ -184,3 +184,17 @@ def test_two_scores_that_share_z_are_one_tie():
     ulp apart, divide to the same z, so top-k = 2 keeps both (s / T - M / T would split them)."""
     row = [3.4100701808929443, 1.42018461227417, 1.4201844930648804, 0.0]
     assert _kept(row, temperature=1.7, top_k=2) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("shift", [-20.0, -200.0])
+@pytest.mark.parametrize("separate", [False, True], ids=["scores are the logits", "logits given"])
+def test_raw_logprobs_of_a_row_whose_logits_are_all_negative(shift, separate):
+    """The raw normaliser shifts by the logits' maximum: a pass's lanes past the row (V = 300
+    in chunks of 512) must not count as a logit of 0. At -200 a shift of 0 would leave every
+    mass 0 and the logprob +inf."""
+    rng = np.random.default_rng(11)
+    row, params = single_row((shift - np.abs(rng.standard_normal(300))).astype(np.float32).tolist(), top_k=5)
+    got = run_kernel(row, params, 3, "raw", **(dict(logits=row.clone()) if separate else {}))
+    want = reference(row, params, 3, "raw")
+    assert got.logprob.isfinite().all(), got.logprob
+    assert_agree(got, want, f"max {shift}")

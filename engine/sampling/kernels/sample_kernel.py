@@ -233,7 +233,8 @@ def sample_kernel(
             else:
                 plain = tl.where(in_row, score, 0.0)
             not_finite = not_finite | (tl.max(((plain != plain) | (tl.abs(plain) == float("inf"))).to(tl.int32), 0) > 0)
-            raw_max = tl.maximum(raw_max, tl.max(tl.where(plain == plain, plain, -float("inf")), 0))
+            # Lanes past the row read 0 (finite): they take no part in the maximum.
+            raw_max = tl.maximum(raw_max, tl.max(tl.where(in_row & (plain == plain), plain, -float("inf")), 0))
             if (LOGPROBS == 1) and (NUM_TOP > 0):
                 raw_top = merge_top(raw_top, rank_keys(plain, offs, in_row, ID_BITS, ID_MASK), TOP_PAD)
         tl.store(part_f_ptr + slot * 2 + _BEST, best)
