@@ -95,10 +95,11 @@ from profiling.fake_cuda import FakeCuda, project_path
 # engine::sample_rows reads its `logits` operand once by the operand rule; its passes over
 # `scores` are the row reads beyond that one: 4 with top-k, top-p and raw logprobs (kept lists
 # that fit: tests/test_kernel_passes.py), 3 plain, 2 greedy (a row without controls reads its
-# logits as its scores); with controls, pass 1 and the logprob pass read the logits too (4 + 2).
+# logits as its scores); with controls the controls kernel hands over pass 1 (`PassOne`): the
+# three radix passes read the scores, the logprob pass the logits (3 + 1).
 ROW_MIXES = {
     "engine": (("full sampler", 3, 0), ("plain", 2, 0), ("greedy", 1, 0)),
-    "drafts": (("full sampler", 3, 0), ("greedy", 1, 0), ("controls", 5, 1)),
+    "drafts": (("full sampler", 3, 0), ("greedy", 1, 0), ("controls", 3, 1)),
 }
 
 

@@ -166,9 +166,10 @@ def outputs(rows: int, vocab: int) -> SimpleNamespace:
 
 
 def run_kernel(batch: Batch, c: Controls, *, masked_rows: torch.Tensor | None = None, programs: int = 1,
-               block: int = 64, bias_block: int = 128) -> SimpleNamespace:
+               block: int = 64, bias_block: int = 128, pass_one: kernel.PassOne | None = None) -> SimpleNamespace:
     out = outputs(*batch.logits.shape)
-    torch.ops.engine.apply_controls(*op_args(batch, c, out, masked_rows, programs, block, bias_block))
+    handoff = () if pass_one is None else (*vars(pass_one).values(), True)
+    torch.ops.engine.apply_controls(*op_args(batch, c, out, masked_rows, programs, block, bias_block), *handoff)
     return out
 
 
@@ -326,3 +327,139 @@ def test_bitmask_verdict_reads_the_scores_before_the_penalties():
     assert not nothing[0] and expected[0, 5] == float("-inf")
     out = run_kernel(batch, c)
     check(batch, c, out, expected, nothing, torch.ones(1, dtype=torch.bool))
+
+
+# -- the sampler's pass 1, handed over (`PassOne`) --------------------------------------------
+
+NUM_TOP = 3
+
+
+def check_pass_one(batch: Batch, out: SimpleNamespace, pass_one: kernel.PassOne) -> None:
+    """Each controlled row's PassOne against its scores and logits, by plain torch: the largest
+    score (NaN left out) and its smallest index (0 where every score is -inf or NaN), the
+    logits' largest non-NaN value, whether one is not finite, and their NUM_TOP largest
+    (value descending, id ascending; checked where every logit is finite)."""
+    id_bits = max(1, (batch.vocab - 1).bit_length())
+    for r in range(batch.rows):
+        if not out.controlled[r]:
+            continue
+        scores, logits = out.scores[r], batch.logits[r]
+        clean = torch.where(scores.isnan(), float("-inf"), scores)
+        best = clean.max()
+        first = 0 if best == float("-inf") else int((clean == best).nonzero()[0])
+        raw = torch.where(logits.isnan(), float("-inf"), logits).max()
+        assert same_values(pass_one.row_f[r, :1], best[None]) and int(pass_one.row_i[r, 0]) == first, f"row {r}: M"
+        assert same_values(pass_one.row_f[r, 1:], raw[None]), f"row {r}: logits' maximum"
+        assert int(pass_one.row_i[r, 1]) == int(not bool(logits.isfinite().all())), f"row {r}: finite check"
+        if logits.isfinite().all():
+            order = sorted(range(batch.vocab), key=lambda t: (-float(logits[t]), t))[:NUM_TOP]
+            keys = pass_one.row_top[r, :NUM_TOP]
+            ids = ((1 << id_bits) - 1 - (keys & ((1 << id_bits) - 1))).tolist()
+            assert ids == order, f"row {r}: top-{NUM_TOP} {ids} != {order}"
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=batches(), seed=st.integers(0, 2**32 - 1), programs=st.sampled_from([1, 16]),
+       block=st.sampled_from([64, 256]), bias_block=st.sampled_from([2, 128]))
+def test_pass_one_handed_over_is_the_rows_maximum_finite_check_and_top_n(batch: Batch, seed: int, programs: int,
+                                                                         block: int, bias_block: int):
+    """The scores as without the handoff; every controlled row's PassOne as its scores and
+    logits say (bias lists of +-100 and 2.5 over several blocks of entries, rows the bitmask
+    leaves nothing, which the last program rewrites whole)."""
+    c = random_controls(np.random.default_rng(seed), batch)
+    expected, nothing = vllm_order(batch, c)
+    pass_one = kernel.PassOne.allocate(batch.rows, batch.vocab, "cpu", NUM_TOP, programs=programs, block=block)
+    for tensor in vars(pass_one).values():
+        tensor.fill_(-7)  # what the kernel must overwrite
+    out = run_kernel(batch, c, programs=programs, block=block, bias_block=bias_block, pass_one=pass_one)
+    check(batch, c, out, expected, nothing, torch.full((batch.rows,), c.bitmask is not None))
+    check_pass_one(batch, out, pass_one)
+
+
+@pytest.mark.parametrize("bias", [
+    {7: -100.0},  # the maximum's token biased below another: its range is read again
+    {7: -100.0, 3: 100.0},  # and another raised above it
+    {7: -1.0, 9: 1.0},  # the maximum moves to a token whose new score ties nothing
+    {20: 1.0},  # a token raised to tie the maximum at a smaller id than... none: 20 > 7
+    {2: 1.0},  # raised to tie the maximum at a smaller id: it becomes the first index
+    {7: -1.0, 2: 1.0},  # both: the tie is broken by the lowered one
+    {150: 1.0},  # raised to tie the maximum in a later program: the first program's index stays
+])
+@pytest.mark.parametrize("programs", [1, 3])
+def test_pass_one_after_a_logit_bias_that_moves_the_maximum(bias, programs):
+    """Hand-built bias lists on a row whose maximum (5.0 at token 7) the bias moves: the
+    maximum and its first index are the biased scores', in one program or three."""
+    vocab = 200
+    logits = torch.zeros(1, vocab)
+    logits[0, 7], logits[0, 9], logits[0, 2], logits[0, 20], logits[0, 150] = 5.0, 4.5, 4.0, 4.0, 4.0
+    batch = Batch(vocab, 0, torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                  torch.ones(1, dtype=torch.bool), torch.full((1,), -1), torch.zeros(1, dtype=torch.int64),
+                  torch.full((1,), vocab - 1), logits, 1)
+    c = random_controls(np.random.default_rng(2), batch, bias=False, bitmask=False)
+    c.control_slots[:] = 1
+    c.restricted[1], c.penalties[1], c.stop_ids[:] = False, torch.tensor([1.0, 0.0, 0.0]), -1
+    for i, (token, value) in enumerate(bias.items()):
+        c.bias_ids[1, i], c.bias_values[1, i] = token, value
+    expected, nothing = vllm_order(batch, c)
+    pass_one = kernel.PassOne.allocate(1, vocab, "cpu", NUM_TOP, programs=programs, block=64)
+    out = run_kernel(batch, c, programs=programs, block=64, bias_block=2, pass_one=pass_one)
+    check(batch, c, out, expected, nothing, torch.zeros(1, dtype=torch.bool))
+    check_pass_one(batch, out, pass_one)
+
+
+def handed_and_made(batch: Batch, c: Controls, rng: np.random.Generator, programs: int, mode: str | None) -> None:
+    """The controls kernel, then `sample_rows` with and without its PassOne: every output the
+    same bits (tokens, codes, logprobs, ranks, top-N)."""
+    from engine.sampling.kernels.sample import SampleScratch, sample_rows
+    from engine.sampling.row_params import RowParams
+    from engine.sampling.sample_output import SampleOutput
+    from tests.kernel_interpreter import torch_math
+
+    pass_one = kernel.PassOne.allocate(batch.rows, batch.vocab, "cpu", NUM_TOP, programs=4, block=64)
+    with torch_math():
+        made = run_kernel(batch, c, programs=4, pass_one=pass_one)
+    n, rows = batch.num_reqs, batch.rows
+    params = RowParams.from_numpy(
+        temperatures=np.resize(rng.permutation([0.0, 0.7, 1.0]), n).astype(np.float32),  # greedy and sampled
+        top_ks=rng.choice([0, 1, 5, 40], n).astype(np.int32), top_ps=rng.choice([1.0, 0.8, 0.3], n).astype(np.float32),
+        min_ps=rng.choice([0.0, 0.0, 0.05], n).astype(np.float32), seeds=np.zeros(n, np.uint64),
+        sample_positions=np.zeros(n, np.int64), row_to_req=batch.row_to_req.numpy(),
+        local_step=batch.local_step.numpy(), stop_ids=c.stop_ids.numpy(), eos_suppression_rows=c.eos_rows.numpy(),
+        forced_tokens=np.where(rng.random(rows) < 0.2, rng.integers(0, batch.vocab, rows), -1),
+        draw_uniforms=rng.random(rows))
+    outs = []
+    for handed in (None, pass_one):
+        out = SampleOutput.allocate(rows, NUM_TOP)
+        with torch_math():
+            sample_rows(made.scores, params, out, SampleScratch.allocate(rows, batch.vocab, "cpu", NUM_TOP),
+                        logits=batch.logits, nothing_allowed=made.nothing, logprobs=mode,
+                        row_controlled=made.controlled, programs=programs, handed=handed)
+        outs.append(out)
+    for name, mine in vars(outs[1]).items():
+        assert same_values(mine, getattr(outs[0], name)), f"{name}: {mine} != {getattr(outs[0], name)}"
+
+
+@pytest.mark.parametrize("programs", [1, 3])
+@pytest.mark.parametrize("mode", ["raw", "processed", None])
+@settings(max_examples=max(EXAMPLES // 3, 3), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=batches(max_reqs=6), seed=st.integers(0, 2**32 - 1))
+def test_the_sampler_handed_pass_one_samples_what_its_own_pass_one_does(batch: Batch, seed: int, programs: int,
+                                                                        mode: str | None):
+    """Over random batches, controls, cuts, forced tokens and failed rows, in one program a
+    row or each row split over 3 (a launch per phase)."""
+    rng = np.random.default_rng(seed)
+    handed_and_made(batch, random_controls(rng, batch), rng, programs, mode)
+
+
+@pytest.mark.parametrize("mode", ["raw", "processed", None])
+def test_handed_pass_one_on_rows_that_all_sample(mode):
+    """A fixed batch whose rows all have controls and finite logits, greedy among them."""
+    rng = np.random.default_rng(4)
+    rows, vocab = 9, 333
+    logits = torch.from_numpy(rng.normal(0.0, 3.0, (rows, vocab)).astype(np.float32))
+    batch = Batch(vocab, 0, torch.arange(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64),
+                  torch.ones(rows, dtype=torch.bool), torch.full((rows,), -1), torch.zeros(rows, dtype=torch.int64),
+                  torch.full((1,), 0), logits, rows)
+    c = random_controls(rng, batch, bitmask=False)
+    c.control_slots[:] = torch.arange(rows) % (c.counts.shape[0] - 1) + 1
+    handed_and_made(batch, c, rng, 1, mode)

@@ -125,3 +125,40 @@ def test_passes_over_the_row_per_row_kind(controls, mode, passes, draws, listed,
     assert sum(counts) - scalar_reads == passes * VOCAB + block, f"{sum(counts) - scalar_reads} elements read"
     # The merge reads the listed ids' scores (top-p over the list reads the survivors again).
     assert (0 < sum(listed_reads) <= 2 * int(LIST_CAP)) if listed else sum(listed_reads) == 0, listed_reads
+
+
+@pytest.mark.parametrize("programs", [1, 3], ids=["one program", "split in 3"])
+@pytest.mark.parametrize("handed", [False, True], ids=["pass 1 made", "pass 1 handed over"])
+def test_a_controlled_row_handed_its_pass_one_reads_scores_and_logits_once_less(handed, programs, monkeypatch):
+    """A row the controls kernel controls (a suppressed stop id), top-k with raw logprobs: the
+    sampler reads its scores in pass 1 and three radix passes and its logits in pass 1 and
+    the logprob pass; with the controls kernel's `PassOne`, pass 1 is not made."""
+    from engine.sampling.kernels.controls_kernel import PassOne
+    from tests.kernel_batches import Batch
+    from tests.test_kernel_controls import op_args, outputs, random_controls
+
+    logits, _ = _row(temperature=1.0)
+    stop = int(logits.argmax())  # suppressed: the row's maximum moves
+    batch = Batch(VOCAB, 0, torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                  torch.ones(1, dtype=torch.bool), torch.full((1,), -1), torch.zeros(1, dtype=torch.int64),
+                  torch.full((1,), 0), logits, 1)
+    c = random_controls(np.random.default_rng(0), batch, bias=False, bitmask=False)
+    c.control_slots[:], c.stop_ids[:], c.eos_rows[:] = 0, -1, True
+    c.stop_ids[0, 0] = stop
+    pass_one = PassOne.allocate(1, VOCAB, "cpu", num_top=4)
+    made = outputs(1, VOCAB)
+    with torch_math():
+        torch.ops.engine.apply_controls(*op_args(batch, c, made, None, 1, 256), *vars(pass_one).values(), True)
+    assert bool(made.controlled[0])
+    _, params = _row(temperature=1.0, top_k=50)
+    params.stop_ids, params.eos_suppression_rows = c.stop_ids, c.eos_rows
+    out, scratch = SampleOutput.allocate(1, 4), SampleScratch.allocate(1, VOCAB, "cpu", num_top=4)
+    if programs > 1:
+        monkeypatch.setattr(kernel_module, "_chunk", lambda vocab, device: BLOCK)
+    with torch_math(), reads_of(made.scores) as (score_reads, _), reads_of(logits) as (logit_reads, _):
+        sample_rows(made.scores, params, out, scratch, logits=logits, logprobs="raw", row_controlled=made.controlled,
+                    programs=programs, handed=pass_one if handed else None)
+    assert out.error.tolist() == [0] and int(out.tokens[0]) != stop
+    full = lambda counts: sum(n for n in counts if n > 1)  # noqa: E731  (a known token's value, read alone, is 1)
+    assert full(score_reads) == (3 if handed else 4) * VOCAB, full(score_reads)
+    assert full(logit_reads) == (1 if handed else 2) * VOCAB, full(logit_reads)

@@ -2,8 +2,9 @@
 
     lm head       engine::lm_head_logits: gather fused into the GEMM (on CUDA) -> buffers.logits
     stages 1-14   `engine.sampling.sampler.run_stages`, vLLM's order, its groups by `TritonStages`:
-      3-7         engine::apply_controls (vLLM's logits processors, the bitmask, stop ids)
-                                                                -> state.scores, row_controlled
+      3-7         engine::apply_controls (vLLM's logits processors, the bitmask, stop ids;
+                  the sampler's pass 1 of each row it controls)  -> state.scores, row_controlled,
+                                                                   state.pass_one
       8-14        engine::sample_rows (one launch; without drafts, 9 at buckets
                   below the SMs: each row split over them)      -> buffers.out (+ kept weights)
     hidden check  engine::fail_non_finite_hidden                -> buffers.out
@@ -25,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from engine.sampling.kernels.controls_kernel import apply_controls
+from engine.sampling.kernels.controls_kernel import PassOne, apply_controls
 from engine.sampling.kernels.hidden_check import fail_non_finite_hidden
 from engine.sampling.kernels.sample import KeptWeights, SampleScratch, sample_rows
 from engine.sampling.kernels.verify_kernel import split_for, verify_residual_chunks, verify_step
@@ -61,6 +62,7 @@ class KernelState:
     nothing_allowed: torch.Tensor  # [max_rows] bool: the token bitmask allows no token of the row
     arrivals: torch.Tensor  # [max_rows] int32: the controls kernel's scratch, zero between launches
     scratch: SampleScratch  # the sampler's histograms, block masses, row state and partials
+    pass_one: PassOne  # what the controls kernel finds of each row it controls for the sampler's pass 1
     kept: KeptWeights | None  # rejection mode: the draws as verification reads them
     residual_sums: torch.Tensor | None  # [max_reqs, split, 2] int64: rejection mode's residual chunk sums
     controls: SamplingControls  # the engine's control slots, or a neutral state of slot 0 alone
@@ -78,6 +80,7 @@ class KernelState:
             nothing_allowed=torch.zeros(rows, dtype=torch.bool, device=device),
             arrivals=torch.zeros(rows, dtype=torch.int32, device=device),
             scratch=SampleScratch.allocate(rows, vocab, device, num_top=buffers.out.top_ids.shape[1]),
+            pass_one=PassOne.allocate(rows, vocab, device, num_top=buffers.out.top_ids.shape[1]),
             kept=KeptWeights.allocate(rows, vocab, device) if rejection else None,
             residual_sums=(torch.zeros(reqs, split_for(reqs, vocab), 2, dtype=torch.int64, device=device)
                            if rejection else None),
@@ -88,7 +91,8 @@ class KernelState:
         """By name, every tensor the graph reads or writes that is the head's own."""
         tensors = {"kernels.scores": self.scores, "kernels.row_controlled": self.row_controlled,
                    "kernels.nothing_allowed": self.nothing_allowed, "kernels.arrivals": self.arrivals,
-                   **{f"kernels.sample_{name}": tensor for name, tensor in vars(self.scratch).items()}}
+                   **{f"kernels.sample_{name}": tensor for name, tensor in vars(self.scratch).items()},
+                   **{f"kernels.pass_one_{name}": tensor for name, tensor in vars(self.pass_one).items()}}
         if self.kept is not None:
             tensors.update({"kernels.kept_weights": self.kept.weights, "kernels.mass_total": self.kept.mass_total,
                             "kernels.one_hot_tokens": self.kept.one_hot_tokens,
@@ -136,7 +140,7 @@ class TritonStages(TorchStages):
         if controls is not None:
             raise ValueError("controls: the controls kernel reads the control slots itself, expected None")
         b, s, config = self.head.buffers, self.head.state, self.head.config
-        f, c = b.inputs, s.controls
+        f, c, p = b.inputs, s.controls, s.pass_one
         n, bucket = raw.shape[0], self.bucket
         masked = token_bitmask is not None
         apply_controls(
@@ -145,7 +149,9 @@ class TritonStages(TorchStages):
             f.row_drafts[:n], f.mtp_info_read_rows[:n], b.pool_tokens,
             c.counts, c.prompt_words, c.penalties, c.bias_ids, c.bias_values, c.allowed_words, c.restricted,
             f.stop_ids[:bucket], f.eos_suppression_rows[:n], token_bitmask, f.masked_rows[:n] if masked else None,
-            max_drafts=config.max_draft_tokens,
+            max_drafts=config.max_draft_tokens, pass_f=p.row_f, pass_i=p.row_i, pass_top=p.row_top,
+            part_f=p.part_f, part_i=p.part_i, part_top=p.part_top,
+            raw_top=config.sampler.logprobs and config.sampler.logprobs_mode == "raw",
         )
         return ProcessedScores(s.scores[:n], s.nothing_allowed[:n], stops=None, borrowed=False,
                                row_controlled=s.row_controlled[:n])
@@ -164,7 +170,7 @@ class TritonStages(TorchStages):
         sample_rows(processed.scores, rows.params, out, s.scratch, logits=plain,
                     nothing_allowed=processed.nothing_allowed, logprobs=mode,
                     row_controlled=processed.row_controlled, kept=s.kept,
-                    programs=None if self.head.split_sampler else 1)
+                    programs=None if self.head.split_sampler else 1, handed=s.pass_one)
 
 
 @dataclass(frozen=True)

@@ -40,16 +40,27 @@ Design
 - With `MAX_DRAFTS > 0` program (r, 0) also writes `resolved_drafts[r]`, the draft
   row r verifies (staged, or read from the pool when staged as -2), which the
   verification kernels read after the sampler.
+- The sampler's pass 1, handed over (`PassOne`, the kernel head's launch): while a
+  program holds its tokens' logits and controlled scores it also takes what the
+  sampler's pass 1 would read them again for: the scores' maximum M and its first
+  index, the logits' maximum, finite check and top-N. The bias step folds the biased
+  scores in; where a biased token held the maximum and the bias lowered it, the
+  program reads its range's scores back (rare). Every program of a controlled row then
+  arrives on the row's counter and the last merges the partials in program order
+  (and, for a row the bitmask leaves nothing, takes M from its rewrite). The sampler
+  reads a controlled row's scores and logits once less (`sample_rows(handed=...)`).
 
 Temperature is not applied here. The processed logit is z = (s - M) / T with M the
 row maximum of the controlled scores s; M is known only after a whole pass over the
 row, and dividing before subtracting rounds differently. The sampler's kernels
 compute z on the fly from s, M and T in the passes they make anyway.
 
-Scratch: `arrivals` [rows] int32, zero-initialised once. No host syncs, no
-data-dependent shapes: capture-safe.
+Scratch: `arrivals` [rows] int32, zero-initialised once; `PassOne`'s partial slots. No
+host syncs, no data-dependent shapes: capture-safe.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -57,6 +68,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from engine.sampling.kernels import FP_FUSION
+from engine.sampling.kernels.top_n import ABSENT, merge_top, rank_keys, top_of_lists
 
 BLOCK = 1024  # tokens per iteration of a program (H200: 8 warps, 4 f32 per thread)
 BIAS_BLOCK = 128  # logit-bias entries per iteration
@@ -118,13 +130,34 @@ def _controlled(x, tokens, mask, bias, slot, restricted, pen_on, rp, fp, pp, dra
 
 
 @triton.jit
+def _fold_max(y, tokens, take, best, best_id, vocab):
+    """The running masked maximum of the controlled scores and its first index, with `y` [N]
+    at `tokens` [N] (any order) folded in where `take`: a NaN plays no part, the smallest id
+    of a tie wins, and an all -inf row keeps id 0 (as the sampler's pass 1)."""
+    clean = tl.where(take & (y == y), y, float("-inf"))
+    top = tl.max(clean, axis=0)
+    first = tl.min(tl.where(clean == top, tokens, vocab), axis=0).to(tl.int64)
+    best_id = tl.where(top > best, first, tl.where((top == best) & (best > float("-inf")),
+                                                   tl.minimum(best_id, first), best_id))
+    return tl.maximum(best, top), best_id
+
+
+@triton.jit
 def _control_range(logits_row_ptr, out_row_ptr, lo, hi, use_bitmask, bitmask_row_ptr, stops, slot, restricted,
                    pen_on, rp, fp, pp, drafts, counts_ptr, prompt_words_ptr, allowed_words_ptr,
                    bias_ids_ptr, bias_values_ptr, vocab, words, num_bias,
                    BLOCK: tl.constexpr, BIAS_BLOCK: tl.constexpr, MAX_DRAFTS: tl.constexpr, DRAFT_P2: tl.constexpr,
-                   NUM_STOPS: tl.constexpr, STOP_P2: tl.constexpr):
-    """Controlled tokens [lo, hi) of one row into `out`; returns 1 if the bitmask allows one with a finite score."""
+                   NUM_STOPS: tl.constexpr, STOP_P2: tl.constexpr, HANDOFF: tl.constexpr, RAW_TOP: tl.constexpr,
+                   TOP_PAD: tl.constexpr, ID_BITS: tl.constexpr, ID_MASK: tl.constexpr):
+    """Controlled tokens [lo, hi) of one row into `out`. Returns (1 if the bitmask allows one
+    with a finite score; with HANDOFF, the sampler's pass 1 over the range: the masked maximum
+    and its first index, the logits' maximum, whether one is not finite, their top-N keys)."""
     any_allowed = tl.zeros([], dtype=tl.int32)
+    best = tl.full([], float("-inf"), tl.float32)
+    best_id = tl.zeros([], dtype=tl.int64)
+    raw_max = tl.full([], float("-inf"), tl.float32)
+    not_finite = tl.zeros([], dtype=tl.int32)
+    raw_top = tl.full([TOP_PAD], ABSENT, dtype=tl.int64)
     for start in range(lo, hi, BLOCK):
         tokens = start + tl.arange(0, BLOCK)
         inside = tokens < hi
@@ -136,9 +169,17 @@ def _control_range(logits_row_ptr, out_row_ptr, lo, hi, use_bitmask, bitmask_row
         seen = inside & allowed & (v > float("-inf"))
         any_allowed = tl.maximum(any_allowed, tl.max(seen.to(tl.int32), axis=0))
         tl.store(out_row_ptr + tokens, y, mask=inside)
+        if HANDOFF:
+            best, best_id = _fold_max(y, tokens, inside, best, best_id, vocab)
+            odd = inside & ((x != x) | (tl.abs(x) == float("inf")))
+            not_finite = tl.maximum(not_finite, tl.max(odd.to(tl.int32), axis=0))
+            raw_max = tl.maximum(raw_max, tl.max(tl.where(inside & (x == x), x, float("-inf")), axis=0))
+            if RAW_TOP:
+                raw_top = merge_top(raw_top, rank_keys(x, tokens, inside, ID_BITS, ID_MASK), TOP_PAD)
     # The biased tokens are written again below: this program's stores must land first.
     tl.debug_barrier()
     live = num_bias > 0
+    stale = tl.zeros([], dtype=tl.int32)  # a biased token held the maximum and the bias lowered it
     for first in range(0, num_bias, BIAS_BLOCK):
         entry = first + tl.arange(0, BIAS_BLOCK)
         in_list = tl.where(live, entry < num_bias, False)
@@ -152,7 +193,27 @@ def _control_range(logits_row_ptr, out_row_ptr, lo, hi, use_bitmask, bitmask_row
                                     stops, bitmask_row_ptr, counts_ptr, prompt_words_ptr, allowed_words_ptr, vocab,
                                     words, True, MAX_DRAFTS, DRAFT_P2, NUM_STOPS, STOP_P2)
         tl.store(out_row_ptr + ids, y, mask=mine)
-    return any_allowed
+        if HANDOFF:
+            # The maximum above saw these tokens unbiased: one that held it and is now lower
+            # makes it stale (the range is read again below); a higher one is folded in.
+            was, _, _ = _controlled(x, ids, mine, value, slot, restricted, pen_on, rp, fp, pp, drafts, use_bitmask,
+                                    stops, bitmask_row_ptr, counts_ptr, prompt_words_ptr, allowed_words_ptr, vocab,
+                                    words, False, MAX_DRAFTS, DRAFT_P2, NUM_STOPS, STOP_P2)
+            was = tl.where(mine & (was == was), was, float("-inf"))
+            now = tl.where(mine & (y == y), y, float("-inf"))
+            stale = tl.maximum(stale, tl.max((mine & (was == best) & (now < was)).to(tl.int32), axis=0))
+            best, best_id = _fold_max(y, ids, mine, best, best_id, vocab)
+    if HANDOFF:
+        if stale != 0:  # rare: read the range's scores back
+            tl.debug_barrier()
+            best = tl.full([], float("-inf"), tl.float32)
+            best_id = tl.zeros([], dtype=tl.int64)
+            for start in range(lo, hi, BLOCK):
+                tokens = start + tl.arange(0, BLOCK)
+                inside = tokens < hi
+                best, best_id = _fold_max(tl.load(out_row_ptr + tokens, mask=inside, other=float("-inf")), tokens,
+                                          inside, best, best_id, vocab)
+    return any_allowed, best, best_id, raw_max, not_finite, raw_top
 
 
 @triton.jit
@@ -161,9 +222,12 @@ def _controls_kernel(
     row_to_req_ptr, local_step_ptr, control_slots_ptr, row_drafts_ptr, read_rows_ptr, pool_tokens_ptr,
     counts_ptr, prompt_words_ptr, penalties_ptr, bias_ids_ptr, bias_values_ptr, allowed_words_ptr, restricted_ptr,
     stop_ids_ptr, eos_rows_ptr, bitmask_ptr, masked_rows_ptr,
+    pass_f_ptr, pass_i_ptr, pass_top_ptr, part_f_ptr, part_i_ptr, part_top_ptr,
     vocab, words, num_bias, chunk, logits_stride, out_stride,
     BLOCK: tl.constexpr, BIAS_BLOCK: tl.constexpr, MAX_DRAFTS: tl.constexpr, DRAFT_P2: tl.constexpr,
     NUM_STOPS: tl.constexpr, STOP_P2: tl.constexpr, HAS_BITMASK: tl.constexpr, HAS_MASKED_ROWS: tl.constexpr,
+    HANDOFF: tl.constexpr, RAW_TOP: tl.constexpr, TOP_PAD: tl.constexpr, ID_BITS: tl.constexpr,
+    ID_MASK: tl.constexpr, PARTS_PAD: tl.constexpr,
 ):
     row = tl.program_id(0)
     part = tl.program_id(1)
@@ -205,23 +269,61 @@ def _controls_kernel(
         bias_values = bias_values_ptr + slot * num_bias
         lo = part * chunk
         hi = tl.minimum(lo + chunk, vocab)
-        any_allowed = _control_range(logits_row, out_row, lo, hi, masked, bitmask_row, stops, slot, restricted,
-                                     pen_on, rp, fp, pp, drafts, counts_ptr, prompt_words_ptr, allowed_words_ptr,
-                                     bias_ids, bias_values, vocab, words, num_bias,
-                                     BLOCK, BIAS_BLOCK, MAX_DRAFTS, DRAFT_P2, NUM_STOPS, STOP_P2)
-        if masked:
+        any_allowed, best, best_id, raw_max, not_finite, raw_top = _control_range(
+            logits_row, out_row, lo, hi, masked, bitmask_row, stops, slot, restricted, pen_on, rp, fp, pp, drafts,
+            counts_ptr, prompt_words_ptr, allowed_words_ptr, bias_ids, bias_values, vocab, words, num_bias,
+            BLOCK, BIAS_BLOCK, MAX_DRAFTS, DRAFT_P2, NUM_STOPS, STOP_P2, HANDOFF, RAW_TOP, TOP_PAD, ID_BITS, ID_MASK)
+        lane = tl.arange(0, TOP_PAD)
+        if HANDOFF:  # this program's part of the sampler's pass 1, merged by the row's last program
+            here = row * split + part
+            tl.store(part_f_ptr + here * 2, best)
+            tl.store(part_f_ptr + here * 2 + 1, raw_max)
+            tl.store(part_i_ptr + here * 2, best_id)
+            tl.store(part_i_ptr + here * 2 + 1, not_finite.to(tl.int64))
+            if RAW_TOP:
+                tl.store(part_top_ptr + here * TOP_PAD + lane, raw_top)
+        if masked | HANDOFF:
             # Every thread's stores before the arrival: the last program may overwrite them.
             tl.debug_barrier()
             before = tl.atomic_add(arrivals_ptr + row, any_allowed * _ALLOWED + _ARRIVAL)
             if (before & (_ALLOWED - 1)) == split - 1:  # the last program of the row
                 tl.atomic_xchg(arrivals_ptr + row, 0)
-                nothing = (before >> 16) + any_allowed == 0
-                tl.store(nothing_allowed_ptr + row, nothing)
+                nothing = masked & ((before >> 16) + any_allowed == 0)
+                if masked:
+                    tl.store(nothing_allowed_ptr + row, nothing)
+                if HANDOFF:
+                    # Every part's partials in one load each; M's first index is the first part's holding M.
+                    parts = tl.arange(0, PARTS_PAD)
+                    mine = parts < split
+                    slots = row * split + parts
+                    part_best = tl.load(part_f_ptr + slots * 2, mask=mine, other=float("-inf"), cache_modifier=".cg")
+                    best = tl.max(part_best, axis=0)
+                    first_part = tl.argmax(part_best, 0, tie_break_left=True)
+                    best_id = tl.load(part_i_ptr + (row * split + first_part) * 2, cache_modifier=".cg")
+                    raw_max = tl.max(tl.load(part_f_ptr + slots * 2 + 1, mask=mine, other=float("-inf"),
+                                             cache_modifier=".cg"), axis=0)
+                    not_finite = tl.max(tl.load(part_i_ptr + slots * 2 + 1, mask=mine, other=0,
+                                                cache_modifier=".cg"), axis=0).to(tl.int32)
+                    if RAW_TOP:
+                        raw_top = top_of_lists(tl.load(part_top_ptr + slots[:, None] * TOP_PAD + lane[None, :],
+                                                       mask=mine[:, None], other=ABSENT, cache_modifier=".cg"),
+                                               TOP_PAD)
                 if nothing:  # the row fails; its scores stay as the controls left them (no bitmask)
-                    _control_range(logits_row, out_row, 0, vocab, ~masked, bitmask_row, stops, slot, restricted,
-                                   pen_on, rp, fp, pp, drafts, counts_ptr, prompt_words_ptr, allowed_words_ptr,
-                                   bias_ids, bias_values, vocab, words, num_bias,
-                                   BLOCK, BIAS_BLOCK, MAX_DRAFTS, DRAFT_P2, NUM_STOPS, STOP_P2)
+                    _, again, again_id, _, _, _ = _control_range(
+                        logits_row, out_row, 0, vocab, ~masked, bitmask_row, stops, slot, restricted, pen_on, rp, fp,
+                        pp, drafts, counts_ptr, prompt_words_ptr, allowed_words_ptr, bias_ids, bias_values, vocab,
+                        words, num_bias, BLOCK, BIAS_BLOCK, MAX_DRAFTS, DRAFT_P2, NUM_STOPS, STOP_P2, HANDOFF, False,
+                        TOP_PAD, ID_BITS, ID_MASK)
+                    if HANDOFF:
+                        best = again
+                        best_id = again_id
+                if HANDOFF:
+                    tl.store(pass_f_ptr + row * 2, best)
+                    tl.store(pass_f_ptr + row * 2 + 1, raw_max)
+                    tl.store(pass_i_ptr + row * 2, best_id)
+                    tl.store(pass_i_ptr + row * 2 + 1, not_finite.to(tl.int64))
+                    if RAW_TOP:
+                        tl.store(pass_top_ptr + row * TOP_PAD + lane, raw_top)
     if part == 0:
         tl.store(row_controlled_ptr + row, active)
         if not masked:
@@ -259,8 +361,38 @@ def _check(logits: torch.Tensor, out: torch.Tensor, counts: torch.Tensor, prompt
         raise ValueError(f"apply_controls: stop_ids {tuple(stop_ids.shape)}: expected a contiguous [reqs, S]")
 
 
+@dataclass
+class PassOne:
+    """What the sampler's pass 1 finds of a row (engine/sampling/kernels/sample_kernel.py),
+    found by the controls kernel as it writes the row's scores, so that the sampler reads a
+    controlled row's scores and logits once less: per row the masked maximum M of the
+    controlled scores and its first index, the logits' maximum, whether one is not finite and
+    their top-N rank keys; per program of the controls' launch its partials (merged by the
+    row's last program). Allocated once for the largest bucket."""
+
+    row_f: torch.Tensor  # [rows, 2] f32: M, the logits' maximum
+    row_i: torch.Tensor  # [rows, 2] int64: M's first index, 1 if a logit is not finite
+    row_top: torch.Tensor  # [rows, top] int64: the logits' top-N rank keys (raw logprobs)
+    part_f: torch.Tensor  # [slots, 2] f32: each program's partials, as row_f
+    part_i: torch.Tensor  # [slots, 2] int64: as row_i
+    part_top: torch.Tensor  # [slots, top] int64: as row_top
+
+    @classmethod
+    def allocate(cls, rows: int, vocab: int, device: torch.device | str, num_top: int = 0,
+                 programs: int = PROGRAMS_PER_LAUNCH, block: int = BLOCK) -> PassOne:
+        """For up to `rows` rows of V = `vocab`, top-N lists of up to `num_top`, launches of
+        `programs` programs and `block` tokens a step (`apply_controls`' own)."""
+        slots = max(r * _split(r, vocab, block, programs)[0] for r in range(1, rows + 1))
+        top = triton.next_power_of_2(max(num_top, 1))
+        f32, i64 = dict(dtype=torch.float32, device=device), dict(dtype=torch.int64, device=device)
+        return cls(row_f=torch.zeros(rows, 2, **f32), row_i=torch.zeros(rows, 2, **i64),
+                   row_top=torch.zeros(rows, top, **i64), part_f=torch.zeros(slots, 2, **f32),
+                   part_i=torch.zeros(slots, 2, **i64), part_top=torch.zeros(slots, top, **i64))
+
+
 @triton_op("engine::apply_controls",
-           mutates_args={"out", "row_controlled", "nothing_allowed", "arrivals", "resolved_drafts"})
+           mutates_args={"out", "row_controlled", "nothing_allowed", "arrivals", "resolved_drafts", "pass_f",
+                         "pass_i", "pass_top", "part_f", "part_i", "part_top"})
 def apply_controls(
     logits: torch.Tensor,
     out: torch.Tensor,
@@ -289,6 +421,13 @@ def apply_controls(
     programs: int = PROGRAMS_PER_LAUNCH,
     block: int = BLOCK,
     bias_block: int = BIAS_BLOCK,
+    pass_f: torch.Tensor | None = None,
+    pass_i: torch.Tensor | None = None,
+    pass_top: torch.Tensor | None = None,
+    part_f: torch.Tensor | None = None,
+    part_i: torch.Tensor | None = None,
+    part_top: torch.Tensor | None = None,
+    raw_top: bool = False,
 ) -> None:
     """The sampling controls of every sample row in one kernel (see the module docstring).
 
@@ -314,7 +453,10 @@ def apply_controls(
       rows whose bitmask restricts (None: every row of a given bitmask);
     - `max_drafts`: drafts a request verifies at most (the rows a row looks back);
     - `programs`: about how many programs the launch spreads over; `block`: tokens per step;
-      `bias_block`: logit-bias entries per step (powers of two).
+      `bias_block`: logit-bias entries per step (powers of two);
+    - `pass_f` ... `part_top`: a `PassOne`'s fields, or None: each controlled row's results
+      of the sampler's pass 1 (written), for `sample_rows(handed=...)`; `raw_top`: its
+      top-N too (raw logprobs).
     Returns: None. Raises: ValueError on a dtype, layout or shape it cannot read.
     Capture-safe: no host sync, fixed grid for fixed shapes.
     """
@@ -323,6 +465,11 @@ def apply_controls(
     if rows == 0:
         return
     split, chunk = _split(rows, vocab, block, programs)
+    handoff = pass_f is not None
+    if handoff and (pass_f.shape[0] < rows or part_f.shape[0] < rows * split):
+        raise ValueError(f"apply_controls: PassOne of {pass_f.shape[0]} rows and {part_f.shape[0]} part slots, "
+                         f"expected at least {rows} and {rows * split} (PassOne.allocate with the launch's programs)")
+    top_pad = 1 if pass_top is None else pass_top.shape[1]
     num_stops = stop_ids.shape[1]
     wrap_triton(_controls_kernel)[(rows, split)](
         logits, out, row_controlled, nothing_allowed, arrivals, resolved_drafts,
@@ -331,12 +478,22 @@ def apply_controls(
         stop_ids, eos_suppression_rows,
         prompt_words if token_bitmask is None else token_bitmask,  # never read without a bitmask
         eos_suppression_rows if masked_rows is None else masked_rows,
+        *((pass_f, pass_i, pass_top, part_f, part_i, part_top) if handoff else (logits,) * 6),  # never read without
         vocab, prompt_words.shape[1], bias_ids.shape[1], chunk, logits.stride(0), out.stride(0),
         BLOCK=block, BIAS_BLOCK=bias_block, MAX_DRAFTS=max_drafts, DRAFT_P2=triton.next_power_of_2(max(max_drafts, 1)),
         NUM_STOPS=num_stops, STOP_P2=triton.next_power_of_2(num_stops), HAS_BITMASK=token_bitmask is not None,
         HAS_MASKED_ROWS=token_bitmask is not None and masked_rows is not None,
+        **_handoff_constants(vocab, block, top_pad, handoff, handoff and raw_top),
         num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION,
     )
+
+
+def _handoff_constants(vocab: int, block: int, top_pad: int, handoff: bool, raw_top: bool) -> dict[str, object]:
+    """The launch's PassOne constants: the merge is as wide as the most programs a row of V can
+    have (one build per vocabulary, whatever the bucket)."""
+    id_bits = max(1, (vocab - 1).bit_length())
+    return dict(HANDOFF=handoff, RAW_TOP=raw_top, TOP_PAD=top_pad, ID_BITS=id_bits, ID_MASK=(1 << id_bits) - 1,
+                PARTS_PAD=triton.next_power_of_2(-(-vocab // block)) if handoff else 1)
 
 
 def _aot_builds() -> list[dict[str, object]]:
@@ -345,15 +502,17 @@ def _aot_builds() -> list[dict[str, object]]:
     pointers = dict(logits_ptr="*fp32", out_ptr="*fp32", row_controlled_ptr="*i1", nothing_allowed_ptr="*i1",
                     arrivals_ptr="*i32", counts_ptr="*i32", prompt_words_ptr="*i32", penalties_ptr="*fp32",
                     bias_values_ptr="*fp32", allowed_words_ptr="*i32", restricted_ptr="*i1", eos_rows_ptr="*i1",
-                    bitmask_ptr="*i32", masked_rows_ptr="*i1")
+                    bitmask_ptr="*i32", masked_rows_ptr="*i1", pass_f_ptr="*fp32", part_f_ptr="*fp32")
     signature = {name: "constexpr" if name.isupper() else pointers.get(name, "*i64" if name.endswith("_ptr") else "i32")
                  for name in _controls_kernel.arg_names}
     builds = []
     for vocab in (129280, 49152):
         for drafts, bitmask in ((3, True), (0, False)):
+            # The kernel head's launch: the sampler's pass 1 handed over, with raw logprobs' top-20.
             constexprs = dict(BLOCK=BLOCK, BIAS_BLOCK=BIAS_BLOCK, MAX_DRAFTS=drafts,
                               DRAFT_P2=triton.next_power_of_2(max(drafts, 1)), NUM_STOPS=8, STOP_P2=8,
-                              HAS_BITMASK=bitmask, HAS_MASKED_ROWS=bitmask)
+                              HAS_BITMASK=bitmask, HAS_MASKED_ROWS=bitmask,
+                              **_handoff_constants(vocab, BLOCK, 32, True, True))
             builds.append(dict(name=f"apply_controls V={vocab} drafts={drafts}{' bitmask' if bitmask else ''}",
                                fn=_controls_kernel, signature=signature, constexprs=constexprs, num_warps=NUM_WARPS))
     return builds

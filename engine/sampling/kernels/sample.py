@@ -13,6 +13,7 @@ from torch.library import triton_op, wrap_triton
 
 from engine.sampling.sampler import RowError
 from engine.sampling.kernels import FP_FUSION, interpreting
+from engine.sampling.kernels.controls_kernel import PassOne
 from engine.sampling.kernels.kept_set import HIST_BINS, LIST_CAP
 from engine.sampling.thresholds import BLOCK, mass_bits
 from engine.sampling.row_params import RowParams
@@ -130,7 +131,9 @@ def _sample_rows_op(scores: torch.Tensor, logits: torch.Tensor | None, temperatu
                     level: torch.Tensor, part_i: torch.Tensor, part_f: torch.Tensor, part_top: torch.Tensor,
                     row_top: torch.Tensor, arrivals: torch.Tensor, kept_list: torch.Tensor, programs: int,
                     row_controlled: torch.Tensor | None = None, out_kept_weights: torch.Tensor | None = None,
-                    mass_total: torch.Tensor | None = None, one_hot_tokens: torch.Tensor | None = None) -> None:
+                    mass_total: torch.Tensor | None = None, one_hot_tokens: torch.Tensor | None = None,
+                    handed_f: torch.Tensor | None = None, handed_i: torch.Tensor | None = None,
+                    handed_top: torch.Tensor | None = None) -> None:
     rows, vocab = scores.shape
     if rows == 0:
         return
@@ -141,6 +144,7 @@ def _sample_rows_op(scores: torch.Tensor, logits: torch.Tensor | None, temperatu
     constants = _launch_constants(vocab, stop_ids.shape[1], top_ids.shape[1], logprobs_mode, logits is not None,
                                   nothing_allowed is not None, row_controlled is not None, write_kept, scores.device)
     parts, span = split(rows, vocab, constants["CHUNK"], programs)
+    handed = handed_f is not None
     # One program per row makes every phase in one launch; a split row needs every part of a
     # phase done before the next phase starts: one launch per phase (the merge of each is the
     # last program of the row to finish it).
@@ -156,9 +160,11 @@ def _sample_rows_op(scores: torch.Tensor, logits: torch.Tensor | None, temperatu
             eos_suppression_rows if row_controlled is None else row_controlled,  # never read without the flags
             kept_weights if write_kept else scores, mass_total if write_kept else logprob,
             one_hot_tokens if write_kept else tokens, kept_weights.stride(0) if write_kept else 0,
-            state_i, state_f, level, part_i, part_f, part_top, row_top, arrivals, kept_list, part_top.stride(0),
-            row_top.stride(0), span, parts,
+            state_i, state_f, level, part_i, part_f, part_top, row_top, arrivals, kept_list,
+            *((handed_f, handed_i, handed_top) if handed else (state_f, state_i, row_top)),  # never read without
+            part_top.stride(0), row_top.stride(0), (handed_top if handed else row_top).stride(0), span, parts,
             **constants, FIRST_PHASE=first, LAST_PHASE=last, PARTS_PAD=_parts_pad(vocab, constants["CHUNK"], parts),
+            HANDED=handed,
             num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION,
         )
 
@@ -166,7 +172,8 @@ def _sample_rows_op(scores: torch.Tensor, logits: torch.Tensor | None, temperatu
 def sample_rows(scores: torch.Tensor, params: RowParams, out: SampleOutput, scratch: SampleScratch, *,
                 logits: torch.Tensor | None = None, nothing_allowed: torch.Tensor | None = None,
                 logprobs: str | None = None, row_controlled: torch.Tensor | None = None,
-                kept: KeptWeights | None = None, programs: int | None = None) -> SampleOutput:
+                kept: KeptWeights | None = None, programs: int | None = None,
+                handed: PassOne | None = None) -> SampleOutput:
     """Sample one token per row on the device: `engine.sampling.sampler.sample` in vLLM's
     stage order (temperature, min-p, top-k, top-p), as one kernel launch. Capture-safe.
 
@@ -189,6 +196,9 @@ def sample_rows(scores: torch.Tensor, params: RowParams, out: SampleOutput, scra
       as its scores. None: every row reads `scores`;
     - `kept` a `KeptWeights` or None: also write what rejection verification reads of each
       row's draw (its kept weights, kept mass total and one-hot token).
+    - `handed` a `PassOne` the controls kernel wrote in this step, or None: each row with
+      `row_controlled` takes pass 1's results from it instead of making the pass (its scores
+      and logits are read once less);
     - `programs` the programs to spread the rows over (`split`): None, the device's
       (`device_programs`: its SMs on CUDA); 1 keeps one program per row and one launch.
       Fewer rows than programs split each row, at 9 launches (one per phase). The
@@ -224,6 +234,9 @@ def sample_rows(scores: torch.Tensor, params: RowParams, out: SampleOutput, scra
                          f"[{rows}, {-(-vocab // BLOCK)}]")
     if row_controlled is not None and logits is None:
         raise ValueError("row_controlled without logits: a skipped row reads its scores from the logits")
+    if handed is not None and (row_controlled is None or handed.row_f.shape[0] < rows
+                               or handed.row_top.shape[1] < scratch.row_top.shape[1]):
+        raise ValueError("handed: a PassOne of at least the rows and the scratch's top-N, with row_controlled")
     if kept is not None and kept.weights.shape[0] < rows:
         raise ValueError(f"kept: {tuple(kept.weights.shape)} weights, expected at least [{rows}, {vocab}]")
     tensors = [scores, logits, nothing_allowed, row_controlled, params.draw_uniforms, out.tokens, scratch.hist,
@@ -239,7 +252,8 @@ def sample_rows(scores: torch.Tensor, params: RowParams, out: SampleOutput, scra
         scratch.part_i, scratch.part_f, scratch.part_top, scratch.row_top, scratch.arrivals, scratch.kept_list, programs,
         row_controlled,
         None if kept is None else kept.weights[:rows], None if kept is None else kept.mass_total[:rows],
-        None if kept is None else kept.one_hot_tokens[:rows])
+        None if kept is None else kept.one_hot_tokens[:rows],
+        *((None,) * 3 if handed is None else (handed.row_f, handed.row_i, handed.row_top)))
     return out
 
 
@@ -253,9 +267,10 @@ def _aot_signature() -> dict[str, str]:
                     error_ptr="*i64", row_controlled_ptr="*i1", kept_weights_ptr="*fp32", mass_total_ptr="*fp64",
                     one_hot_ptr="*i64", state_i_ptr="*i64", state_f_ptr="*fp32", level_ptr="*fp64",
                     part_i_ptr="*i64", part_f_ptr="*fp32", part_top_ptr="*i64", row_top_ptr="*i64",
-                    arrivals_ptr="*i32", list_ptr="*i32")
+                    arrivals_ptr="*i32", list_ptr="*i32", handed_f_ptr="*fp32", handed_i_ptr="*i64",
+                    handed_top_ptr="*i64")
     strides = ("stride_scores", "stride_logits", "stride_stop", "stride_hist", "stride_blocks", "stride_top",
-               "stride_weights", "stride_part_top", "stride_row_top")
+               "stride_weights", "stride_part_top", "stride_row_top", "stride_handed_top")
     signature = {name: pointers.get(name, "i64" if name in strides else "i32" if name in ("span", "parts")
                                     else "constexpr")
                  for name in sample_kernel.arg_names}
@@ -277,7 +292,7 @@ def _aot_builds() -> list[dict[str, object]]:
             for first, last in phases:
                 constants = _launch_constants(129280, 4, 20, LOGPROBS_MODES[mode], True, True, True, kept)
                 constants.update(CHUNK=GPU_CHUNK, ACCURATE=True, FIRST_PHASE=first, LAST_PHASE=last,
-                                 PARTS_PAD=_parts_pad(129280, GPU_CHUNK, 1 if first != last else 2))
+                                 PARTS_PAD=_parts_pad(129280, GPU_CHUNK, 1 if first != last else 2), HANDED=True)
                 which = "all phases" if first != last else f"phase {first}"
                 builds.append(dict(name=f"sample_rows V=129280 {mode}{' kept' if kept else ''} {which}",
                                    fn=sample_kernel, signature=_aot_signature(), constexprs=constants,

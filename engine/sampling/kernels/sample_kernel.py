@@ -31,6 +31,9 @@ Design
     forced + processed logprobs ........................ 2 (+ 3 for its request's cuts)
     sampled, no cut or min-p only ...................... 2, 3 with logprobs
     top-k and/or top-p, the list fits .................. 4 (pass 1, 3 radix passes; raw logprobs with controls: 5)
+  A row the controls kernel controlled, handed its pass 1 (`PassOne`), makes one pass fewer
+  (pass 1 read its scores and its logits): 3 with top-k and raw logprobs, the third over the
+  logits.
     top-k's list overflows, top-p's fits ............... 7
     worst: both overflow (thousands kept), logprobs .... 9
   Greedy costs one pass: the later phases sit behind per-row branches it never enters.
@@ -170,13 +173,13 @@ def sample_kernel(
     tokens_ptr, logprob_ptr, rank_ptr, top_ids_ptr, top_logprobs_ptr, error_ptr, stride_top,
     row_controlled_ptr, kept_weights_ptr, mass_total_ptr, one_hot_ptr, stride_weights,
     state_i_ptr, state_f_ptr, level_ptr, part_i_ptr, part_f_ptr, part_top_ptr, row_top_ptr, arrivals_ptr, list_ptr,
-    stride_part_top, stride_row_top, span, parts,
+    handed_f_ptr, handed_i_ptr, handed_top_ptr, stride_part_top, stride_row_top, stride_handed_top, span, parts,
     V: tl.constexpr, NUM_STOP: tl.constexpr, NUM_TOP: tl.constexpr, TOP_PAD: tl.constexpr,
     LOGPROBS: tl.constexpr, SEPARATE_LOGITS: tl.constexpr, HAS_NOTHING_ALLOWED: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK_TOKENS: tl.constexpr, NUM_BLOCKS: tl.constexpr, BLOCKS_PAD: tl.constexpr,
     MASS_BITS: tl.constexpr, ID_BITS: tl.constexpr, ID_MASK: tl.constexpr, ACCURATE: tl.constexpr,
     HAS_ROW_CONTROLLED: tl.constexpr, WRITE_KEPT: tl.constexpr, FIRST_PHASE: tl.constexpr,
-    LAST_PHASE: tl.constexpr, PARTS_PAD: tl.constexpr,
+    LAST_PHASE: tl.constexpr, PARTS_PAD: tl.constexpr, HANDED: tl.constexpr,
 ):
     row = tl.program_id(0)
     part = tl.program_id(1)
@@ -212,14 +215,18 @@ def sample_kernel(
 
     # Phase 0, pass 1 over the part: M and the greedy token, the logits' finite check, their
     # maximum and top-N. The last arrival merges the parts in order (the first part holding M
-    # wins ties, as the first chunk does in a part) and opens the row's state.
+    # wins ties, as the first chunk does in a part) and opens the row's state. HANDED: the
+    # controls kernel found them for each row it controlled (`PassOne`), which skips the pass.
     if FIRST_PHASE == 0:
+        handed = tl.zeros((), dtype=tl.int1)
+        if HANDED:
+            handed = tl.load(row_controlled_ptr + row) != 0
         best = tl.full((), -float("inf"), tl.float32)
         best_id = tl.zeros((), dtype=tl.int64)
         raw_max = tl.full((), -float("inf"), tl.float32)
         not_finite = tl.zeros((), dtype=tl.int1)
         raw_top = tl.full((TOP_PAD,), ABSENT, dtype=tl.int64)
-        for base in range(start, stop, CHUNK):
+        for base in range(start, tl.where(handed, start, stop), CHUNK):
             offs = base + tl.arange(0, CHUNK)
             in_row = offs < stop
             score, masked = masked_scores(score_row, offs, in_row, stop_row, active, NUM_STOP)
@@ -259,6 +266,13 @@ def sample_kernel(
             if (LOGPROBS == 1) and (NUM_TOP > 0):
                 raw_top = top_of_lists(tl.load(part_top_ptr + part_slots[:, None] * stride_part_top + lane[None, :],
                                                mask=my_parts[:, None], other=ABSENT, cache_modifier=".cg"), TOP_PAD)
+            if handed:
+                best = tl.load(handed_f_ptr + row * 2, cache_modifier=".cg")
+                raw_max = tl.load(handed_f_ptr + row * 2 + 1, cache_modifier=".cg")
+                best_id = tl.load(handed_i_ptr + row * 2, cache_modifier=".cg")
+                not_finite = tl.load(handed_i_ptr + row * 2 + 1, cache_modifier=".cg") != 0
+                if (LOGPROBS == 1) and (NUM_TOP > 0):
+                    raw_top = tl.load(handed_top_ptr + row * stride_handed_top + lane, cache_modifier=".cg")
             if HAS_NOTHING_ALLOWED:
                 nothing_allowed = tl.load(nothing_allowed_ptr + row)
             else:
