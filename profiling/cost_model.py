@@ -48,7 +48,9 @@ is a kernel argument, not a memory read):
 - the passes rule (`KernelCounter(passes=...)`, `with_passes`): a custom op
   that streams over its first argument n times (the sampling kernel's passes
   over a row, by row kind) reads it n times; n = 0 (every row of the mix skips
-  the op on its per-row flag) moves no bytes, only the node.
+  the op on its per-row flag) moves no bytes, only the node. A tuple names the
+  passes over its first arguments in order (the sampling kernel's scores, then
+  its logits: 0 where the mix's rows never read them).
 
 A GEMM therefore reads both operands whole: the kernels that read the LM-head
 weight (any view of its storage) say how many times a step reads it.
@@ -349,7 +351,7 @@ class KernelCounter(TorchDispatchMode):
     """Lists the kernels of the ops dispatched under it (module doc); `weights`: tensors
     (the LM-head weight) whose reads are counted apart, through any view of their storage."""
 
-    def __init__(self, weights: Iterable[torch.Tensor] = (), passes: dict[str, int] | None = None,
+    def __init__(self, weights: Iterable[torch.Tensor] = (), passes: dict[str, int | tuple[int, ...]] | None = None,
                  launches: Sequence[Any] | None = None) -> None:
         super().__init__()
         self.weights = frozenset(storage_key(w) for w in weights)
@@ -366,7 +368,7 @@ class KernelCounter(TorchDispatchMode):
         if launches(func, args, kwargs, result):
             kernel = kernel_bytes(func, args, kwargs, result, self.weights)
             if str(func) in self.passes:
-                kernel = with_passes(kernel, args[0], self.passes[str(func)])
+                kernel = with_passes(kernel, args, self.passes[str(func)])
             launched = [] if self.launches is None else self.launches[before:]
             self.kernels.extend(per_launch(kernel, [launch.programs for launch in launched]))
         return result
@@ -388,13 +390,17 @@ def per_launch(kernel: Kernel, programs: Sequence[int]) -> list[Kernel]:
             for i, p in enumerate(programs)]
 
 
-def with_passes(kernel: Kernel, row_input: torch.Tensor, passes: int) -> Kernel:
+def with_passes(kernel: Kernel, args: Sequence[Any], passes: int | tuple[int, ...]) -> Kernel:
     """The passes rule for a custom op that streams over its first argument (the [rows, V]
-    scores) `passes` times: that argument is read `passes` times instead of once. 0: the
-    rows it serves skip the op (a per-row flag), which then moves no bytes, only its node."""
-    if passes == 0:
+    scores) `passes` times: that argument is read `passes` times instead of once; a tuple
+    counts the passes over its first arguments in order (a None argument is skipped). 0
+    over the first: the rows it serves skip the op (a per-row flag), which then moves no
+    bytes, only its node."""
+    counts = (passes,) if isinstance(passes, int) else passes
+    if counts[0] == 0:
         return dataclasses.replace(kernel, read=0, written=0, weight_read=0)
-    return dataclasses.replace(kernel, read=kernel.read + (passes - 1) * touched_bytes(row_input))
+    extra = sum((n - 1) * touched_bytes(arg) for arg, n in zip(args, counts) if isinstance(arg, torch.Tensor))
+    return dataclasses.replace(kernel, read=kernel.read + extra)
 
 
 @dataclass

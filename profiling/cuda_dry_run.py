@@ -95,11 +95,12 @@ from profiling.fake_cuda import FakeCuda, project_path
 # engine::sample_rows reads its `logits` operand once by the operand rule; its passes over
 # `scores` are the row reads beyond that one: 4 with top-k, top-p and raw logprobs (kept lists
 # that fit: tests/test_kernel_passes.py), 3 plain, 2 greedy (a row without controls reads its
-# logits as its scores); with controls the controls kernel hands over pass 1 (`PassOne`): the
-# three radix passes read the scores, the logprob pass the logits (3 + 1).
+# logits as its scores); with controls the controls kernel hands over pass 1 and the raw
+# masses (`PassOne`, the LM head keying each row's maximum): the three radix passes read the
+# scores, and the logits are not read where the token is on the raw top-N (scores 3, logits 0).
 ROW_MIXES = {
     "engine": (("full sampler", 3, 0), ("plain", 2, 0), ("greedy", 1, 0)),
-    "drafts": (("full sampler", 3, 0), ("greedy", 1, 0), ("controls", 3, 1)),
+    "drafts": (("full sampler", 3, 0), ("greedy", 1, 0), ("controls", (3, 0), 1)),
 }
 
 
@@ -152,11 +153,13 @@ class _Run:
             self._cost(scenario, engine)
             return
         for mix, sample_passes, control_passes in ROW_MIXES["drafts" if engine.config.max_draft_tokens else "engine"]:
+            if not isinstance(sample_passes, int) and not engine.head.raw_max_keyed:
+                sample_passes = (sample_passes[0], 1)  # no LM-head row maxima (a shard's): the logprob pass reads the logits
             passes = {"engine.sample_rows.default": sample_passes, "engine.apply_controls.default": control_passes}
             self._cost(scenario, engine, label=f"{KERNELS} ({mix})", passes=passes)
 
     def _cost(self, scenario: str, engine: StepEngine, label: str | None = None,
-              passes: dict[str, int] | None = None) -> None:
+              passes: dict[str, int | tuple[int, ...]] | None = None) -> None:
         """Each bucket of the engine's graphs, run once under the kernel counter
         (`profiling.cost_model`); on a real GPU also captured, and each bucket's replay
         timed (the median of `replays`-replay runs)."""

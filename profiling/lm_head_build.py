@@ -74,15 +74,16 @@ def build_sm90(dtype: str = "bf16", index: str = "i32") -> tuple[KernelBuild, st
     """Compile the kernel for sm_90 with `dtype` hidden rows and weight ("bf16", "fp16",
     "fp32") and an `index` ("i32", "i64") row index; returns its report and the PTX."""
     signature = {"hidden_ptr": f"*{dtype}", "row_index_ptr": f"*{index}", "weight_ptr": f"*{dtype}",
-                 "out_ptr": "*fp32", "rows": "i32", "hidden_rows": "i32", "vocab": "i32", "hidden_size": "i32",
+                 "out_ptr": "*fp32", "row_max_ptr": "*i64", "rows": "i32", "hidden_rows": "i32", "vocab": "i32", "hidden_size": "i32",
                  "stride_hidden": "i32", "stride_weight": "i32", "stride_out": "i32",
                  "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-                 "INPUT_PRECISION": "constexpr"}
+                 "INPUT_PRECISION": "constexpr", "HAS_ROW_MAX": "constexpr"}
     names = list(signature)
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in _DIVISIBLE}
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     constexprs = {"BLOCK_M": lm_head_kernel.BLOCK_M, "BLOCK_N": lm_head_kernel.BLOCK_N,
-                  "BLOCK_K": lm_head_kernel.BLOCK_K, "INPUT_PRECISION": lm_head_kernel.input_precision(torch_dtype)}
+                  "BLOCK_K": lm_head_kernel.BLOCK_K, "INPUT_PRECISION": lm_head_kernel.input_precision(torch_dtype),
+                  "HAS_ROW_MAX": True}  # the kernel head's launch: each row's maximum for the controls kernel
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # triton 3.9's notice about its FP-fusion default
         compiled = triton.compile(

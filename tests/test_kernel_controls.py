@@ -27,6 +27,7 @@ from engine.sampling.logit_bias import apply_logit_bias_
 from engine.sampling.penalties import apply_penalties_
 from engine.sampling.token_bitmask import apply_token_bitmask, bitmask_words
 from tests.kernel_batches import Batch, batches, same_values
+from tests.kernel_interpreter import torch_math
 
 triton = pytest.importorskip("triton")
 from engine.sampling.kernels import controls_kernel as kernel  # noqa: E402  (needs triton)
@@ -166,9 +167,10 @@ def outputs(rows: int, vocab: int) -> SimpleNamespace:
 
 
 def run_kernel(batch: Batch, c: Controls, *, masked_rows: torch.Tensor | None = None, programs: int = 1,
-               block: int = 64, bias_block: int = 128, pass_one: kernel.PassOne | None = None) -> SimpleNamespace:
+               block: int = 64, bias_block: int = 128, pass_one: kernel.PassOne | None = None,
+               raw_max: torch.Tensor | None = None) -> SimpleNamespace:
     out = outputs(*batch.logits.shape)
-    handoff = () if pass_one is None else (*vars(pass_one).values(), True)
+    handoff = () if pass_one is None else (*vars(pass_one).values(), True, raw_max)
     torch.ops.engine.apply_controls(*op_args(batch, c, out, masked_rows, programs, block, bias_block), *handoff)
     return out
 
@@ -334,11 +336,22 @@ def test_bitmask_verdict_reads_the_scores_before_the_penalties():
 NUM_TOP = 3
 
 
-def check_pass_one(batch: Batch, out: SimpleNamespace, pass_one: kernel.PassOne) -> None:
+def raw_max_keys(logits: torch.Tensor) -> torch.Tensor:
+    """[rows] int64: each row's largest non-NaN logit keyed as the LM head keys it, by the
+    LM head's own function (an input here, not what is checked)."""
+    from engine.step.lm_head_kernel import row_max_keys
+
+    return row_max_keys(logits, torch.zeros(logits.shape[0], dtype=torch.int64))
+
+
+def check_pass_one(batch: Batch, out: SimpleNamespace, pass_one: kernel.PassOne, raw_mass: bool = False) -> None:
     """Each controlled row's PassOne against its scores and logits, by plain torch: the largest
     score (NaN left out) and its smallest index (0 where every score is -inf or NaN), the
     logits' largest non-NaN value, whether one is not finite, and their NUM_TOP largest
-    (value descending, id ascending; checked where every logit is finite)."""
+    (value descending, id ascending) and, `raw_mass`, the sum of floor(exp(x - max) * 2**S)
+    (both checked where every logit is finite)."""
+    from engine.sampling.thresholds import mass_bits
+
     id_bits = max(1, (batch.vocab - 1).bit_length())
     for r in range(batch.rows):
         if not out.controlled[r]:
@@ -356,6 +369,9 @@ def check_pass_one(batch: Batch, out: SimpleNamespace, pass_one: kernel.PassOne)
             keys = pass_one.row_top[r, :NUM_TOP]
             ids = ((1 << id_bits) - 1 - (keys & ((1 << id_bits) - 1))).tolist()
             assert ids == order, f"row {r}: top-{NUM_TOP} {ids} != {order}"
+            if raw_mass:
+                masses = ((logits - logits.max()).exp() * 2.0 ** mass_bits(batch.vocab)).floor()
+                assert int(pass_one.row_i[r, 2]) == int(masses.to(torch.int64).sum()), f"row {r}: raw masses"
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -371,9 +387,13 @@ def test_pass_one_handed_over_is_the_rows_maximum_finite_check_and_top_n(batch: 
     pass_one = kernel.PassOne.allocate(batch.rows, batch.vocab, "cpu", NUM_TOP, programs=programs, block=block)
     for tensor in vars(pass_one).values():
         tensor.fill_(-7)  # what the kernel must overwrite
-    out = run_kernel(batch, c, programs=programs, block=block, bias_block=bias_block, pass_one=pass_one)
+    raw_max = raw_max_keys(batch.logits)
+    with torch_math():
+        out = run_kernel(batch, c, programs=programs, block=block, bias_block=bias_block, pass_one=pass_one,
+                         raw_max=raw_max)
     check(batch, c, out, expected, nothing, torch.full((batch.rows,), c.bitmask is not None))
-    check_pass_one(batch, out, pass_one)
+    check_pass_one(batch, out, pass_one, raw_mass=True)
+    assert not raw_max.any(), "the LM head's row maxima are left 0 for the next step"
 
 
 @pytest.mark.parametrize("bias", [
@@ -413,11 +433,9 @@ def handed_and_made(batch: Batch, c: Controls, rng: np.random.Generator, program
     from engine.sampling.kernels.sample import SampleScratch, sample_rows
     from engine.sampling.row_params import RowParams
     from engine.sampling.sample_output import SampleOutput
-    from tests.kernel_interpreter import torch_math
-
     pass_one = kernel.PassOne.allocate(batch.rows, batch.vocab, "cpu", NUM_TOP, programs=4, block=64)
     with torch_math():
-        made = run_kernel(batch, c, programs=4, pass_one=pass_one)
+        made = run_kernel(batch, c, programs=4, pass_one=pass_one, raw_max=raw_max_keys(batch.logits))
     n, rows = batch.num_reqs, batch.rows
     params = RowParams.from_numpy(
         temperatures=np.resize(rng.permutation([0.0, 0.7, 1.0]), n).astype(np.float32),  # greedy and sampled
@@ -433,7 +451,8 @@ def handed_and_made(batch: Batch, c: Controls, rng: np.random.Generator, program
         with torch_math():
             sample_rows(made.scores, params, out, SampleScratch.allocate(rows, batch.vocab, "cpu", NUM_TOP),
                         logits=batch.logits, nothing_allowed=made.nothing, logprobs=mode,
-                        row_controlled=made.controlled, programs=programs, handed=handed)
+                        row_controlled=made.controlled, programs=programs, handed=handed,
+                        handed_raw=handed is not None)
         outs.append(out)
     for name, mine in vars(outs[1]).items():
         assert same_values(mine, getattr(outs[0], name)), f"{name}: {mine} != {getattr(outs[0], name)}"

@@ -128,12 +128,16 @@ def test_passes_over_the_row_per_row_kind(controls, mode, passes, draws, listed,
 
 
 @pytest.mark.parametrize("programs", [1, 3], ids=["one program", "split in 3"])
-@pytest.mark.parametrize("handed", [False, True], ids=["pass 1 made", "pass 1 handed over"])
+@pytest.mark.parametrize("handed", ["made", "handed", "raw"],
+                         ids=["pass 1 made", "pass 1 handed over", "raw masses handed over too"])
 def test_a_controlled_row_handed_its_pass_one_reads_scores_and_logits_once_less(handed, programs, monkeypatch):
     """A row the controls kernel controls (a suppressed stop id), top-k with raw logprobs: the
     sampler reads its scores in pass 1 and three radix passes and its logits in pass 1 and
-    the logprob pass; with the controls kernel's `PassOne`, pass 1 is not made."""
+    the logprob pass; with the controls kernel's `PassOne`, pass 1 is not made; with its raw
+    masses (the LM head keyed the row's maximum) and a token on the raw top-N, nor the
+    logprob pass. The outputs are the same bits each way."""
     from engine.sampling.kernels.controls_kernel import PassOne
+    from engine.step.lm_head_kernel import row_max_keys
     from tests.kernel_batches import Batch
     from tests.test_kernel_controls import op_args, outputs, random_controls
 
@@ -147,18 +151,26 @@ def test_a_controlled_row_handed_its_pass_one_reads_scores_and_logits_once_less(
     c.stop_ids[0, 0] = stop
     pass_one = PassOne.allocate(1, VOCAB, "cpu", num_top=4)
     made = outputs(1, VOCAB)
+    keys = torch.zeros(1, dtype=torch.int64)
+    row_max_keys(logits, keys)
     with torch_math():
-        torch.ops.engine.apply_controls(*op_args(batch, c, made, None, 1, 256), *vars(pass_one).values(), True)
+        torch.ops.engine.apply_controls(*op_args(batch, c, made, None, 1, 256), *vars(pass_one).values(), True, keys)
     assert bool(made.controlled[0])
-    _, params = _row(temperature=1.0, top_k=50)
+    _, params = _row(temperature=1.0, top_k=3)  # the scores' top 3: the logits' 2nd to 4th, on the raw top-4
     params.stop_ids, params.eos_suppression_rows = c.stop_ids, c.eos_rows
     out, scratch = SampleOutput.allocate(1, 4), SampleScratch.allocate(1, VOCAB, "cpu", num_top=4)
     if programs > 1:
         monkeypatch.setattr(kernel_module, "_chunk", lambda vocab, device: BLOCK)
     with torch_math(), reads_of(made.scores) as (score_reads, _), reads_of(logits) as (logit_reads, _):
         sample_rows(made.scores, params, out, scratch, logits=logits, logprobs="raw", row_controlled=made.controlled,
-                    programs=programs, handed=pass_one if handed else None)
+                    programs=programs, handed=pass_one if handed != "made" else None, handed_raw=handed == "raw")
     assert out.error.tolist() == [0] and int(out.tokens[0]) != stop
     full = lambda counts: sum(n for n in counts if n > 1)  # noqa: E731  (a known token's value, read alone, is 1)
-    assert full(score_reads) == (3 if handed else 4) * VOCAB, full(score_reads)
-    assert full(logit_reads) == (1 if handed else 2) * VOCAB, full(logit_reads)
+    assert full(score_reads) == (4 if handed == "made" else 3) * VOCAB, full(score_reads)
+    assert full(logit_reads) == {"made": 2, "handed": 1, "raw": 0}[handed] * VOCAB, full(logit_reads)
+    made_out = SampleOutput.allocate(1, 4)
+    with torch_math():
+        sample_rows(made.scores, params, made_out, SampleScratch.allocate(1, VOCAB, "cpu", num_top=4), logits=logits,
+                    logprobs="raw", row_controlled=made.controlled, programs=programs)
+    for name, value in vars(out).items():
+        assert torch.equal(value, getattr(made_out, name)), name

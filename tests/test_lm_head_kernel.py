@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.invariance import choose_block_gemm, lm_head_candidates
@@ -343,3 +343,38 @@ def test_cuda_kernel_matches_torch_and_the_probe_verifies_it() -> None:
     lm_head_choice.clear_cache()
     assert row_logits_invariant(RowLogits("triton", weight))
     print("cuBLAS one call over the bucket invariant:", row_logits_invariant(RowLogits("cublas", weight)))
+
+
+def _decoded(keys: torch.Tensor) -> torch.Tensor:
+    """The float32 values of `row_max_keys` keys, decoded here on their own."""
+    ordered = (keys - 2**31).to(torch.int32)
+    return torch.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).view(torch.float32)
+
+
+@pytest.mark.parametrize("epilogue", [True, False], ids=["kernel epilogue", "torch after the kernel"])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=cases())
+def test_each_rows_maximum_comes_with_its_logits(case: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                                                 epilogue: bool, monkeypatch) -> None:
+    """`row_max`: each row's largest logit, NaN left out (a NaN weight row makes a NaN column),
+    -inf where a row has no other, through the kernel's atomics or the torch ops after it."""
+    from engine.step import lm_head_kernel
+
+    hidden, row_index, weight = case
+    weight = weight.clone()
+    weight[0] = float("nan") if weight.shape[0] > 1 else weight[0]
+    monkeypatch.setattr(lm_head_kernel, "interpreting", lambda: epilogue)
+    row_max = torch.zeros(row_index.shape[0], dtype=torch.int64)
+    out = lm_head_logits(hidden, row_index, weight, row_max=row_max)
+    want = torch.where(out.isnan(), float("-inf"), out).amax(-1) if out.shape[1] else torch.full((len(out),), float("-inf"))
+    assert torch.equal(_decoded(row_max), want + 0.0), (_decoded(row_max), want)
+
+
+def test_a_rows_maximum_leaves_out_the_tiles_columns_past_the_vocabulary() -> None:
+    """Every logit negative (hidden >= 0, weight <= 0), V = 200: the second vocabulary tile's
+    56 columns past V read as zeros and must not be a row's maximum."""
+    gen = torch.Generator().manual_seed(3)
+    hidden, weight = torch.rand(4, 16, generator=gen) + 0.1, -torch.rand(200, 16, generator=gen) - 0.1
+    row_max = torch.zeros(4, dtype=torch.int64)
+    out = lm_head_logits(hidden, torch.arange(4), weight, row_max=row_max)
+    assert bool((out < 0).all()) and torch.equal(_decoded(row_max), out.amax(-1))

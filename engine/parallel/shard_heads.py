@@ -209,9 +209,12 @@ class ShardedKernelHead(ShardOfHead, KernelHead):
     """`KernelHead` (the fused Triton kernels, one graph per bucket) over this rank's
     shard: its logits stage is the shard's GEMM (the gather fused in on CUDA) and the
     exchange; the controls, sample, hidden-check and verify kernels are `KernelHead`'s. The
-    sampler keeps one launch: the exchange's kernels leave no room for a split one's 9."""
+    sampler keeps one launch: the exchange's kernels leave no room for a split one's 9. Its
+    LM head sees one shard: no row maxima for the controls kernel (the sampler's logprob
+    pass sums the raw masses)."""
 
     split_sampler = False
+    raw_max_keyed = False
 
     def logits(self, bucket: int) -> None:
         """The shard's logits of the bucket's sample rows, gathered from the source, then the

@@ -125,7 +125,15 @@ class KernelHead(LMHead):
         (a padding row's out-of-range index reads a zero row), into `buffers.logits`."""
         b = self.buffers
         rows = b.rows_for(bucket)
-        self.row_logits(b.source, b.inputs.selected_token_indices[:rows], b.logits[:rows])  # [rows, V] f32
+        self.row_logits(b.source, b.inputs.selected_token_indices[:rows], b.logits[:rows],  # [rows, V] f32
+                        row_max=self.state.raw_max[:rows] if self.raw_max_keyed else None)
+
+    @property
+    def raw_max_keyed(self) -> bool:
+        """In raw logprobs mode the LM head keys each row's largest logit (`KernelState.raw_max`):
+        the controls kernel sums a controlled row's raw masses as it passes, so the sampler
+        makes no logprob pass over it where the token is on the row's raw top-N."""
+        return self.config.sampler.logprobs and self.config.sampler.logprobs_mode == "raw"
 
     @property
     def split_sampler(self) -> bool:

@@ -48,6 +48,9 @@ class KernelStepHead(Protocol):
     # Whether the sampler may split a row over programs (9 launches, one per phase); False
     # keeps it to one launch where the graph's other kernels leave no room (12 a graph).
     split_sampler: bool
+    # Whether `logits` also keys each row's largest logit into `state.raw_max`: raw logprobs
+    # by an LM head over the whole vocabulary (a shard's head sees its shard's only).
+    raw_max_keyed: bool
 
     def logits(self, bucket: int) -> None:
         """The bucket's sample rows' fp32 logits into `buffers.logits`."""
@@ -63,6 +66,7 @@ class KernelState:
     arrivals: torch.Tensor  # [max_rows] int32: the controls kernel's scratch, zero between launches
     scratch: SampleScratch  # the sampler's histograms, block masses, row state and partials
     pass_one: PassOne  # what the controls kernel finds of each row it controls for the sampler's pass 1
+    raw_max: torch.Tensor  # [max_rows] int64: each row's largest logit, keyed by the LM head (0 between steps)
     kept: KeptWeights | None  # rejection mode: the draws as verification reads them
     residual_sums: torch.Tensor | None  # [max_reqs, split, 2] int64: rejection mode's residual chunk sums
     controls: SamplingControls  # the engine's control slots, or a neutral state of slot 0 alone
@@ -81,6 +85,7 @@ class KernelState:
             arrivals=torch.zeros(rows, dtype=torch.int32, device=device),
             scratch=SampleScratch.allocate(rows, vocab, device, num_top=buffers.out.top_ids.shape[1]),
             pass_one=PassOne.allocate(rows, vocab, device, num_top=buffers.out.top_ids.shape[1]),
+            raw_max=torch.zeros(rows, dtype=torch.int64, device=device),
             kept=KeptWeights.allocate(rows, vocab, device) if rejection else None,
             residual_sums=(torch.zeros(reqs, split_for(reqs, vocab), 2, dtype=torch.int64, device=device)
                            if rejection else None),
@@ -91,6 +96,7 @@ class KernelState:
         """By name, every tensor the graph reads or writes that is the head's own."""
         tensors = {"kernels.scores": self.scores, "kernels.row_controlled": self.row_controlled,
                    "kernels.nothing_allowed": self.nothing_allowed, "kernels.arrivals": self.arrivals,
+                   "kernels.raw_max": self.raw_max,
                    **{f"kernels.sample_{name}": tensor for name, tensor in vars(self.scratch).items()},
                    **{f"kernels.pass_one_{name}": tensor for name, tensor in vars(self.pass_one).items()}}
         if self.kept is not None:
@@ -143,6 +149,7 @@ class TritonStages(TorchStages):
         f, c, p = b.inputs, s.controls, s.pass_one
         n, bucket = raw.shape[0], self.bucket
         masked = token_bitmask is not None
+        keyed = self.head.raw_max_keyed
         apply_controls(
             raw, s.scores[:n], s.row_controlled[:n], s.nothing_allowed[:n], s.arrivals[:n],
             b.resolved_drafts[:n], f.row_to_req[:n], f.local_step[:n], f.control_slots[:bucket],
@@ -152,6 +159,7 @@ class TritonStages(TorchStages):
             max_drafts=config.max_draft_tokens, pass_f=p.row_f, pass_i=p.row_i, pass_top=p.row_top,
             part_f=p.part_f, part_i=p.part_i, part_top=p.part_top,
             raw_top=config.sampler.logprobs and config.sampler.logprobs_mode == "raw",
+            raw_max=s.raw_max[:n] if keyed else None,
         )
         return ProcessedScores(s.scores[:n], s.nothing_allowed[:n], stops=None, borrowed=False,
                                row_controlled=s.row_controlled[:n])
@@ -170,7 +178,8 @@ class TritonStages(TorchStages):
         sample_rows(processed.scores, rows.params, out, s.scratch, logits=plain,
                     nothing_allowed=processed.nothing_allowed, logprobs=mode,
                     row_controlled=processed.row_controlled, kept=s.kept,
-                    programs=None if self.head.split_sampler else 1, handed=s.pass_one)
+                    programs=None if self.head.split_sampler else 1, handed=s.pass_one,
+                    handed_raw=self.head.raw_max_keyed)
 
 
 @dataclass(frozen=True)

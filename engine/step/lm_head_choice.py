@@ -30,7 +30,7 @@ import torch
 
 from engine.invariance import choose_block_gemm, lm_head_candidates, rows_invariant
 from engine.ops import BlockGemm, gather, get_logits
-from engine.step.lm_head_kernel import lm_head_logits
+from engine.step.lm_head_kernel import lm_head_logits, row_max_keys
 
 # The calls tried on CUDA before the block GEMMs, in this order.
 DEVICE_KERNELS = ("triton", "cublas")
@@ -52,10 +52,18 @@ class RowLogits:
     weight: torch.Tensor  # [V, H]
     block_gemm: BlockGemm | None = None
 
-    def __call__(self, hidden: torch.Tensor, row_index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, row_index: torch.Tensor, out: torch.Tensor,
+                 row_max: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [hidden_rows, H], row_index [rows] int (out of range: a zero row), out
-        [rows, V] fp32, all on the weight's device. Returns `out`."""
-        return ROW_LOGITS_KERNELS[self.kernel](self, hidden, row_index, out)
+        [rows, V] fp32, all on the weight's device; `row_max` [rows] int64 zeros or None:
+        also each row's largest logit (`lm_head_kernel.row_max_keys`). Returns `out`."""
+        if row_max is None:
+            return ROW_LOGITS_KERNELS[self.kernel](self, hidden, row_index, out)
+        if self.kernel == "triton":  # the fused kernel keys each row's maximum in its epilogue
+            return lm_head_logits(hidden, row_index, self.weight, out, row_max=row_max)
+        ROW_LOGITS_KERNELS[self.kernel](self, hidden, row_index, out)
+        row_max_keys(out, row_max)
+        return out
 
 
 def _fused_rows(choice: RowLogits, hidden: torch.Tensor, row_index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

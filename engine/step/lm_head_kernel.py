@@ -40,6 +40,8 @@ from torch.library import triton_op, wrap_triton
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
+from engine.sampling.kernels import interpreting
+
 # The one tile config (H200, bf16): a 64-row tile is one warpgroup's wgmma M (4 warps);
 # 128 vocabulary columns x 64 K per step keep a stage's A and weight tiles at 24 KiB, so 4
 # stages fit 96 KiB of shared memory and two programs fit one SM. The accumulator is
@@ -62,6 +64,7 @@ def _lm_head_logits_kernel(
     row_index_ptr,  # [rows] int32/int64: the hidden row of each output row
     weight_ptr,  # [V, H]
     out_ptr,  # [rows, V] fp32
+    row_max_ptr,  # [rows] int64 (HAS_ROW_MAX): each row's largest logit as a `row_max_keys` key, atomically
     rows,
     hidden_rows,
     vocab,
@@ -73,6 +76,7 @@ def _lm_head_logits_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    HAS_ROW_MAX: tl.constexpr,
 ):
     # Builtins only (arithmetic for tl.cdiv, tl.full for tl.zeros): triton.language's own
     # jit helpers run in the interpreter only when TRITON_INTERPRET=1 was set before
@@ -105,6 +109,11 @@ def _lm_head_logits_kernel(
             acc = tl.dot(a.to(w.dtype), tl.trans(w), acc, input_precision=INPUT_PRECISION)  # [BLOCK_M, BLOCK_N]
         out_ptrs = out_ptr + out_rows.to(tl.int64)[:, None] * stride_out + vocab_rows[None, :]
         tl.store(out_ptrs, acc, mask=in_bucket[:, None] & in_vocab[None, :])
+        if HAS_ROW_MAX:  # the tile's part of each row's maximum (NaN left out), one atomic per row
+            top = tl.max(tl.where(in_vocab[None, :] & (acc == acc), acc, float("-inf")), 1)  # [BLOCK_M]
+            bits = (top + 0.0).to(tl.int32, bitcast=True)
+            key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2**31
+            tl.atomic_max(row_max_ptr + out_rows, key, mask=in_bucket)
 
 
 # Built from the function, not by decorators, so neither depends on TRITON_INTERPRET: the
@@ -137,25 +146,43 @@ def programs(device: torch.device, tiles: int) -> int:
     return max(1, min(tiles, count))
 
 
-@triton_op("engine::lm_head_logits", mutates_args={"out"})
-def _lm_head_logits_op(hidden: torch.Tensor, row_index: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
+def row_max_keys(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Each row's largest logit (NaN left out; -inf where there is none) into `keys` [rows]
+    int64 as an order key: its float32 bits made monotone (-0 as +0), plus 2**31, so that
+    every value's key is positive and 0 stands below all (the buffer's "none yet"). What
+    the fused kernel's epilogue computes with atomics; by torch ops for any other GEMM, and
+    for the kernel interpreted where Triton's reductions do not run (module doc)."""
+    top = torch.where(logits.isnan(), float("-inf"), logits).amax(-1) + 0.0
+    bits = top.view(torch.int32)
+    return keys.copy_(torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64) + 2**31)
+
+
+@triton_op("engine::lm_head_logits", mutates_args={"out", "row_max"})
+def _lm_head_logits_op(hidden: torch.Tensor, row_index: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
+                       row_max: torch.Tensor | None = None) -> None:
     rows = row_index.shape[0]
     vocab, hidden_size = weight.shape
     tiles = triton.cdiv(rows, BLOCK_M) * triton.cdiv(vocab, BLOCK_N)
     if tiles == 0:
         return
-    kernel = _INTERPRETED if out.device.type == "cpu" else LM_HEAD_KERNEL
+    cpu = out.device.type == "cpu"
+    # The epilogue's reduction runs compiled, or interpreted where TRITON_INTERPRET=1 was set
+    # before triton's import (the tests); elsewhere on the CPU torch ops follow the kernel.
+    epilogue = row_max is not None and (not cpu or interpreting())
+    kernel = _INTERPRETED if cpu else LM_HEAD_KERNEL
     wrap_triton(kernel)[(programs(out.device, tiles),)](
-        hidden, row_index, weight, out,
+        hidden, row_index, weight, out, row_max if epilogue else out,
         rows, hidden.shape[0], vocab, hidden_size,
         hidden.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, INPUT_PRECISION=input_precision(weight.dtype),
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        HAS_ROW_MAX=epilogue, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
+    if row_max is not None and not epilogue:
+        row_max_keys(out, row_max)
 
 
 def lm_head_logits(hidden: torch.Tensor, row_index: torch.Tensor, weight: torch.Tensor,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, row_max: torch.Tensor | None = None) -> torch.Tensor:
     """The logits of a bucket's sample rows, gathered and multiplied in one kernel.
 
     Parameters
@@ -168,6 +195,8 @@ def lm_head_logits(hidden: torch.Tensor, row_index: torch.Tensor, weight: torch.
     weight: [V, H] floating point (bf16 on CUDA; fp32 on CPU, where the op runs in
         Triton's interpreter), stride 1 along H.
     out: [rows, V] fp32 on the weight's device, stride 1 along V, or None for a new one.
+    row_max: [rows] int64 on the weight's device, all 0, or None: also each row's largest
+        logit as a `row_max_keys` key (the epilogue maxes it in atomically).
 
     Returns
     -------
@@ -205,5 +234,9 @@ def lm_head_logits(hidden: torch.Tensor, row_index: torch.Tensor, weight: torch.
           or (shape[1] > 1 and out.stride(1) != 1)):
         raise ValueError(f"out: shape {tuple(out.shape)} dtype {out.dtype} on {out.device} stride {out.stride()}, "
                          f"expected {shape} torch.float32 on {weight.device} with stride 1 along V")
-    torch.ops.engine.lm_head_logits(hidden, row_index, weight, out)
+    if row_max is not None and (row_max.shape != shape[:1] or row_max.dtype != torch.int64
+                                or row_max.device != weight.device):
+        raise ValueError(f"row_max: shape {tuple(row_max.shape)} dtype {row_max.dtype} on {row_max.device}, "
+                         f"expected ({shape[0]},) torch.int64 on {weight.device}")
+    torch.ops.engine.lm_head_logits(hidden, row_index, weight, out, row_max)
     return out

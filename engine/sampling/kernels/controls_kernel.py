@@ -67,7 +67,9 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from engine.sampling.kernels import FP_FUSION
+from engine.sampling.kernels import FP_FUSION, interpreting
+from engine.sampling.kernels.kept_set import raw_masses
+from engine.sampling.thresholds import mass_bits
 from engine.sampling.kernels.top_n import ABSENT, merge_top, rank_keys, top_of_lists
 
 BLOCK = 1024  # tokens per iteration of a program (H200: 8 warps, 4 f32 per thread)
@@ -148,16 +150,19 @@ def _control_range(logits_row_ptr, out_row_ptr, lo, hi, use_bitmask, bitmask_row
                    bias_ids_ptr, bias_values_ptr, vocab, words, num_bias,
                    BLOCK: tl.constexpr, BIAS_BLOCK: tl.constexpr, MAX_DRAFTS: tl.constexpr, DRAFT_P2: tl.constexpr,
                    NUM_STOPS: tl.constexpr, STOP_P2: tl.constexpr, HANDOFF: tl.constexpr, RAW_TOP: tl.constexpr,
-                   TOP_PAD: tl.constexpr, ID_BITS: tl.constexpr, ID_MASK: tl.constexpr):
+                   TOP_PAD: tl.constexpr, ID_BITS: tl.constexpr, ID_MASK: tl.constexpr, raw_max_row,
+                   RAW_MASS: tl.constexpr, MASS_SCALE: tl.constexpr, ACCURATE: tl.constexpr):
     """Controlled tokens [lo, hi) of one row into `out`. Returns (1 if the bitmask allows one
     with a finite score; with HANDOFF, the sampler's pass 1 over the range: the masked maximum
-    and its first index, the logits' maximum, whether one is not finite, their top-N keys)."""
+    and its first index, the logits' maximum, whether one is not finite, their top-N keys;
+    with RAW_MASS, the raw masses floor(exp(x - raw_max_row) * 2**S) summed)."""
     any_allowed = tl.zeros([], dtype=tl.int32)
     best = tl.full([], float("-inf"), tl.float32)
     best_id = tl.zeros([], dtype=tl.int64)
     raw_max = tl.full([], float("-inf"), tl.float32)
     not_finite = tl.zeros([], dtype=tl.int32)
     raw_top = tl.full([TOP_PAD], ABSENT, dtype=tl.int64)
+    raw_mass = tl.zeros([], dtype=tl.int64)
     for start in range(lo, hi, BLOCK):
         tokens = start + tl.arange(0, BLOCK)
         inside = tokens < hi
@@ -176,6 +181,9 @@ def _control_range(logits_row_ptr, out_row_ptr, lo, hi, use_bitmask, bitmask_row
             raw_max = tl.maximum(raw_max, tl.max(tl.where(inside & (x == x), x, float("-inf")), axis=0))
             if RAW_TOP:
                 raw_top = merge_top(raw_top, rank_keys(x, tokens, inside, ID_BITS, ID_MASK), TOP_PAD)
+            if RAW_MASS:
+                raw_mass += raw_masses(tl.where(inside & (x == x), x, float("-inf")), raw_max_row, MASS_SCALE,
+                                       ACCURATE)
     # The biased tokens are written again below: this program's stores must land first.
     tl.debug_barrier()
     live = num_bias > 0
@@ -213,7 +221,7 @@ def _control_range(logits_row_ptr, out_row_ptr, lo, hi, use_bitmask, bitmask_row
                 inside = tokens < hi
                 best, best_id = _fold_max(tl.load(out_row_ptr + tokens, mask=inside, other=float("-inf")), tokens,
                                           inside, best, best_id, vocab)
-    return any_allowed, best, best_id, raw_max, not_finite, raw_top
+    return any_allowed, best, best_id, raw_max, not_finite, raw_top, raw_mass
 
 
 @triton.jit
@@ -222,12 +230,13 @@ def _controls_kernel(
     row_to_req_ptr, local_step_ptr, control_slots_ptr, row_drafts_ptr, read_rows_ptr, pool_tokens_ptr,
     counts_ptr, prompt_words_ptr, penalties_ptr, bias_ids_ptr, bias_values_ptr, allowed_words_ptr, restricted_ptr,
     stop_ids_ptr, eos_rows_ptr, bitmask_ptr, masked_rows_ptr,
-    pass_f_ptr, pass_i_ptr, pass_top_ptr, part_f_ptr, part_i_ptr, part_top_ptr,
+    pass_f_ptr, pass_i_ptr, pass_top_ptr, part_f_ptr, part_i_ptr, part_top_ptr, raw_max_ptr,
     vocab, words, num_bias, chunk, logits_stride, out_stride,
     BLOCK: tl.constexpr, BIAS_BLOCK: tl.constexpr, MAX_DRAFTS: tl.constexpr, DRAFT_P2: tl.constexpr,
     NUM_STOPS: tl.constexpr, STOP_P2: tl.constexpr, HAS_BITMASK: tl.constexpr, HAS_MASKED_ROWS: tl.constexpr,
     HANDOFF: tl.constexpr, RAW_TOP: tl.constexpr, TOP_PAD: tl.constexpr, ID_BITS: tl.constexpr,
-    ID_MASK: tl.constexpr, PARTS_PAD: tl.constexpr,
+    ID_MASK: tl.constexpr, PARTS_PAD: tl.constexpr, RAW_MASS: tl.constexpr, MASS_SCALE: tl.constexpr,
+    ACCURATE: tl.constexpr,
 ):
     row = tl.program_id(0)
     part = tl.program_id(1)
@@ -269,17 +278,23 @@ def _controls_kernel(
         bias_values = bias_values_ptr + slot * num_bias
         lo = part * chunk
         hi = tl.minimum(lo + chunk, vocab)
-        any_allowed, best, best_id, raw_max, not_finite, raw_top = _control_range(
+        raw_max_row = tl.zeros([], dtype=tl.float32)
+        if RAW_MASS:  # the LM head's maximum of the row (`row_max_keys`), known before this pass
+            ordered = (tl.load(raw_max_ptr + row) - 2**31).to(tl.int32)
+            raw_max_row = tl.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).to(tl.float32, bitcast=True)
+        any_allowed, best, best_id, raw_max, not_finite, raw_top, raw_mass = _control_range(
             logits_row, out_row, lo, hi, masked, bitmask_row, stops, slot, restricted, pen_on, rp, fp, pp, drafts,
             counts_ptr, prompt_words_ptr, allowed_words_ptr, bias_ids, bias_values, vocab, words, num_bias,
-            BLOCK, BIAS_BLOCK, MAX_DRAFTS, DRAFT_P2, NUM_STOPS, STOP_P2, HANDOFF, RAW_TOP, TOP_PAD, ID_BITS, ID_MASK)
+            BLOCK, BIAS_BLOCK, MAX_DRAFTS, DRAFT_P2, NUM_STOPS, STOP_P2, HANDOFF, RAW_TOP, TOP_PAD, ID_BITS, ID_MASK,
+            raw_max_row, RAW_MASS, MASS_SCALE, ACCURATE)
         lane = tl.arange(0, TOP_PAD)
         if HANDOFF:  # this program's part of the sampler's pass 1, merged by the row's last program
             here = row * split + part
             tl.store(part_f_ptr + here * 2, best)
             tl.store(part_f_ptr + here * 2 + 1, raw_max)
-            tl.store(part_i_ptr + here * 2, best_id)
-            tl.store(part_i_ptr + here * 2 + 1, not_finite.to(tl.int64))
+            tl.store(part_i_ptr + here * 3, best_id)
+            tl.store(part_i_ptr + here * 3 + 1, not_finite.to(tl.int64))
+            tl.store(part_i_ptr + here * 3 + 2, raw_mass)
             if RAW_TOP:
                 tl.store(part_top_ptr + here * TOP_PAD + lane, raw_top)
         if masked | HANDOFF:
@@ -299,35 +314,43 @@ def _controls_kernel(
                     part_best = tl.load(part_f_ptr + slots * 2, mask=mine, other=float("-inf"), cache_modifier=".cg")
                     best = tl.max(part_best, axis=0)
                     first_part = tl.argmax(part_best, 0, tie_break_left=True)
-                    best_id = tl.load(part_i_ptr + (row * split + first_part) * 2, cache_modifier=".cg")
+                    best_id = tl.load(part_i_ptr + (row * split + first_part) * 3, cache_modifier=".cg")
                     raw_max = tl.max(tl.load(part_f_ptr + slots * 2 + 1, mask=mine, other=float("-inf"),
                                              cache_modifier=".cg"), axis=0)
-                    not_finite = tl.max(tl.load(part_i_ptr + slots * 2 + 1, mask=mine, other=0,
+                    not_finite = tl.max(tl.load(part_i_ptr + slots * 3 + 1, mask=mine, other=0,
                                                 cache_modifier=".cg"), axis=0).to(tl.int32)
+                    raw_mass = tl.sum(tl.load(part_i_ptr + slots * 3 + 2, mask=mine, other=0, cache_modifier=".cg"),
+                                      axis=0)
                     if RAW_TOP:
                         raw_top = top_of_lists(tl.load(part_top_ptr + slots[:, None] * TOP_PAD + lane[None, :],
                                                        mask=mine[:, None], other=ABSENT, cache_modifier=".cg"),
                                                TOP_PAD)
                 if nothing:  # the row fails; its scores stay as the controls left them (no bitmask)
-                    _, again, again_id, _, _, _ = _control_range(
+                    _, again, again_id, _, _, _, _ = _control_range(
                         logits_row, out_row, 0, vocab, ~masked, bitmask_row, stops, slot, restricted, pen_on, rp, fp,
                         pp, drafts, counts_ptr, prompt_words_ptr, allowed_words_ptr, bias_ids, bias_values, vocab,
                         words, num_bias, BLOCK, BIAS_BLOCK, MAX_DRAFTS, DRAFT_P2, NUM_STOPS, STOP_P2, HANDOFF, False,
-                        TOP_PAD, ID_BITS, ID_MASK)
+                        TOP_PAD, ID_BITS, ID_MASK, raw_max_row, False, MASS_SCALE, ACCURATE)
                     if HANDOFF:
                         best = again
                         best_id = again_id
                 if HANDOFF:
                     tl.store(pass_f_ptr + row * 2, best)
                     tl.store(pass_f_ptr + row * 2 + 1, raw_max)
-                    tl.store(pass_i_ptr + row * 2, best_id)
-                    tl.store(pass_i_ptr + row * 2 + 1, not_finite.to(tl.int64))
+                    tl.store(pass_i_ptr + row * 3, best_id)
+                    tl.store(pass_i_ptr + row * 3 + 1, not_finite.to(tl.int64))
+                    tl.store(pass_i_ptr + row * 3 + 2, raw_mass)
                     if RAW_TOP:
                         tl.store(pass_top_ptr + row * TOP_PAD + lane, raw_top)
+                if RAW_MASS:
+                    tl.store(raw_max_ptr + row, 0)  # the next step's LM head maxes into 0 (every part has read it)
     if part == 0:
         tl.store(row_controlled_ptr + row, active)
         if not masked:
             tl.store(nothing_allowed_ptr + row, False)
+        if RAW_MASS:
+            if not active:
+                tl.store(raw_max_ptr + row, 0)
 
 
 def _split(rows: int, vocab: int, block: int, programs: int) -> tuple[int, int]:
@@ -371,10 +394,10 @@ class PassOne:
     row's last program). Allocated once for the largest bucket."""
 
     row_f: torch.Tensor  # [rows, 2] f32: M, the logits' maximum
-    row_i: torch.Tensor  # [rows, 2] int64: M's first index, 1 if a logit is not finite
+    row_i: torch.Tensor  # [rows, 3] int64: M's first index, 1 if a logit is not finite, the raw masses' sum
     row_top: torch.Tensor  # [rows, top] int64: the logits' top-N rank keys (raw logprobs)
     part_f: torch.Tensor  # [slots, 2] f32: each program's partials, as row_f
-    part_i: torch.Tensor  # [slots, 2] int64: as row_i
+    part_i: torch.Tensor  # [slots, 3] int64: as row_i
     part_top: torch.Tensor  # [slots, top] int64: as row_top
 
     @classmethod
@@ -385,9 +408,9 @@ class PassOne:
         slots = max(r * _split(r, vocab, block, programs)[0] for r in range(1, rows + 1))
         top = triton.next_power_of_2(max(num_top, 1))
         f32, i64 = dict(dtype=torch.float32, device=device), dict(dtype=torch.int64, device=device)
-        return cls(row_f=torch.zeros(rows, 2, **f32), row_i=torch.zeros(rows, 2, **i64),
+        return cls(row_f=torch.zeros(rows, 2, **f32), row_i=torch.zeros(rows, 3, **i64),
                    row_top=torch.zeros(rows, top, **i64), part_f=torch.zeros(slots, 2, **f32),
-                   part_i=torch.zeros(slots, 2, **i64), part_top=torch.zeros(slots, top, **i64))
+                   part_i=torch.zeros(slots, 3, **i64), part_top=torch.zeros(slots, top, **i64))
 
 
 @triton_op("engine::apply_controls",
@@ -428,6 +451,7 @@ def apply_controls(
     part_i: torch.Tensor | None = None,
     part_top: torch.Tensor | None = None,
     raw_top: bool = False,
+    raw_max: torch.Tensor | None = None,
 ) -> None:
     """The sampling controls of every sample row in one kernel (see the module docstring).
 
@@ -456,7 +480,9 @@ def apply_controls(
       `bias_block`: logit-bias entries per step (powers of two);
     - `pass_f` ... `part_top`: a `PassOne`'s fields, or None: each controlled row's results
       of the sampler's pass 1 (written), for `sample_rows(handed=...)`; `raw_top`: its
-      top-N too (raw logprobs).
+      top-N too (raw logprobs); `raw_max` [rows] int64 or None: each row's largest logit as
+      the LM head keyed it (`row_max_keys`), read to sum the raw masses into the PassOne
+      too, then set to 0 for the next step's LM head (every row, controlled or not).
     Returns: None. Raises: ValueError on a dtype, layout or shape it cannot read.
     Capture-safe: no host sync, fixed grid for fixed shapes.
     """
@@ -479,21 +505,24 @@ def apply_controls(
         prompt_words if token_bitmask is None else token_bitmask,  # never read without a bitmask
         eos_suppression_rows if masked_rows is None else masked_rows,
         *((pass_f, pass_i, pass_top, part_f, part_i, part_top) if handoff else (logits,) * 6),  # never read without
+        logits if raw_max is None else raw_max,
         vocab, prompt_words.shape[1], bias_ids.shape[1], chunk, logits.stride(0), out.stride(0),
         BLOCK=block, BIAS_BLOCK=bias_block, MAX_DRAFTS=max_drafts, DRAFT_P2=triton.next_power_of_2(max(max_drafts, 1)),
         NUM_STOPS=num_stops, STOP_P2=triton.next_power_of_2(num_stops), HAS_BITMASK=token_bitmask is not None,
         HAS_MASKED_ROWS=token_bitmask is not None and masked_rows is not None,
-        **_handoff_constants(vocab, block, top_pad, handoff, handoff and raw_top),
+        **_handoff_constants(vocab, block, top_pad, handoff, handoff and raw_top, handoff and raw_max is not None),
         num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION,
     )
 
 
-def _handoff_constants(vocab: int, block: int, top_pad: int, handoff: bool, raw_top: bool) -> dict[str, object]:
+def _handoff_constants(vocab: int, block: int, top_pad: int, handoff: bool, raw_top: bool,
+                       raw_mass: bool) -> dict[str, object]:
     """The launch's PassOne constants: the merge is as wide as the most programs a row of V can
     have (one build per vocabulary, whatever the bucket)."""
     id_bits = max(1, (vocab - 1).bit_length())
     return dict(HANDOFF=handoff, RAW_TOP=raw_top, TOP_PAD=top_pad, ID_BITS=id_bits, ID_MASK=(1 << id_bits) - 1,
-                PARTS_PAD=triton.next_power_of_2(-(-vocab // block)) if handoff else 1)
+                PARTS_PAD=triton.next_power_of_2(-(-vocab // block)) if handoff else 1, RAW_MASS=raw_mass,
+                MASS_SCALE=2.0 ** mass_bits(vocab), ACCURATE=not interpreting())
 
 
 def _aot_builds() -> list[dict[str, object]]:
@@ -502,7 +531,8 @@ def _aot_builds() -> list[dict[str, object]]:
     pointers = dict(logits_ptr="*fp32", out_ptr="*fp32", row_controlled_ptr="*i1", nothing_allowed_ptr="*i1",
                     arrivals_ptr="*i32", counts_ptr="*i32", prompt_words_ptr="*i32", penalties_ptr="*fp32",
                     bias_values_ptr="*fp32", allowed_words_ptr="*i32", restricted_ptr="*i1", eos_rows_ptr="*i1",
-                    bitmask_ptr="*i32", masked_rows_ptr="*i1", pass_f_ptr="*fp32", part_f_ptr="*fp32")
+                    bitmask_ptr="*i32", masked_rows_ptr="*i1", pass_f_ptr="*fp32", part_f_ptr="*fp32",
+                    raw_max_ptr="*i64")
     signature = {name: "constexpr" if name.isupper() else pointers.get(name, "*i64" if name.endswith("_ptr") else "i32")
                  for name in _controls_kernel.arg_names}
     builds = []
@@ -512,7 +542,7 @@ def _aot_builds() -> list[dict[str, object]]:
             constexprs = dict(BLOCK=BLOCK, BIAS_BLOCK=BIAS_BLOCK, MAX_DRAFTS=drafts,
                               DRAFT_P2=triton.next_power_of_2(max(drafts, 1)), NUM_STOPS=8, STOP_P2=8,
                               HAS_BITMASK=bitmask, HAS_MASKED_ROWS=bitmask,
-                              **_handoff_constants(vocab, BLOCK, 32, True, True))
+                              **_handoff_constants(vocab, BLOCK, 32, True, True, True))
             builds.append(dict(name=f"apply_controls V={vocab} drafts={drafts}{' bitmask' if bitmask else ''}",
                                fn=_controls_kernel, signature=signature, constexprs=constexprs, num_warps=NUM_WARPS))
     return builds

@@ -133,7 +133,7 @@ def _sample_rows_op(scores: torch.Tensor, logits: torch.Tensor | None, temperatu
                     row_controlled: torch.Tensor | None = None, out_kept_weights: torch.Tensor | None = None,
                     mass_total: torch.Tensor | None = None, one_hot_tokens: torch.Tensor | None = None,
                     handed_f: torch.Tensor | None = None, handed_i: torch.Tensor | None = None,
-                    handed_top: torch.Tensor | None = None) -> None:
+                    handed_top: torch.Tensor | None = None, handed_raw: bool = False) -> None:
     rows, vocab = scores.shape
     if rows == 0:
         return
@@ -164,7 +164,7 @@ def _sample_rows_op(scores: torch.Tensor, logits: torch.Tensor | None, temperatu
             *((handed_f, handed_i, handed_top) if handed else (state_f, state_i, row_top)),  # never read without
             part_top.stride(0), row_top.stride(0), (handed_top if handed else row_top).stride(0), span, parts,
             **constants, FIRST_PHASE=first, LAST_PHASE=last, PARTS_PAD=_parts_pad(vocab, constants["CHUNK"], parts),
-            HANDED=handed,
+            HANDED=handed, HANDED_RAW=handed and handed_raw and logprobs_mode == LOGPROBS_MODES["raw"],
             num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION,
         )
 
@@ -173,7 +173,7 @@ def sample_rows(scores: torch.Tensor, params: RowParams, out: SampleOutput, scra
                 logits: torch.Tensor | None = None, nothing_allowed: torch.Tensor | None = None,
                 logprobs: str | None = None, row_controlled: torch.Tensor | None = None,
                 kept: KeptWeights | None = None, programs: int | None = None,
-                handed: PassOne | None = None) -> SampleOutput:
+                handed: PassOne | None = None, handed_raw: bool = False) -> SampleOutput:
     """Sample one token per row on the device: `engine.sampling.sampler.sample` in vLLM's
     stage order (temperature, min-p, top-k, top-p), as one kernel launch. Capture-safe.
 
@@ -198,7 +198,9 @@ def sample_rows(scores: torch.Tensor, params: RowParams, out: SampleOutput, scra
       row's draw (its kept weights, kept mass total and one-hot token).
     - `handed` a `PassOne` the controls kernel wrote in this step, or None: each row with
       `row_controlled` takes pass 1's results from it instead of making the pass (its scores
-      and logits are read once less);
+      and logits are read once less); `handed_raw`: the controls kernel summed its raw
+      masses and listed its raw top-N too (`apply_controls(raw_top=True, raw_max=...)`): in
+      raw mode the row makes no logprob pass where its token is on that list;
     - `programs` the programs to spread the rows over (`split`): None, the device's
       (`device_programs`: its SMs on CUDA); 1 keeps one program per row and one launch.
       Fewer rows than programs split each row, at 9 launches (one per phase). The
@@ -253,7 +255,7 @@ def sample_rows(scores: torch.Tensor, params: RowParams, out: SampleOutput, scra
         row_controlled,
         None if kept is None else kept.weights[:rows], None if kept is None else kept.mass_total[:rows],
         None if kept is None else kept.one_hot_tokens[:rows],
-        *((None,) * 3 if handed is None else (handed.row_f, handed.row_i, handed.row_top)))
+        *((None,) * 3 if handed is None else (handed.row_f, handed.row_i, handed.row_top)), handed_raw)
     return out
 
 
@@ -292,7 +294,8 @@ def _aot_builds() -> list[dict[str, object]]:
             for first, last in phases:
                 constants = _launch_constants(129280, 4, 20, LOGPROBS_MODES[mode], True, True, True, kept)
                 constants.update(CHUNK=GPU_CHUNK, ACCURATE=True, FIRST_PHASE=first, LAST_PHASE=last,
-                                 PARTS_PAD=_parts_pad(129280, GPU_CHUNK, 1 if first != last else 2), HANDED=True)
+                                 PARTS_PAD=_parts_pad(129280, GPU_CHUNK, 1 if first != last else 2), HANDED=True,
+                                 HANDED_RAW=mode == "raw")
                 which = "all phases" if first != last else f"phase {first}"
                 builds.append(dict(name=f"sample_rows V=129280 {mode}{' kept' if kept else ''} {which}",
                                    fn=sample_kernel, signature=_aot_signature(), constexprs=constants,

@@ -113,6 +113,22 @@ def _arrive(arrivals_ptr, row, parts):
 
 
 @triton.jit
+def _token_key(value, token, ID_BITS: tl.constexpr, ID_MASK: tl.constexpr):
+    """The rank key (`top_n.rank_keys`) of one token's logit: a scalar int64."""
+    one = tl.zeros((1,), dtype=tl.int64)
+    return tl.sum(rank_keys(value + one.to(tl.float32), token + one, one == 0, ID_BITS, ID_MASK), 0)
+
+
+@triton.jit
+def _listed(token_raw, token, controlled_ptr, handed_top_ptr, lane, ID_BITS: tl.constexpr, ID_MASK: tl.constexpr):
+    """Whether a row the controls kernel handed its raw top-N has its token on it: the token's
+    rank key at or above the list's last (ABSENT, below every key, where it holds the whole
+    row). Every logit above the token's is then on the list too."""
+    return (tl.load(controlled_ptr) != 0) & \
+        (_token_key(token_raw, token, ID_BITS, ID_MASK) >= tl.min(tl.load(handed_top_ptr + lane), 0))
+
+
+@triton.jit
 def _part_slots(row, parts, PARTS_PAD: tl.constexpr):
     """The row's parts' partial slots [PARTS_PAD], which exist (made at the merge: alive across a pass, a spill)."""
     part = tl.arange(0, PARTS_PAD)
@@ -179,7 +195,7 @@ def sample_kernel(
     CHUNK: tl.constexpr, BLOCK_TOKENS: tl.constexpr, NUM_BLOCKS: tl.constexpr, BLOCKS_PAD: tl.constexpr,
     MASS_BITS: tl.constexpr, ID_BITS: tl.constexpr, ID_MASK: tl.constexpr, ACCURATE: tl.constexpr,
     HAS_ROW_CONTROLLED: tl.constexpr, WRITE_KEPT: tl.constexpr, FIRST_PHASE: tl.constexpr,
-    LAST_PHASE: tl.constexpr, PARTS_PAD: tl.constexpr, HANDED: tl.constexpr,
+    LAST_PHASE: tl.constexpr, PARTS_PAD: tl.constexpr, HANDED: tl.constexpr, HANDED_RAW: tl.constexpr,
 ):
     row = tl.program_id(0)
     part = tl.program_id(1)
@@ -269,8 +285,8 @@ def sample_kernel(
             if handed:
                 best = tl.load(handed_f_ptr + row * 2, cache_modifier=".cg")
                 raw_max = tl.load(handed_f_ptr + row * 2 + 1, cache_modifier=".cg")
-                best_id = tl.load(handed_i_ptr + row * 2, cache_modifier=".cg")
-                not_finite = tl.load(handed_i_ptr + row * 2 + 1, cache_modifier=".cg") != 0
+                best_id = tl.load(handed_i_ptr + row * 3, cache_modifier=".cg")
+                not_finite = tl.load(handed_i_ptr + row * 3 + 1, cache_modifier=".cg") != 0
                 if (LOGPROBS == 1) and (NUM_TOP > 0):
                     raw_top = tl.load(handed_top_ptr + row * stride_handed_top + lane, cache_modifier=".cg")
             if HAS_NOTHING_ALLOWED:
@@ -430,9 +446,24 @@ def sample_kernel(
                 token_raw = tl.load(logit_row + token)
             else:
                 token_raw = tl.load(score_row + token)
+            # A handed row's raw masses were summed by the controls kernel; its token's rank comes
+            # from the raw top list where the token is on it (every larger logit is then too).
+            listed_rank = tl.zeros((), dtype=tl.int1)
+            if HANDED_RAW:
+                listed_rank = _listed(token_raw, token, row_controlled_ptr + row, handed_top_ptr + row * stride_handed_top,
+                                      lane, ID_BITS, ID_MASK)
             if ~failed & ~(raw_early & settled):  # else the first cut pass and the kept list did
-                raw_mass, above = raw_partials(logit_row if SEPARATE_LOGITS else score_row, start, stop, raw_max,
-                                               token_raw, CHUNK, MASS_SCALE, ACCURATE)
+                if listed_rank:  # the controls kernel's sum and the list's count, as the first part's
+                    raw_mass = tl.zeros((), dtype=tl.int64)
+                    above = tl.zeros((), dtype=tl.int64)
+                    if part == 0:
+                        raw_mass = tl.load(handed_i_ptr + row * 3 + 2)
+                        value_bits = _token_key(token_raw, token, ID_BITS, ID_MASK) >> ID_BITS
+                        handed_top = tl.load(handed_top_ptr + row * stride_handed_top + lane)
+                        above = tl.sum(((handed_top >> ID_BITS) > value_bits).to(tl.int64), 0)
+                else:
+                    raw_mass, above = raw_partials(logit_row if SEPARATE_LOGITS else score_row, start, stop, raw_max,
+                                                   token_raw, CHUNK, MASS_SCALE, ACCURATE)
                 tl.store(part_i_ptr + slot * 4 + _P_MASS, raw_mass)
                 tl.store(part_i_ptr + slot * 4 + _P_ABOVE, above)
         if LOGPROBS == 2:
