@@ -30,7 +30,7 @@ from tests.kernel_batches import Batch, batches, same_values
 from tests.kernel_interpreter import torch_math
 
 triton = pytest.importorskip("triton")
-from engine.sampling.kernels import controls_kernel as kernel  # noqa: E402  (needs triton)
+from engine.sampling.kernels import controls as kernel  # noqa: E402  (needs triton)
 
 # Huge logits times a penalty overflow to inf in the interpreter's numpy, as IEEE (and torch) say they should.
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")

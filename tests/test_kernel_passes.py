@@ -136,7 +136,7 @@ def test_a_controlled_row_handed_its_pass_one_reads_scores_and_logits_once_less(
     the logprob pass; with the controls kernel's `PassOne`, pass 1 is not made; with its raw
     masses (the LM head keyed the row's maximum) and a token on the raw top-N, nor the
     logprob pass. The outputs are the same bits each way."""
-    from engine.sampling.kernels.controls_kernel import PassOne
+    from engine.sampling.kernels.controls import PassOne
     from engine.step.lm_head_kernel import row_max_keys
     from tests.kernel_batches import Batch
     from tests.test_kernel_controls import op_args, outputs, random_controls

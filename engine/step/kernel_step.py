@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from engine.sampling.kernels.controls_kernel import PassOne, apply_controls
+from engine.sampling.kernels.controls import PassOne, apply_controls
 from engine.sampling.kernels.hidden_check import fail_non_finite_hidden
 from engine.sampling.kernels.sample import KeptWeights, SampleScratch, sample_rows
 from engine.sampling.kernels.verify_kernel import split_for, verify_residual_chunks, verify_step

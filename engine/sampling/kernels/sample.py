@@ -13,7 +13,7 @@ from torch.library import triton_op, wrap_triton
 
 from engine.sampling.sampler import RowError
 from engine.sampling.kernels import FP_FUSION, interpreting
-from engine.sampling.kernels.controls_kernel import PassOne
+from engine.sampling.kernels.controls import PassOne
 from engine.sampling.kernels.kept_set import HIST_BINS, LIST_CAP
 from engine.sampling.thresholds import BLOCK, mass_bits
 from engine.sampling.row_params import RowParams

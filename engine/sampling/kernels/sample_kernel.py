@@ -17,11 +17,9 @@ Design
   the draw and the logprobs' ranks (the raw masses sum in the cut's first pass where the
   scores are the logits): the row skips phases 4-7 and the logprob pass.
 - Split rows. A launch is (rows, parts): program (r, c) streams one span of whole chunks of
-  row r (`split`), writes its partials (maxima, first indices, top-N keys, integer masses
-  and counts, histogram adds, block masses, listed ids) and arrives on the row's counter;
-  the last to arrive merges them into the row's state (`SampleScratch`) and resets the
-  counter. One part per row runs all nine phases in one launch; more parts (rows fewer than
-  the SMs) make one launch per phase: a barrier across programs without a cooperative launch.
+  row r (`split`); its partials merge into the row's state (`SampleScratch`) by `arrivals`.
+  One part per row runs all nine phases in one launch; more parts (rows fewer than the SMs)
+  make one launch per phase.
 - Passes over the row, by row kind (V tokens read per pass; the draw also reads the one
   block of 1024 tokens it lands in), whatever the row's values but the lists' fit
   (tests/test_kernel_passes.py counts the interpreter's loads and holds the kernel to it):
@@ -31,20 +29,16 @@ Design
     forced + processed logprobs ........................ 2 (+ 3 for its request's cuts)
     sampled, no cut or min-p only ...................... 2, 3 with logprobs
     top-k and/or top-p, the list fits .................. 4 (pass 1, 3 radix passes; raw logprobs with controls: 5)
-  A row the controls kernel controlled, handed its pass 1 (`PassOne`), makes one pass fewer
-  (pass 1 read its scores and its logits): 3 with top-k and raw logprobs, the third over the
-  logits.
     top-k's list overflows, top-p's fits ............... 7
     worst: both overflow (thousands kept), logprobs .... 9
-  Greedy costs one pass: the later phases sit behind per-row branches it never enters.
-  Each exact cut is a selection over 31-bit keys (top-p's after top-k's), and no program
-  holds a 129280-token row or a wide histogram on chip: three radix passes find the cut.
-  Grid: (rows, parts), 8 warps, 1024 tokens per step of a pass (no spills for sm_90).
-  Pass 1: the row maximum M of the masked scores and its first index (the greedy token), the
-  logits' finite check, maximum and top-N. The cuts: `kept_set.digit_histogram`, `digit_select`.
-  The draw's pass: the kept masses per block of 1024, the processed top-N; its merge draws
-  (the block where the running mass passes u * total, the token in it). The logprob pass:
-  the raw normaliser and the rank.
+  A controlled row handed its pass 1 (`PassOne`) skips it: 3 with top-k and raw logprobs;
+  handed its raw masses too (`handed_raw`), no logprob pass if its token is on the raw top-N.
+  Each exact cut is a selection over 31-bit keys (top-p's after top-k's) in three radix
+  passes: no program holds a row or a wide histogram on chip. Grid: (rows, parts), 8 warps,
+  1024 tokens per step of a pass. Pass 1: the masked maximum M and its first index (the
+  greedy token), the logits' finite check, maximum and top-N. The cuts: `kept_set`. The
+  draw's pass: the kept masses per block of 1024, the processed top-N; its merge draws.
+  The logprob pass: the raw normaliser and the rank.
 - Scratch (`SampleScratch`, fixed shapes): per row a histogram, the kept list, block masses,
   the state, top-N and arrival counter; per program slot its partials.
 - Exact: counts and masses are integers, so every sum is the torch path's whatever the order
@@ -60,10 +54,15 @@ import triton.language as tl
 from engine.sampling.sampler import PLACEHOLDER_TOKEN, RowError
 from engine.sampling.kernels.kept_list import settle
 from engine.sampling.kernels.kept_set import (
-    KEY_MAX, LIST_CAP, chunk_survivors, chunk_values, digit_histogram, digit_select, exp_f32, log_f64, masked_scores,
-    raw_partials,
+    KEY_MAX, LIST_CAP, chunk_survivors, chunk_values, exp_f32, log_f64, masked_scores, raw_partials,
 )
-from engine.sampling.kernels.top_n import ABSENT, key_ids, key_values, merge_top, rank_keys, top_of_lists
+from engine.sampling.kernels.arrivals import arrive, row_part_slots
+from engine.sampling.kernels.sample_state import (
+    ABOVE, BEST, BEST_ID, CUT, CUT_K, DRAWN, ERROR, KEPT_TOTAL, LISTED, LO, P_ABOVE, P_BEST_ID, P_MASS, P_NOT_FINITE,
+    RAW_MAX, SETTLED, STATE_COLS, TOTAL, cut_digit,
+)
+from engine.sampling.kernels.top_n import (ABSENT, key_ids, key_values, merge_top, on_list, rank_keys, token_key,
+                                           top_of_lists)
 
 LOGPROBS_MODES = {None: 0, "raw": 1, "processed": 2}
 NUM_WARPS = 8
@@ -76,108 +75,7 @@ SCORES_NOT_FINITE: tl.constexpr = tl.constexpr(int(RowError.SCORES_NOT_FINITE))
 PLACEHOLDER: tl.constexpr = tl.constexpr(PLACEHOLDER_TOKEN)
 
 
-# Row state (`SampleScratch.state_i` [rows, STATE_COLS] int64, `state_f` [rows, 2] f32, `level`
-# [rows] f64): what one phase's merge leaves for the next phases of the row.
-STATE_COLS = 16
-_BEST_ID: tl.constexpr = tl.constexpr(0)  # the first index of the masked maximum (the greedy token)
-_ERROR: tl.constexpr = tl.constexpr(1)  # RowError
-_CUT_K: tl.constexpr = tl.constexpr(2)  # top-k's key cut (KEY_MAX: off)
-_CUT: tl.constexpr = tl.constexpr(3)  # the kept set's key cut, top-k and top-p
-_LO: tl.constexpr = tl.constexpr(4)  # the radix select's settled digits
-_TOTAL: tl.constexpr = tl.constexpr(5)  # the radix select's total weight
-_KEPT_TOTAL: tl.constexpr = tl.constexpr(6)  # the kept masses' total
-_DRAWN: tl.constexpr = tl.constexpr(7)  # the drawn token
-_ABOVE: tl.constexpr = tl.constexpr(8)  # kept tokens above a known token (processed rank)
-_SETTLED: tl.constexpr = tl.constexpr(9)  # the kept list settled the row (`kept_list.settle`)
-_LISTED: tl.constexpr = tl.constexpr(10)  # ids on the row's kept list (0 between cuts)
-_BEST: tl.constexpr = tl.constexpr(0)  # state_f: M, the masked maximum
-_RAW_MAX: tl.constexpr = tl.constexpr(1)  # state_f: the logits' maximum
-# Per program partials (`part_i` [slots, 4] int64, `part_f` [slots, 2] f32, `part_top` [slots, TOP]).
-_P_BEST_ID: tl.constexpr = tl.constexpr(0)
-_P_NOT_FINITE: tl.constexpr = tl.constexpr(1)
-_P_MASS: tl.constexpr = tl.constexpr(2)
-_P_ABOVE: tl.constexpr = tl.constexpr(3)
 PHASES = 9  # pass 1, three top-k digits, three top-p digits, the draw's pass, the logprob pass
-
-
-@triton.jit
-def _arrive(arrivals_ptr, row, parts):
-    """Whether this program is the last of its row's `parts` to finish the phase (it resets the
-    counter and merges); the barrier orders this program's stores before its arrival."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel")
-    last = arrived == parts - 1
-    if last:
-        tl.store(arrivals_ptr + row, 0)
-    return last
-
-
-@triton.jit
-def _token_key(value, token, ID_BITS: tl.constexpr, ID_MASK: tl.constexpr):
-    """The rank key (`top_n.rank_keys`) of one token's logit: a scalar int64."""
-    one = tl.zeros((1,), dtype=tl.int64)
-    return tl.sum(rank_keys(value + one.to(tl.float32), token + one, one == 0, ID_BITS, ID_MASK), 0)
-
-
-@triton.jit
-def _listed(token_raw, token, controlled_ptr, handed_top_ptr, lane, ID_BITS: tl.constexpr, ID_MASK: tl.constexpr):
-    """Whether a row the controls kernel handed its raw top-N has its token on it: the token's
-    rank key at or above the list's last (ABSENT, below every key, where it holds the whole
-    row). Every logit above the token's is then on the list too."""
-    return (tl.load(controlled_ptr) != 0) & \
-        (_token_key(token_raw, token, ID_BITS, ID_MASK) >= tl.min(tl.load(handed_top_ptr + lane), 0))
-
-
-@triton.jit
-def _part_slots(row, parts, PARTS_PAD: tl.constexpr):
-    """The row's parts' partial slots [PARTS_PAD], which exist (made at the merge: alive across a pass, a spill)."""
-    part = tl.arange(0, PARTS_PAD)
-    return row * parts + part, part < parts
-
-
-@triton.jit
-def _cut_digit(row, parts, start, stop, score_row, stop_row, active, temperature, min_p_floor, top_p,
-               state_i, state_f, level_ptr, hist_row, arrivals_ptr, do_cut, gather, list_row, kept_row, raw, mass_ptr,
-               COUNT: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr, FIRST: tl.constexpr,
-               LAST: tl.constexpr, CHUNK: tl.constexpr, NUM_STOP: tl.constexpr, MASS_SCALE: tl.constexpr,
-               ACCURATE: tl.constexpr, WRITE_KEPT: tl.constexpr):
-    """One digit of a cut (COUNT: top-k; else top-p over what min-p and top-k leave): this
-    program's part of the histogram, then the last arrival selects the digit; the LAST digit
-    writes the cut (top-k's also as the kept set's, until top-p narrows it) and, `gather`,
-    lists the ids the cut may keep; the FIRST, `raw`, sums this part's raw masses into `mass_ptr`.
-    Returns whether this program merged (and settles the list)."""
-    merged = tl.zeros((), dtype=tl.int1)
-    if do_cut:
-        best = tl.load(state_f + _BEST, cache_modifier=".cg")
-        shift = tl.where(best > -float("inf"), best, 0.0)
-        lo = tl.load(state_i + _LO, cache_modifier=".cg").to(tl.int32)
-        cut_k = tl.load(state_i + _CUT_K, cache_modifier=".cg").to(tl.int32)
-        raw_mass = digit_histogram(lo, score_row, start, stop, stop_row, active, shift, temperature, min_p_floor,
-                                   cut_k, hist_row, gather, list_row, state_i + _LISTED, kept_row, raw,
-                                   tl.load(state_f + _RAW_MAX, cache_modifier=".cg"), COUNT, SHIFT, BITS, FIRST,
-                                   CHUNK, NUM_STOP, MASS_SCALE, ACCURATE, LAST, WRITE_KEPT, LIST_CAP)
-        if FIRST:
-            if raw:
-                tl.store(mass_ptr, raw_mass)
-        merged = _arrive(arrivals_ptr, row, parts)
-        if merged:
-            total = tl.load(state_i + _TOTAL, cache_modifier=".cg")
-            level = tl.load(level_ptr + row, cache_modifier=".cg")
-            cut_k = tl.load(state_i + _CUT_K, cache_modifier=".cg").to(tl.int32)
-            lo = tl.load(state_i + _LO, cache_modifier=".cg").to(tl.int32)
-            lo, total, level = digit_select(lo, total, level, top_p, hist_row, COUNT, SHIFT, BITS, FIRST)
-            if LAST:
-                if COUNT:
-                    tl.store(state_i + _CUT_K, lo.to(tl.int64))
-                    tl.store(state_i + _CUT, lo.to(tl.int64))
-                    tl.store(state_i + _LO, tl.zeros((), dtype=tl.int64))  # top-p's select starts afresh
-                else:
-                    tl.store(state_i + _CUT, tl.minimum(cut_k, lo).to(tl.int64))
-            else:
-                tl.store(state_i + _LO, lo.to(tl.int64))
-                tl.store(state_i + _TOTAL, total)
-                tl.store(level_ptr + row, level)
-    return merged
 
 
 @triton.jit
@@ -260,24 +158,24 @@ def sample_kernel(
             raw_max = tl.maximum(raw_max, tl.max(tl.where(in_row & (plain == plain), plain, -float("inf")), 0))
             if (LOGPROBS == 1) and (NUM_TOP > 0):
                 raw_top = merge_top(raw_top, rank_keys(plain, offs, in_row, ID_BITS, ID_MASK), TOP_PAD)
-        tl.store(part_f_ptr + slot * 2 + _BEST, best)
-        tl.store(part_f_ptr + slot * 2 + _RAW_MAX, raw_max)
-        tl.store(part_i_ptr + slot * 4 + _P_BEST_ID, best_id)
-        tl.store(part_i_ptr + slot * 4 + _P_NOT_FINITE, not_finite.to(tl.int64))
+        tl.store(part_f_ptr + slot * 2 + BEST, best)
+        tl.store(part_f_ptr + slot * 2 + RAW_MAX, raw_max)
+        tl.store(part_i_ptr + slot * 4 + P_BEST_ID, best_id)
+        tl.store(part_i_ptr + slot * 4 + P_NOT_FINITE, not_finite.to(tl.int64))
         if (LOGPROBS == 1) and (NUM_TOP > 0):
             tl.store(part_top_ptr + slot * stride_part_top + lane, raw_top)
-        if _arrive(arrivals_ptr, row, parts):
+        if arrive(arrivals_ptr, row, parts):
             # Every part's partials in one load each (no round trip per part). M's first index is
             # the first part's holding M (ids grow with the parts).
-            part_slots, my_parts = _part_slots(row, parts, PARTS_PAD)
-            part_best = tl.load(part_f_ptr + part_slots * 2 + _BEST, mask=my_parts, other=-float("inf"),
+            part_slots, my_parts = row_part_slots(row, parts, PARTS_PAD)
+            part_best = tl.load(part_f_ptr + part_slots * 2 + BEST, mask=my_parts, other=-float("inf"),
                                 cache_modifier=".cg")
             best = tl.max(part_best, 0)
             first_part = tl.argmax(part_best, 0, tie_break_left=True)  # masked-off parts read -inf
-            best_id = tl.load(part_i_ptr + (row * parts + first_part) * 4 + _P_BEST_ID, cache_modifier=".cg")
-            raw_max = tl.max(tl.load(part_f_ptr + part_slots * 2 + _RAW_MAX, mask=my_parts, other=-float("inf"),
+            best_id = tl.load(part_i_ptr + (row * parts + first_part) * 4 + P_BEST_ID, cache_modifier=".cg")
+            raw_max = tl.max(tl.load(part_f_ptr + part_slots * 2 + RAW_MAX, mask=my_parts, other=-float("inf"),
                                      cache_modifier=".cg"), 0)
-            not_finite = tl.max(tl.load(part_i_ptr + part_slots * 4 + _P_NOT_FINITE, mask=my_parts, other=0,
+            not_finite = tl.max(tl.load(part_i_ptr + part_slots * 4 + P_NOT_FINITE, mask=my_parts, other=0,
                                         cache_modifier=".cg").to(tl.int32), 0) != 0
             if (LOGPROBS == 1) and (NUM_TOP > 0):
                 raw_top = top_of_lists(tl.load(part_top_ptr + part_slots[:, None] * stride_part_top + lane[None, :],
@@ -297,18 +195,18 @@ def sample_kernel(
             # A control that makes a finite logit +inf (a penalty near 0) fails the row; it shows in
             # `best`. The validated controls (finite bias and penalties) make no NaN of a finite logit.
             error = tl.where(not_finite, NOT_FINITE, tl.where(best == float("inf"), SCORES_NOT_FINITE, left))
-            tl.store(state_f + _BEST, best)
-            tl.store(state_f + _RAW_MAX, raw_max)
-            tl.store(state_i + _BEST_ID, best_id)
-            tl.store(state_i + _ERROR, error.to(tl.int64))
-            tl.store(state_i + _CUT_K, tl.full((), KEY_MAX, tl.int64))
-            tl.store(state_i + _CUT, tl.full((), KEY_MAX, tl.int64))
-            tl.store(state_i + _LO, tl.zeros((), dtype=tl.int64))
-            tl.store(state_i + _TOTAL, tl.zeros((), dtype=tl.int64))
-            tl.store(state_i + _KEPT_TOTAL, tl.zeros((), dtype=tl.int64))
-            tl.store(state_i + _ABOVE, tl.zeros((), dtype=tl.int64))
-            tl.store(state_i + _SETTLED, tl.zeros((), dtype=tl.int64))
-            tl.store(state_i + _LISTED, tl.zeros((), dtype=tl.int64))
+            tl.store(state_f + BEST, best)
+            tl.store(state_f + RAW_MAX, raw_max)
+            tl.store(state_i + BEST_ID, best_id)
+            tl.store(state_i + ERROR, error.to(tl.int64))
+            tl.store(state_i + CUT_K, tl.full((), KEY_MAX, tl.int64))
+            tl.store(state_i + CUT, tl.full((), KEY_MAX, tl.int64))
+            tl.store(state_i + LO, tl.zeros((), dtype=tl.int64))
+            tl.store(state_i + TOTAL, tl.zeros((), dtype=tl.int64))
+            tl.store(state_i + KEPT_TOTAL, tl.zeros((), dtype=tl.int64))
+            tl.store(state_i + ABOVE, tl.zeros((), dtype=tl.int64))
+            tl.store(state_i + SETTLED, tl.zeros((), dtype=tl.int64))
+            tl.store(state_i + LISTED, tl.zeros((), dtype=tl.int64))
             tl.store(level_ptr + row, top_k.to(tl.float64))  # top-k's level; top-p counts its own
             if (LOGPROBS == 1) and (NUM_TOP > 0):
                 tl.store(row_top + lane, raw_top)
@@ -316,8 +214,8 @@ def sample_kernel(
             tl.debug_barrier()
 
     # What pass 1 left: the row's failure, and whether it needs its kept set.
-    best_id = tl.load(state_i + _BEST_ID, cache_modifier=".cg")
-    failed = tl.load(state_i + _ERROR, cache_modifier=".cg") != 0
+    best_id = tl.load(state_i + BEST_ID, cache_modifier=".cg")
+    failed = tl.load(state_i + ERROR, cache_modifier=".cg") != 0
     # A forced token skips the draw: its row needs the kept set only for processed logprobs.
     needs_distribution = (~token_known | (LOGPROBS == 2)) & ~failed
     do_k = needs_distribution & k_on
@@ -332,40 +230,40 @@ def sample_kernel(
     raw_early = (LOGPROBS == 1) & ~token_known & (do_k | do_p)  # raw logprobs from the cuts' passes
     if SEPARATE_LOGITS:
         raw_early = raw_early & HAS_ROW_CONTROLLED & (tl.load(row_controlled_ptr + row) == 0)
-    best = tl.load(state_f + _BEST, cache_modifier=".cg")
+    best = tl.load(state_f + BEST, cache_modifier=".cg")
     shift = tl.where(best > -float("inf"), best, 0.0)
     list_row = list_ptr + row * LIST_CAP
     kept_row = kept_weights_ptr + row.to(tl.int64) * stride_weights
     for d in tl.static_range(6):
         if (FIRST_PHASE <= d + 1) and (LAST_PHASE >= d + 1):
-            settled = tl.load(state_i + _SETTLED, cache_modifier=".cg") != 0
+            settled = tl.load(state_i + SETTLED, cache_modifier=".cg") != 0
             do_cut = do_k if d < 3 else do_p & ~settled
-            merged = _cut_digit(row, parts, start, stop, score_row, stop_row, active, temperature, min_p_floor,
+            merged = cut_digit(row, parts, start, stop, score_row, stop_row, active, temperature, min_p_floor,
                                 top_p64, state_i, state_f, level_ptr, hist_row, arrivals_ptr, do_cut, do_cut,
-                                list_row, kept_row, raw_early & (do_k == (d == 0)), part_i_ptr + slot * 4 + _P_MASS,
+                                list_row, kept_row, raw_early & (do_k == (d == 0)), part_i_ptr + slot * 4 + P_MASS,
                                 d < 3, (2 - d % 3) * 10, 11 if d % 3 == 0 else 10, d % 3 == 0,
                                 d % 3 == 2, CHUNK, NUM_STOP, MASS_SCALE, ACCURATE, WRITE_KEPT)
             if d % 3 == 2:
                 tl.debug_barrier()
                 if merged:
-                    cut = tl.load(state_i + _CUT, cache_modifier=".cg").to(tl.int32)
-                    settled = settle(list_row, tl.load(state_i + _LISTED, cache_modifier=".cg"), score_row, stop_row,
+                    cut = tl.load(state_i + CUT, cache_modifier=".cg").to(tl.int32)
+                    settled = settle(list_row, tl.load(state_i + LISTED, cache_modifier=".cg"), score_row, stop_row,
                                      active, shift, temperature, min_p_floor, cut, top_p64, do_p & (d < 3),
                                      token_known, known_token, tl.load(uniforms_ptr + row), raw_early, state_i,
-                                     row_top, kept_row, _CUT, _KEPT_TOTAL, _DRAWN, _ABOVE, LOGPROBS, NUM_TOP, TOP_PAD,
+                                     row_top, kept_row, CUT, KEPT_TOTAL, DRAWN, ABOVE, LOGPROBS, NUM_TOP, TOP_PAD,
                                      V, NUM_BLOCKS, BLOCK_TOKENS, NUM_STOP, MASS_SCALE, ACCURATE, ID_BITS, ID_MASK,
                                      WRITE_KEPT, LIST_CAP)
-                    tl.store(state_i + _SETTLED, settled.to(tl.int64))
-                    tl.store(state_i + _LISTED, tl.zeros((), dtype=tl.int64))
+                    tl.store(state_i + SETTLED, settled.to(tl.int64))
+                    tl.store(state_i + LISTED, tl.zeros((), dtype=tl.int64))
             tl.debug_barrier()
 
-    settled = tl.load(state_i + _SETTLED, cache_modifier=".cg") != 0
+    settled = tl.load(state_i + SETTLED, cache_modifier=".cg") != 0
 
     # Phase 7, the draw's pass over the part: kept masses per block, the processed top-N and
     # a known token's rank; the last arrival totals the blocks, draws, merges the top-N.
     if (FIRST_PHASE <= 7) and (LAST_PHASE >= 7):
         if needs_distribution & ~settled:
-            cut = tl.load(state_i + _CUT, cache_modifier=".cg").to(tl.int32)
+            cut = tl.load(state_i + CUT, cache_modifier=".cg").to(tl.int32)
             above = tl.zeros((), dtype=tl.int64)  # kept tokens of larger z than the known token
             kept_top = tl.full((TOP_PAD,), ABSENT, dtype=tl.int64)
             if LOGPROBS == 2:
@@ -395,16 +293,16 @@ def sample_kernel(
                         # Every token takes part: past the kept ones, the smallest ids at -inf (as vLLM lists them).
                         kept_top = merge_top(kept_top, rank_keys(kept_z, offs, in_row, ID_BITS, ID_MASK), TOP_PAD)
                     above += tl.sum((kept_z > known_z).to(tl.int64), 0)
-            tl.store(part_i_ptr + slot * 4 + _P_ABOVE, above)
+            tl.store(part_i_ptr + slot * 4 + P_ABOVE, above)
             if (LOGPROBS == 2) and (NUM_TOP > 0):
                 tl.store(part_top_ptr + slot * stride_part_top + lane, kept_top)
-            if _arrive(arrivals_ptr, row, parts):
+            if arrive(arrivals_ptr, row, parts):
                 block_idx = tl.arange(0, BLOCKS_PAD)
                 block_cum = tl.cumsum(tl.load(blocks_row + block_idx, mask=block_idx < NUM_BLOCKS, other=0,
                                               cache_modifier=".cg"), 0)
                 total = tl.sum(tl.where(block_idx == NUM_BLOCKS - 1, block_cum, 0), 0)
-                part_slots, my_parts = _part_slots(row, parts, PARTS_PAD)
-                above = tl.sum(tl.load(part_i_ptr + part_slots * 4 + _P_ABOVE, mask=my_parts, other=0,
+                part_slots, my_parts = row_part_slots(row, parts, PARTS_PAD)
+                above = tl.sum(tl.load(part_i_ptr + part_slots * 4 + P_ABOVE, mask=my_parts, other=0,
                                        cache_modifier=".cg"), 0)
                 if (LOGPROBS == 2) and (NUM_TOP > 0):
                     kept_top = top_of_lists(tl.load(part_top_ptr + part_slots[:, None] * stride_part_top
@@ -426,9 +324,9 @@ def sample_kernel(
                     pick = tl.sum((running.to(tl.float64) <= target).to(tl.int64), 0)
                     last_positive = tl.maximum(tl.max(tl.where(inner > 0, column, -1), 0), 0).to(tl.int64)
                     drawn = tl.minimum(block * BLOCK_TOKENS + tl.minimum(pick, last_positive), V - 1)
-                tl.store(state_i + _KEPT_TOTAL, total)
-                tl.store(state_i + _DRAWN, drawn)
-                tl.store(state_i + _ABOVE, above)
+                tl.store(state_i + KEPT_TOTAL, total)
+                tl.store(state_i + DRAWN, drawn)
+                tl.store(state_i + ABOVE, above)
                 if (LOGPROBS == 2) and (NUM_TOP > 0):
                     tl.store(row_top + lane, kept_top)
         tl.debug_barrier()
@@ -436,11 +334,11 @@ def sample_kernel(
     # Phase 8, the logprob pass over the part where the token was not known before the draw;
     # the last arrival (every row arrives) writes the row's outputs.
     if LAST_PHASE == 8:
-        cut = tl.load(state_i + _CUT, cache_modifier=".cg").to(tl.int32)
-        drawn = tl.load(state_i + _DRAWN, cache_modifier=".cg")
+        cut = tl.load(state_i + CUT, cache_modifier=".cg").to(tl.int32)
+        drawn = tl.load(state_i + DRAWN, cache_modifier=".cg")
         token = tl.where(forced >= 0, forced, tl.where(greedy, best_id, drawn))
         token = tl.where(failed, PLACEHOLDER, token)
-        raw_max = tl.load(state_f + _RAW_MAX, cache_modifier=".cg")
+        raw_max = tl.load(state_f + RAW_MAX, cache_modifier=".cg")
         if LOGPROBS == 1:
             if SEPARATE_LOGITS:
                 token_raw = tl.load(logit_row + token)
@@ -450,22 +348,23 @@ def sample_kernel(
             # from the raw top list where the token is on it (every larger logit is then too).
             listed_rank = tl.zeros((), dtype=tl.int1)
             if HANDED_RAW:
-                listed_rank = _listed(token_raw, token, row_controlled_ptr + row, handed_top_ptr + row * stride_handed_top,
-                                      lane, ID_BITS, ID_MASK)
+                listed_rank = (tl.load(row_controlled_ptr + row) != 0) & \
+                    on_list(token_key(token_raw, token, ID_BITS, ID_MASK),
+                            tl.load(handed_top_ptr + row * stride_handed_top + lane))
             if ~failed & ~(raw_early & settled):  # else the first cut pass and the kept list did
                 if listed_rank:  # the controls kernel's sum and the list's count, as the first part's
                     raw_mass = tl.zeros((), dtype=tl.int64)
                     above = tl.zeros((), dtype=tl.int64)
                     if part == 0:
                         raw_mass = tl.load(handed_i_ptr + row * 3 + 2)
-                        value_bits = _token_key(token_raw, token, ID_BITS, ID_MASK) >> ID_BITS
+                        value_bits = token_key(token_raw, token, ID_BITS, ID_MASK) >> ID_BITS
                         handed_top = tl.load(handed_top_ptr + row * stride_handed_top + lane)
                         above = tl.sum(((handed_top >> ID_BITS) > value_bits).to(tl.int64), 0)
                 else:
                     raw_mass, above = raw_partials(logit_row if SEPARATE_LOGITS else score_row, start, stop, raw_max,
                                                    token_raw, CHUNK, MASS_SCALE, ACCURATE)
-                tl.store(part_i_ptr + slot * 4 + _P_MASS, raw_mass)
-                tl.store(part_i_ptr + slot * 4 + _P_ABOVE, above)
+                tl.store(part_i_ptr + slot * 4 + P_MASS, raw_mass)
+                tl.store(part_i_ptr + slot * 4 + P_ABOVE, above)
         if LOGPROBS == 2:
             if needs_distribution & ~token_known & ~settled:
                 token_offs = token + tl.zeros((1,), dtype=tl.int64)
@@ -481,11 +380,11 @@ def sample_kernel(
                                                                 temperature, NUM_STOP, MASS_SCALE, ACCURATE)
                     kept_z = tl.where(chunk_survivors(masked, weight, key, min_p_floor, cut), z, -float("inf"))
                     above += tl.sum((kept_z > token_z).to(tl.int64), 0)
-                tl.store(part_i_ptr + slot * 4 + _P_ABOVE, above)
-        if _arrive(arrivals_ptr, row, parts):
-            part_slots, my_parts = _part_slots(row, parts, PARTS_PAD)
-            total = tl.load(state_i + _KEPT_TOTAL, cache_modifier=".cg")
-            error = tl.load(state_i + _ERROR, cache_modifier=".cg")
+                tl.store(part_i_ptr + slot * 4 + P_ABOVE, above)
+        if arrive(arrivals_ptr, row, parts):
+            part_slots, my_parts = row_part_slots(row, parts, PARTS_PAD)
+            total = tl.load(state_i + KEPT_TOTAL, cache_modifier=".cg")
+            error = tl.load(state_i + ERROR, cache_modifier=".cg")
             logprob = tl.zeros((), dtype=tl.float64)
             rank = tl.zeros((), dtype=tl.int64)
             top_ids = tl.full((TOP_PAD,), -1, dtype=tl.int64)
@@ -494,12 +393,12 @@ def sample_kernel(
                 raw_mass = tl.zeros((), dtype=tl.int64)
                 above = tl.zeros((), dtype=tl.int64)
                 if ~failed:
-                    raw_mass = tl.sum(tl.load(part_i_ptr + part_slots * 4 + _P_MASS, mask=my_parts, other=0,
+                    raw_mass = tl.sum(tl.load(part_i_ptr + part_slots * 4 + P_MASS, mask=my_parts, other=0,
                                               cache_modifier=".cg"), 0)
-                    above = tl.sum(tl.load(part_i_ptr + part_slots * 4 + _P_ABOVE, mask=my_parts, other=0,
+                    above = tl.sum(tl.load(part_i_ptr + part_slots * 4 + P_ABOVE, mask=my_parts, other=0,
                                            cache_modifier=".cg"), 0)
                     if raw_early & settled:
-                        above = tl.load(state_i + _ABOVE, cache_modifier=".cg")
+                        above = tl.load(state_i + ABOVE, cache_modifier=".cg")
                 lse = raw_max.to(tl.float64) + log_f64(raw_mass.to(tl.float64) * (1.0 / MASS_SCALE), ACCURATE)
                 logprob = token_raw.to(tl.float64) - lse
                 rank = above + 1
@@ -507,9 +406,9 @@ def sample_kernel(
                 top_ids = key_ids(raw_top, ID_MASK)
                 top_logprobs = key_values(raw_top, ID_BITS).to(tl.float64) - lse
             if LOGPROBS == 2:
-                above = tl.load(state_i + _ABOVE, cache_modifier=".cg")
+                above = tl.load(state_i + ABOVE, cache_modifier=".cg")
                 if needs_distribution & ~token_known & ~settled:
-                    above = tl.sum(tl.load(part_i_ptr + part_slots * 4 + _P_ABOVE, mask=my_parts, other=0,
+                    above = tl.sum(tl.load(part_i_ptr + part_slots * 4 + P_ABOVE, mask=my_parts, other=0,
                                            cache_modifier=".cg"), 0)
                 token_offs = token + tl.zeros((1,), dtype=tl.int64)
                 t_masked, t_z, t_weight, t_key, t_mass = chunk_values(score_row, token_offs, token_offs < V, stop_row,

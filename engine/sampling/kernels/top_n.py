@@ -71,3 +71,18 @@ def top_of_lists(lists, TOP_PAD: tl.constexpr):
         merged = tl.where(lane == j, largest, merged)
         lists = tl.where(lists == largest, ABSENT, lists)
     return merged
+
+
+@triton.jit
+def token_key(value, token, ID_BITS: tl.constexpr, ID_MASK: tl.constexpr):
+    """The rank key of one token's value: a scalar int64 (`rank_keys` of one lane)."""
+    one = tl.zeros((1,), dtype=tl.int64)
+    return tl.sum(rank_keys(value + one.to(tl.float32), token + one, one == 0, ID_BITS, ID_MASK), 0)
+
+
+@triton.jit
+def on_list(key, keys):
+    """Whether the token of rank key `key` is on the top-N list `keys` [N] (its key at or above
+    the list's last; ABSENT, below every key, where the list holds the whole row): every
+    larger value is then on it too."""
+    return key >= tl.min(keys, 0)
