@@ -225,6 +225,19 @@ def _control_range(logits_row_ptr, out_row_ptr, lo, hi, use_bitmask, bitmask_row
 
 
 @triton.jit
+def _store_pass_one(f_ptr, i_ptr, top_ptr, at, best, raw_max, best_id, not_finite, raw_mass, raw_top, lane,
+                    RAW_TOP: tl.constexpr, TOP_PAD: tl.constexpr):
+    """Pass 1's results into entry `at` of a `PassOne` layout (f [., 2], i [., 3], top [., TOP_PAD])."""
+    tl.store(f_ptr + at * 2, best)
+    tl.store(f_ptr + at * 2 + 1, raw_max)
+    tl.store(i_ptr + at * 3, best_id)
+    tl.store(i_ptr + at * 3 + 1, not_finite.to(tl.int64))
+    tl.store(i_ptr + at * 3 + 2, raw_mass)
+    if RAW_TOP:
+        tl.store(top_ptr + at * TOP_PAD + lane, raw_top)
+
+
+@triton.jit
 def controls_kernel(
     logits_ptr, out_ptr, row_controlled_ptr, nothing_allowed_ptr, arrivals_ptr, resolved_ptr,
     row_to_req_ptr, local_step_ptr, control_slots_ptr, row_drafts_ptr, read_rows_ptr, pool_tokens_ptr,
@@ -289,14 +302,8 @@ def controls_kernel(
             raw_max_row, RAW_MASS, MASS_SCALE, ACCURATE)
         lane = tl.arange(0, TOP_PAD)
         if HANDOFF:  # this program's part of the sampler's pass 1, merged by the row's last program
-            here = row * split + part
-            tl.store(part_f_ptr + here * 2, best)
-            tl.store(part_f_ptr + here * 2 + 1, raw_max)
-            tl.store(part_i_ptr + here * 3, best_id)
-            tl.store(part_i_ptr + here * 3 + 1, not_finite.to(tl.int64))
-            tl.store(part_i_ptr + here * 3 + 2, raw_mass)
-            if RAW_TOP:
-                tl.store(part_top_ptr + here * TOP_PAD + lane, raw_top)
+            _store_pass_one(part_f_ptr, part_i_ptr, part_top_ptr, row * split + part, best, raw_max, best_id,
+                            not_finite, raw_mass, raw_top, lane, RAW_TOP, TOP_PAD)
         if masked | HANDOFF:
             # Every thread's stores before the arrival: the last program may overwrite them.
             tl.debug_barrier()
@@ -335,13 +342,8 @@ def controls_kernel(
                         best = again
                         best_id = again_id
                 if HANDOFF:
-                    tl.store(pass_f_ptr + row * 2, best)
-                    tl.store(pass_f_ptr + row * 2 + 1, raw_max)
-                    tl.store(pass_i_ptr + row * 3, best_id)
-                    tl.store(pass_i_ptr + row * 3 + 1, not_finite.to(tl.int64))
-                    tl.store(pass_i_ptr + row * 3 + 2, raw_mass)
-                    if RAW_TOP:
-                        tl.store(pass_top_ptr + row * TOP_PAD + lane, raw_top)
+                    _store_pass_one(pass_f_ptr, pass_i_ptr, pass_top_ptr, row, best, raw_max, best_id, not_finite,
+                                    raw_mass, raw_top, lane, RAW_TOP, TOP_PAD)
                 if RAW_MASS:
                     tl.store(raw_max_ptr + row, 0)  # the next step's LM head maxes into 0 (every part has read it)
     if part == 0:
