@@ -54,11 +54,15 @@ def main(argv: list[str] | None = None) -> int:
         for kind in (("torch", "triton") if run % 2 == 0 else ("triton", "torch")):
             start = time.perf_counter()
             outs[kind] = []
+            seen = set()
             for make in steps:
                 seqs, drafts = make()
                 if run:  # fresh request ids each run: the controls join before any generated token
                     seqs = renamed(seqs, f"r{run}-")
                 outs[kind].append(engines[kind].step(hidden, seqs, drafts))
+                seen.update(s.request_id for s in seqs)
+            for request_id in seen:  # the run's requests end: their control slots are free for the next
+                engines[kind].finish(request_id)
             if args.device == "cuda":
                 torch.cuda.synchronize()
             times[kind].append((time.perf_counter() - start) / len(steps))

@@ -244,3 +244,12 @@ def test_captured_graphs_replay_what_the_eager_step_computes():
              ([9, 9], SamplingParams(temperature=1.0, top_p=0.8, seed=4, min_tokens=2, bad_words=((5, 9),)))], 7, [])
     _run((torch_engine, triton_engine), case, steps=1)
     assert triton_engine.stats.replays == 2
+
+
+def test_the_gpu_checks_kernel_head_comparison_runs_twice_on_the_cpu(capsys):
+    """`profiling.kernel_head_check` (gpu_check.sh runs it on a GPU) at a small shape: its second
+    run's requests find control slots (the first run's are finished) and both heads agree."""
+    from profiling.kernel_head_check import main
+
+    assert main(["--device", "cpu", "--hidden", "32", "--vocab", "100", "--reqs", "2", "--runs", "2"]) == 0
+    assert "tokens identical over 2 x 4 steps" in capsys.readouterr().out
