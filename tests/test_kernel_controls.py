@@ -308,6 +308,8 @@ def test_apply_controls_refuses_what_it_cannot_read():
                                    (21, torch.zeros(2, 1, dtype=torch.int32), "token_bitmask")):
         with pytest.raises(ValueError, match=message):
             torch.ops.engine.apply_controls(*args[:position], bad, *args[position + 1:])
+    with pytest.raises(ValueError, match="raw_max without a PassOne"):  # raw masses need the handed raw top-N
+        torch.ops.engine.apply_controls(*args, raw_max=torch.zeros(2, dtype=torch.int64))
 
 
 def test_bitmask_verdict_reads_the_scores_before_the_penalties():

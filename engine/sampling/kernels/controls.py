@@ -158,6 +158,9 @@ def apply_controls(
     if handoff and (pass_f.shape[0] < rows or part_f.shape[0] < rows * split):
         raise ValueError(f"apply_controls: PassOne of {pass_f.shape[0]} rows and {part_f.shape[0]} part slots, "
                          f"expected at least {rows} and {rows * split} (PassOne.allocate with the launch's programs)")
+    if raw_max is not None and not (handoff and raw_top):
+        raise ValueError("apply_controls: raw_max without a PassOne and raw_top=True: the sampler ranks a token "
+                         "whose raw masses were handed over from the handed raw top-N")
     top_pad = 1 if pass_top is None else pass_top.shape[1]
     num_stops = stop_ids.shape[1]
     wrap_triton(controls_kernel)[(rows, split)](
@@ -173,7 +176,7 @@ def apply_controls(
         BLOCK=block, BIAS_BLOCK=bias_block, MAX_DRAFTS=max_drafts, DRAFT_P2=triton.next_power_of_2(max(max_drafts, 1)),
         NUM_STOPS=num_stops, STOP_P2=triton.next_power_of_2(num_stops), HAS_BITMASK=token_bitmask is not None,
         HAS_MASKED_ROWS=token_bitmask is not None and masked_rows is not None,
-        **_handoff_constants(vocab, block, top_pad, handoff, handoff and raw_top, handoff and raw_max is not None),
+        **_handoff_constants(vocab, block, top_pad, handoff, handoff and raw_top, raw_max is not None),
         num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION,
     )
 

@@ -69,8 +69,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from engine.sampling.kernels.kept_set import raw_masses
-from engine.sampling.kernels.top_n import ABSENT, merge_top, rank_keys, top_of_lists
+from engine.sampling.kernels.kept_set import fold_max, raw_masses
+from engine.sampling.kernels.top_n import ABSENT, key_values, merge_top, rank_keys, top_of_lists
 
 BLOCK = 1024  # tokens per iteration of a program (H200: 8 warps, 4 f32 per thread)
 BIAS_BLOCK = 128  # logit-bias entries per iteration
@@ -132,19 +132,6 @@ def _controlled(x, tokens, mask, bias, slot, restricted, pen_on, rp, fp, pp, dra
 
 
 @triton.jit
-def _fold_max(y, tokens, take, best, best_id, vocab):
-    """The running masked maximum of the controlled scores and its first index, with `y` [N]
-    at `tokens` [N] (any order) folded in where `take`: a NaN plays no part, the smallest id
-    of a tie wins, and an all -inf row keeps id 0 (as the sampler's pass 1)."""
-    clean = tl.where(take & (y == y), y, float("-inf"))
-    top = tl.max(clean, axis=0)
-    first = tl.min(tl.where(clean == top, tokens, vocab), axis=0).to(tl.int64)
-    best_id = tl.where(top > best, first, tl.where((top == best) & (best > float("-inf")),
-                                                   tl.minimum(best_id, first), best_id))
-    return tl.maximum(best, top), best_id
-
-
-@triton.jit
 def _control_range(logits_row_ptr, out_row_ptr, lo, hi, use_bitmask, bitmask_row_ptr, stops, slot, restricted,
                    pen_on, rp, fp, pp, drafts, counts_ptr, prompt_words_ptr, allowed_words_ptr,
                    bias_ids_ptr, bias_values_ptr, vocab, words, num_bias,
@@ -175,15 +162,15 @@ def _control_range(logits_row_ptr, out_row_ptr, lo, hi, use_bitmask, bitmask_row
         any_allowed = tl.maximum(any_allowed, tl.max(seen.to(tl.int32), axis=0))
         tl.store(out_row_ptr + tokens, y, mask=inside)
         if HANDOFF:
-            best, best_id = _fold_max(y, tokens, inside, best, best_id, vocab)
+            best, best_id = fold_max(y, tokens, inside, best, best_id, vocab)
             odd = inside & ((x != x) | (tl.abs(x) == float("inf")))
             not_finite = tl.maximum(not_finite, tl.max(odd.to(tl.int32), axis=0))
-            raw_max = tl.maximum(raw_max, tl.max(tl.where(inside & (x == x), x, float("-inf")), axis=0))
+            plain = tl.where(inside & (x == x), x, float("-inf"))  # the range's logits, NaN left out
+            raw_max = tl.maximum(raw_max, tl.max(plain, axis=0))
             if RAW_TOP:
                 raw_top = merge_top(raw_top, rank_keys(x, tokens, inside, ID_BITS, ID_MASK), TOP_PAD)
             if RAW_MASS:
-                raw_mass += raw_masses(tl.where(inside & (x == x), x, float("-inf")), raw_max_row, MASS_SCALE,
-                                       ACCURATE)
+                raw_mass += raw_masses(plain, raw_max_row, MASS_SCALE, ACCURATE)
     # The biased tokens are written again below: this program's stores must land first.
     tl.debug_barrier()
     live = num_bias > 0
@@ -210,7 +197,7 @@ def _control_range(logits_row_ptr, out_row_ptr, lo, hi, use_bitmask, bitmask_row
             was = tl.where(mine & (was == was), was, float("-inf"))
             now = tl.where(mine & (y == y), y, float("-inf"))
             stale = tl.maximum(stale, tl.max((mine & (was == best) & (now < was)).to(tl.int32), axis=0))
-            best, best_id = _fold_max(y, ids, mine, best, best_id, vocab)
+            best, best_id = fold_max(y, ids, mine, best, best_id, vocab)
     if HANDOFF:
         if stale != 0:  # rare: read the range's scores back
             tl.debug_barrier()
@@ -219,7 +206,7 @@ def _control_range(logits_row_ptr, out_row_ptr, lo, hi, use_bitmask, bitmask_row
             for start in range(lo, hi, BLOCK):
                 tokens = start + tl.arange(0, BLOCK)
                 inside = tokens < hi
-                best, best_id = _fold_max(tl.load(out_row_ptr + tokens, mask=inside, other=float("-inf")), tokens,
+                best, best_id = fold_max(tl.load(out_row_ptr + tokens, mask=inside, other=float("-inf")), tokens,
                                           inside, best, best_id, vocab)
     return any_allowed, best, best_id, raw_max, not_finite, raw_top, raw_mass
 
@@ -293,8 +280,7 @@ def controls_kernel(
         hi = tl.minimum(lo + chunk, vocab)
         raw_max_row = tl.zeros([], dtype=tl.float32)
         if RAW_MASS:  # the LM head's maximum of the row (`row_max_keys`), known before this pass
-            ordered = (tl.load(raw_max_ptr + row) - 2**31).to(tl.int32)
-            raw_max_row = tl.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).to(tl.float32, bitcast=True)
+            raw_max_row = key_values(tl.load(raw_max_ptr + row) - 2**31, 0)  # a rank key with no id bits
         any_allowed, best, best_id, raw_max, not_finite, raw_top, raw_mass = _control_range(
             logits_row, out_row, lo, hi, masked, bitmask_row, stops, slot, restricted, pen_on, rp, fp, pp, drafts,
             counts_ptr, prompt_words_ptr, allowed_words_ptr, bias_ids, bias_values, vocab, words, num_bias,

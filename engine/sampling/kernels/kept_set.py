@@ -53,6 +53,20 @@ def log_f64(x, ACCURATE: tl.constexpr):
 
 
 @triton.jit
+def fold_max(y, tokens, take, best, best_id, vocab):
+    """A row's running maximum M of its masked scores and M's first index, with `y` [N] at
+    `tokens` [N] (any order) folded in where `take`: a NaN plays no part, the smallest id of
+    a tie wins, and a row of nothing but -inf keeps id 0. The sampler's pass 1 and the
+    controls kernel's handoff of it (`PassOne`) both fold with it."""
+    clean = tl.where(take & (y == y), y, float("-inf"))
+    top = tl.max(clean, axis=0)
+    first = tl.min(tl.where(clean == top, tokens, vocab), axis=0).to(tl.int64)
+    best_id = tl.where(top > best, first, tl.where((top == best) & (best > float("-inf")),
+                                                   tl.minimum(best_id, first), best_id))
+    return tl.maximum(best, top), best_id
+
+
+@triton.jit
 def masked_scores(score_row_ptr, offs, in_row, stop_ptr, active, NUM_STOP: tl.constexpr):
     """One chunk of a row's scores [CHUNK] f32 (-inf past the row) and the same with the
     row's suppressed stop ids at -inf. `stop_ptr` points at the request's NUM_STOP stop ids

@@ -54,7 +54,7 @@ import triton.language as tl
 from engine.sampling.sampler import PLACEHOLDER_TOKEN, RowError
 from engine.sampling.kernels.kept_list import settle
 from engine.sampling.kernels.kept_set import (
-    KEY_MAX, LIST_CAP, chunk_survivors, chunk_values, exp_f32, log_f64, masked_scores, raw_partials,
+    KEY_MAX, LIST_CAP, chunk_survivors, chunk_values, exp_f32, fold_max, log_f64, masked_scores, raw_partials,
 )
 from engine.sampling.kernels.arrivals import arrive, row_part_slots
 from engine.sampling.kernels.sample_state import (
@@ -144,11 +144,7 @@ def sample_kernel(
             offs = base + tl.arange(0, CHUNK)
             in_row = offs < stop
             score, masked = masked_scores(score_row, offs, in_row, stop_row, active, NUM_STOP)
-            clean = tl.where(masked == masked, masked, -float("inf"))  # a NaN (failed row) plays no part
-            chunk_best = tl.max(clean, 0)
-            chunk_id = tl.min(tl.where(clean == chunk_best, offs, V), 0).to(tl.int64)
-            best_id = tl.where(chunk_best > best, chunk_id, best_id)  # the first chunk holding M wins ties
-            best = tl.maximum(best, chunk_best)
+            best, best_id = fold_max(masked, offs, in_row, best, best_id, V)
             if SEPARATE_LOGITS:
                 plain = tl.load(logit_row + offs, mask=in_row, other=0.0)
             else:
